@@ -1,0 +1,33 @@
+# rlbus: `make run` (quickstart) and `make test` both work on a fresh machine with only Python.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test test-fast bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch first (it lies on disk); a looser pin could pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/rlbus up configs/quickstart.yaml
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -ra -m "not slow"
+
+bench: $(STAMP)
+	$(PY) bench/bus.py
+	$(PY) bench/transfer_queue.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,53 @@
+"""The rollout engine interface every backend implements (hf on CPU, vllm on GPU, simulated for benchmarks).
+
+An engine turns a batch of prompt token ids into sampled continuations with the log-prob of each sampled token,
+computed as log_softmax(logits / temperature) -- exactly what the trainer recomputes -- and stamps every
+generation with the weight version that produced it. `generate` and `load_weights` are serialised by the engine:
+a weight load waits for the chunk in flight and the next chunk runs on the new weights (no work is dropped).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, Literal, Mapping
+
+import msgspec
+
+if TYPE_CHECKING:
+    import torch
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()  # generation ends after any of these (the stop token is kept)
+    seed: int | None = None
+
+
+class Generation(msgspec.Struct, kw_only=True):
+    token_ids: list[int]  # new tokens only, the stop token included when one ended it
+    log_probs: list[float]  # one per token in token_ids: log_softmax(logits / temperature)[token]
+    finish_reason: Literal["stop", "length"]
+    version: int  # weight version that generated every token of this chunk
+
+
+class RolloutEngine(abc.ABC):
+    """One model replica that generates. Implementations: producers.engines.hf.HFEngine, .vllm.VLLMEngine, ..."""
+
+    @property
+    @abc.abstractmethod
+    def version(self) -> int:
+        """Weight version currently loaded."""
+
+    @abc.abstractmethod
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """Sample one continuation per prompt (batched). Never blocks the event loop."""
+
+    @abc.abstractmethod
+    async def load_weights(self, state_dict: Mapping[str, "torch.Tensor"], version: int) -> None:
+        """Load a full state dict (names as in the Hugging Face model) and hold `version` from the next chunk on."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the engine's resources."""

@@ -1,0 +1,409 @@
+"""The typed run configuration: one struct per section, composed into `RunConfig`. No torch here.
+
+Loaded from a YAML file under `configs/` plus `a.b.c=value` overrides:
+
+    rlbus config show configs/quickstart.yaml trainer.lr=3e-6 rollout.n=8
+
+Unknown keys are errors; a bad value raises `ConfigError` naming the dotted field and the reason.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import msgspec
+import yaml
+
+from schemas.errors import ConfigError
+
+
+def _need(ok: bool, field: str, reason: str) -> None:
+    # msgspec wraps a ValueError raised in __post_init__ and appends the struct's path; the loader joins them.
+    if not ok:
+        raise ValueError(f"{field}: {reason}")
+
+
+class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class BusConfig(_Section):
+    url: str = ""  # NATS URL(s), comma-separated; "" = `rlbus up` starts the embedded server
+    creds_file: str = ""  # credentials file written by `rlbus bus up` (holds token or user/password)
+    token: str = ""  # auth token (overrides creds_file)
+    user: str = ""  # user name (with password)
+    password: str = ""
+    tls_ca: str = ""  # CA bundle; setting any tls_* turns TLS on
+    tls_cert: str = ""  # client certificate (mutual TLS)
+    tls_key: str = ""  # client key (mutual TLS)
+    connect_timeout_s: float = 5.0  # per connection attempt
+    reconnect_wait_s: float = 0.5  # first reconnect backoff; doubles up to max_reconnect_wait_s, forever
+    max_reconnect_wait_s: float = 8.0
+    ack_wait_s: float = 60.0  # prompt consumer ack_wait; producers send in_progress() while they generate
+    max_deliver: int = 5  # deliveries of one prompt before it is dead-lettered
+    replicas: int = 1  # JetStream stream replicas (3 on a NATS cluster)
+    max_age_s: float = 0.0  # age limit of the traj / weights / events streams; 0 keeps everything
+    embedded_dir: str = ""  # store of the server `rlbus up` starts; "" = <run_dir>/bus
+
+    def __post_init__(self) -> None:
+        _need(self.connect_timeout_s > 0, "connect_timeout_s", "must be > 0")
+        _need(self.reconnect_wait_s > 0, "reconnect_wait_s", "must be > 0")
+        _need(self.max_reconnect_wait_s >= self.reconnect_wait_s, "max_reconnect_wait_s", "must be >= reconnect_wait_s")
+        _need(self.ack_wait_s >= 1, "ack_wait_s", "must be >= 1 second")
+        _need(self.max_deliver >= 1, "max_deliver", "must be >= 1")
+        _need(self.replicas in (1, 3, 5), "replicas", "must be 1, 3 or 5")
+        _need(self.max_age_s >= 0, "max_age_s", "must be >= 0")
+        _need(not (self.user and not self.password), "password", "is required when user is set")
+
+
+class RayConfig(_Section):
+    address: str = ""  # Ray cluster address ("auto", "ip:port"); "" = start a local Ray
+    namespace: str = "rlbus"  # Ray namespace of the run's named actors
+    num_storage_actors: int = 2  # TransferQueue shards (keys are spread by hash)
+    capacity_bytes: int = 4 * 1024**3  # TransferQueue bound, all shards together
+    capacity_items: int = 1_000_000  # TransferQueue bound on stored trajectories
+    weight_versions_kept: int = 3  # weight store keeps the newest N versions
+    num_cpus: int = 0  # CPUs of a locally started Ray; 0 = Ray's default
+    object_store_memory: int = 0  # bytes for a locally started Ray's object store; 0 = Ray's default
+
+    def __post_init__(self) -> None:
+        _need(self.num_storage_actors >= 1, "num_storage_actors", "must be >= 1")
+        _need(self.capacity_bytes > 0, "capacity_bytes", "must be > 0")
+        _need(self.capacity_items > 0, "capacity_items", "must be > 0")
+        _need(self.weight_versions_kept >= 1, "weight_versions_kept", "must be >= 1")
+        _need(self.num_cpus >= 0, "num_cpus", "must be >= 0")
+
+
+class ModelConfig(_Section):
+    path: str = ""  # local Hugging Face model directory
+    init_if_missing: bool = False  # build the tiny quickstart model at `path` if it is not there
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # trainer parameter dtype
+    trust_remote_code: bool = False
+    gradient_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        _need(bool(self.path), "path", "is required (a local Hugging Face model directory)")
+
+
+class DataConfig(_Section):
+    type: Literal["synthetic", "jsonl", "parquet"] = "synthetic"
+    path: str = ""  # JSONL or Parquet file (verl's parquet layout accepted)
+    num_examples: int = 2048  # size of the synthetic set
+    seed: int = 0  # synthetic set seed
+    prompt_key: str = "prompt"  # column with a chat-message list or a plain string
+    answer_key: str = "reward_model.ground_truth"  # dotted column path of the ground truth
+    system_prompt: str = ""  # prepended to prompts that have no system message
+    max_prompt_tokens: int = 256  # longer prompts are skipped with a warning
+
+    def __post_init__(self) -> None:
+        _need(self.type == "synthetic" or bool(self.path), "path", f"is required for data.type={self.type!r}")
+        _need(self.num_examples >= 1, "num_examples", "must be >= 1")
+        _need(self.max_prompt_tokens >= 1, "max_prompt_tokens", "must be >= 1")
+
+
+class HFEngineConfig(_Section, tag="hf", tag_field="type"):
+    """Hugging Face transformers generation (CPU default)."""
+
+    device: str = "cpu"
+    max_batch_size: int = 16  # sequences per generate() call
+
+    def __post_init__(self) -> None:
+        _need(self.max_batch_size >= 1, "max_batch_size", "must be >= 1")
+
+
+class VLLMEngineConfig(_Section, tag="vllm", tag_field="type"):
+    """vLLM on a GPU (optional extra `rlbus[vllm]`)."""
+
+    gpu_memory_utilization: float = 0.5
+    tensor_parallel_size: int = 1
+    max_model_len: int = 4096
+    dtype: str = "bfloat16"
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        _need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
+        _need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+
+
+class SimulatedEngineConfig(_Section, tag="simulated", tag_field="type"):
+    """No model math: sleeps for a long-tailed response length, for pipeline benchmarks."""
+
+    mean_tokens: int = 128  # median of the response-length distribution
+    tail_alpha: float = 1.5  # Pareto shape of the length tail (smaller = longer tail)
+    seconds_per_token: float = 0.002
+    vocab_size: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _need(self.mean_tokens >= 1, "mean_tokens", "must be >= 1")
+        _need(self.tail_alpha > 0, "tail_alpha", "must be > 0")
+        _need(self.seconds_per_token >= 0, "seconds_per_token", "must be >= 0")
+
+
+EngineConfig = Union[HFEngineConfig, VLLMEngineConfig, SimulatedEngineConfig]
+
+
+class RolloutConfig(_Section):
+    engine: EngineConfig = msgspec.field(default_factory=HFEngineConfig)
+    n: int = 4  # samples per prompt (GRPO group size)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 48  # per assistant turn
+    max_response_tokens: int = 160  # all turns together, tool output included
+    agent_loop: Literal["single_turn", "tool"] = "tool"
+    max_turns: int = 3  # assistant turns per trajectory
+    max_tool_response_tokens: int = 32  # longer tool output is truncated
+    tools: list[str] = msgspec.field(default_factory=lambda: ["calculator"])  # built-in names or "pkg.mod:attr"
+    reward: str = "math"  # built-in name or "pkg.mod:fn"
+    format_reward: float = 0.0  # added when the answer is well-formed, whatever its value
+    num_producers: int = 2  # producers `rlbus up` starts
+    heartbeat_interval_s: float = 5.0
+    in_progress_interval_s: float = 10.0  # how often a producer tells JetStream it still works on a task
+    max_inflight_tasks: int = 1  # prompt tasks a producer rolls out at once
+
+    def __post_init__(self) -> None:
+        _need(self.n >= 1, "n", "must be >= 1")
+        _need(self.temperature > 0, "temperature", "must be > 0 (log-probs are of softmax(logits / temperature))")
+        _need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        _need(self.top_k >= 0, "top_k", "must be >= 0")
+        _need(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
+        _need(self.max_response_tokens >= self.max_new_tokens, "max_response_tokens", "must be >= max_new_tokens")
+        _need(self.max_turns >= 1, "max_turns", "must be >= 1")
+        _need(self.max_tool_response_tokens >= 1, "max_tool_response_tokens", "must be >= 1")
+        _need(self.num_producers >= 0, "num_producers", "must be >= 0")
+        _need(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "must be > 0")
+        _need(self.in_progress_interval_s > 0, "in_progress_interval_s", "must be > 0")
+        _need(self.max_inflight_tasks >= 1, "max_inflight_tasks", "must be >= 1")
+
+
+class AlgorithmConfig(_Section):
+    adv_estimator: Literal["grpo", "rloo"] = "grpo"
+    norm_adv_by_std: bool = True  # False = Dr.GRPO
+    clip_ratio_low: float = 0.2  # ratio clipped to [1 - low, 1 + high]
+    clip_ratio_high: float = 0.2  # clip-higher (DAPO uses 0.28)
+    clip_ratio_c: float = 3.0  # dual-clip lower bound for negative advantages; must be > 1
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    off_policy: Literal["decoupled", "bypass", "none"] = "decoupled"
+    is_cap: float = 2.0  # truncation C of the importance weight proximal / behaviour
+    log_ratio_clamp: float = 20.0  # |log ratio| clamp before exp, for stability
+    kl_coef: float = 0.0  # > 0 loads a frozen reference model
+    kl_type: Literal["k1", "k3"] = "k3"
+    use_kl_loss: bool = True  # True: KL added to the loss; False: KL subtracted from the reward
+    entropy_coeff: float = 0.0  # entropy bonus (entropy is always reported)
+
+    def __post_init__(self) -> None:
+        _need(0 <= self.clip_ratio_low < 1, "clip_ratio_low", "must be in [0, 1)")
+        _need(self.clip_ratio_high >= 0, "clip_ratio_high", "must be >= 0")
+        _need(self.clip_ratio_c > 1, "clip_ratio_c", "must be > 1 (dual-clip bound)")
+        _need(self.is_cap >= 1, "is_cap", "must be >= 1")
+        _need(self.log_ratio_clamp > 0, "log_ratio_clamp", "must be > 0")
+        _need(self.kl_coef >= 0, "kl_coef", "must be >= 0")
+
+
+class TrainerConfig(_Section):
+    total_steps: int = 30
+    groups_per_step: int = 8  # whole GRPO groups per optimizer step (batch = groups_per_step * rollout.n)
+    max_staleness: int = 1  # a token may lag the trainer by at most this many versions
+    staleness_policy: Literal["drop", "correct"] = "drop"  # what to do with groups beyond max_staleness
+    dynamic_sampling: bool = False  # skip groups whose rewards are all equal (DAPO) and pull more
+    num_ranks: int = 1  # FSDP ranks; >1 spawns local processes (or run under torchrun)
+    device: Literal["cpu", "cuda"] = "cpu"
+    mixed_precision: Literal["none", "bf16"] = "none"
+    micro_batch_size: int = 8  # sequences per forward/backward
+    mini_batches: int = 1  # optimizer updates per step (the step's batch split in this many parts)
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
+    grad_clip: float = 1.0
+    weight_sync_interval: int = 1  # publish weights every N optimizer updates
+    checkpoint_interval: int = 5  # steps between checkpoints
+    keep_checkpoints: int = 2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _need(self.total_steps >= 1, "total_steps", "must be >= 1")
+        _need(self.groups_per_step >= 1, "groups_per_step", "must be >= 1")
+        _need(self.max_staleness >= 0, "max_staleness", "must be >= 0")
+        _need(self.num_ranks >= 1, "num_ranks", "must be >= 1")
+        _need(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
+        _need(self.mini_batches >= 1, "mini_batches", "must be >= 1")
+        _need(self.lr > 0 and math.isfinite(self.lr), "lr", "must be a finite number > 0")
+        _need(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        _need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
+        _need(self.grad_clip > 0, "grad_clip", "must be > 0")
+        _need(self.weight_sync_interval >= 1, "weight_sync_interval", "must be >= 1")
+        _need(self.checkpoint_interval >= 1, "checkpoint_interval", "must be >= 1")
+        _need(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
+
+
+class FeederConfig(_Section):
+    epochs: int = 0  # passes over the data set; 0 = as many as trainer.total_steps needs
+    shuffle: bool = True
+    seed: int = 0
+    max_attempts: int = 3  # releases of one example (first + re-issues) before it is given up
+
+    def __post_init__(self) -> None:
+        _need(self.epochs >= 0, "epochs", "must be >= 0")
+        _need(self.max_attempts >= 1, "max_attempts", "must be >= 1")
+
+
+class LoggingConfig(_Section):
+    run_dir: str = ""  # "" = runs/<name>
+    record: Literal["off", "metadata", "full"] = "full"  # event log archived under <run_dir>/events
+    tensorboard: bool = True
+    plot: bool = True  # write curves.png at the end
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+
+class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str = "rlbus"  # run name: the bus namespace `rlbus.<name>.` and the default run directory
+    bus: BusConfig = msgspec.field(default_factory=BusConfig)
+    ray: RayConfig = msgspec.field(default_factory=RayConfig)
+    model: ModelConfig
+    data: DataConfig = msgspec.field(default_factory=DataConfig)
+    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
+    feeder: FeederConfig = msgspec.field(default_factory=FeederConfig)
+    logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        from schemas.subjects import check_run_name
+
+        try:
+            check_run_name(self.name)
+        except ValueError as e:
+            raise ValueError(f"name: {e}") from None
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.logging.run_dir or os.path.join("runs", self.name))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# loading
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`trainer.lr=3e-6` -> (["trainer", "lr"], 3e-06). The value is parsed as YAML (so `[a, b]`, `true` work)."""
+    if "=" not in text:
+        raise ConfigError(text, "an override must look like section.field=value")
+    path, _, raw = text.partition("=")
+    keys = path.strip().split(".")
+    if not all(keys):
+        raise ConfigError(path, "empty key in override path")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(path, f"cannot parse value {raw!r}: {e}") from None
+    return keys, value
+
+
+def apply_override(data: dict, keys: list[str], value: Any) -> None:
+    node = data
+    for i, k in enumerate(keys[:-1]):
+        child = node.get(k)
+        if child is None:
+            child = node[k] = {}
+        elif not isinstance(child, dict):
+            raise ConfigError(".".join(keys[: i + 1]), f"is a value ({child!r}), not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def _field_path(err: msgspec.ValidationError) -> tuple[str, str]:
+    """Split msgspec's `reason - at `$.a.b`` into ("a.b.<field from reason>", reason)."""
+    text = str(err)
+    reason, sep, where = text.rpartition(" - at `")
+    path = where.rstrip("`").removeprefix("$").lstrip(".") if sep else ""
+    if not sep:
+        reason = text
+    path = path.replace("[", ".").replace("]", "")
+    if reason.startswith("Object contains unknown field `"):
+        name = reason.split("`")[1]
+        return ".".join(p for p in (path, name) if p), "unknown key"
+    if reason.startswith("Object missing required field `"):
+        name = reason.split("`")[1]
+        return ".".join(p for p in (path, name) if p), "is required"
+    head, colon, tail = reason.partition(": ")
+    if colon and " " not in head:  # our __post_init__ messages: "field: reason"
+        return ".".join(p for p in (path, head) if p), tail
+    choices = _choices(path)
+    if choices:
+        reason = f"{reason}; choose from {', '.join(choices)}"
+    return path, reason
+
+
+def _choices(path: str) -> list[str]:
+    """The allowed values of a Literal field (or the tags of a tagged union) at a dotted path, else []."""
+    typ: Any = RunConfig
+    for name in path.split(".") if path else []:
+        if name == "type" and _union_tags(typ):
+            return _union_tags(typ)
+        hints = typing.get_type_hints(typ) if isinstance(typ, type) else {}
+        if name not in hints:
+            return []
+        typ = hints[name]
+    if typing.get_origin(typ) is Literal:
+        return [str(a) for a in typing.get_args(typ)]
+    return _union_tags(typ)
+
+
+def _union_tags(typ: Any) -> list[str]:
+    if typing.get_origin(typ) is Union:
+        return [a.__struct_config__.tag for a in typing.get_args(typ) if hasattr(a, "__struct_config__")]
+    return []
+
+
+def _fill_engine_tag(data: dict) -> None:
+    engine = data.get("rollout", {}).get("engine") if isinstance(data.get("rollout"), dict) else None
+    if isinstance(engine, dict) and "type" not in engine:
+        engine["type"] = "hf"
+
+
+def from_dict(data: dict) -> RunConfig:
+    """Validate a plain mapping into a RunConfig, raising ConfigError naming the field."""
+    _fill_engine_tag(data)
+    try:
+        return msgspec.convert(data, RunConfig, strict=False)
+    except msgspec.ValidationError as e:
+        field, reason = _field_path(e)
+        raise ConfigError(field, reason) from None
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> RunConfig:
+    """Load a YAML config file (or nothing) and apply `a.b.c=value` overrides in order."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError("", f"config file {str(p)!r} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError("", f"{p}: invalid YAML: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError("", f"{p}: the top level must be a mapping of sections")
+        data = loaded
+    for text in overrides:
+        keys, value = parse_override(text)
+        apply_override(data, keys, value)
+    return from_dict(data)
+
+
+def to_dict(cfg: RunConfig) -> dict:
+    return msgspec.to_builtins(cfg)
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

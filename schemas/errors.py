@@ -1,0 +1,45 @@
+"""The rlbus error hierarchy. Every error says what went wrong and where; none is caught blindly."""
+
+from __future__ import annotations
+
+
+class RlbusError(Exception):
+    """Base of every error rlbus raises on purpose."""
+
+
+class ConfigError(RlbusError, ValueError):
+    """A run configuration is invalid. The message starts with the dotted path of the field at fault."""
+
+    def __init__(self, field: str, reason: str):
+        self.field = field
+        self.reason = reason
+        super().__init__(f"{field}: {reason}" if field else reason)
+
+
+class BusError(RlbusError):
+    """Talking to NATS / JetStream failed (connect, publish not acknowledged, stream set-up)."""
+
+
+class SchemaError(RlbusError):
+    """A message could not be decoded into its type, or carries a schema version this reader does not know."""
+
+
+class TransferQueueError(RlbusError):
+    """The Ray-backed TransferQueue failed."""
+
+
+class TransferQueueFull(TransferQueueError):
+    """A put would exceed the TransferQueue's bounded capacity (items or bytes)."""
+
+
+class PayloadMissing(TransferQueueError):
+    """Keys announced on the bus have no tensors in the TransferQueue (deleted, or Ray restarted)."""
+
+    def __init__(self, keys: list[str]):
+        self.keys = list(keys)
+        shown = ", ".join(self.keys[:5]) + (" ..." if len(self.keys) > 5 else "")
+        super().__init__(f"{len(self.keys)} payload(s) missing from the TransferQueue: {shown}")
+
+
+class WeightsMissing(TransferQueueError):
+    """A weight version is not (or no longer) held by the weight store."""

@@ -1,0 +1,232 @@
+"""Wire types: every message that crosses a process boundary on NATS. No torch here.
+
+Rules (docs/architecture.md, "Wire contract"):
+- each message type is a msgspec Struct tagged with its `kind`, decoded by a typed Decoder made once;
+- evolution is append-only: a new field goes at the end with a default, so an older reader still decodes a newer
+  message (unknown trailing fields / keys are ignored); a breaking change bumps `SCHEMA_VERSION` and readers
+  dead-letter versions they do not know;
+- tensors never travel here: a trajectory's tokens live in the TransferQueue under `SampleMeta.key`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Union
+
+import msgspec
+
+#: Major version of the wire contract. Readers accept messages whose `schema_version` is in SUPPORTED_VERSIONS.
+SCHEMA_VERSION = 1
+SUPPORTED_VERSIONS = frozenset({1})
+
+JsonScalar = Union[str, int, float, bool, None]
+
+
+def now() -> float:
+    return time.time()
+
+
+class Wire(msgspec.Struct, kw_only=True, tag_field="kind", omit_defaults=False):
+    """Base of every wire message: carries the schema version."""
+
+    schema_version: int = SCHEMA_VERSION
+
+
+class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    role: str  # "system" | "user" | "assistant" | "tool"
+    content: str
+
+
+class PromptTask(Wire, tag="prompt_task"):
+    """One prompt to roll out `n` times (a GRPO group). Published by the feeder on `prompts` (work queue)."""
+
+    task_id: str  # unique per release; also the JetStream Nats-Msg-Id, so a re-publish is dropped
+    prompt: list[ChatMessage]
+    ground_truth: str = ""
+    data_source: str = ""
+    extra_info: dict[str, JsonScalar] = {}
+    n: int = 1  # samples per prompt (the group size)
+    index: int = 0  # position of the example in the dataset
+    epoch: int = 0
+    attempt: int = 0  # 0 for the first release; +1 for every re-issue (payload missing, dead-lettered)
+    released_version: int = 0  # trainer weight version when the feeder released it
+    created_at: float = msgspec.field(default_factory=now)
+
+
+class SampleMeta(msgspec.Struct, kw_only=True, array_like=True, gc=False):
+    """Metadata of one trajectory of a group.
+
+    array_like and gc=False: a group carries n of these and the trainer decodes thousands per step; positional
+    encoding halves their size. Evolution stays append-only (new fields at the end, with defaults).
+    """
+
+    key: str  # TransferQueue key of this sample's tensors
+    prompt_len: int
+    response_len: int
+    reward: float
+    num_tool_calls: int = 0
+    num_turns: int = 1
+    finish_reason: str = "stop"  # "stop" | "length" | "max_turns" | "error"
+    min_version: int = 0  # oldest policy version among its generated tokens
+    max_version: int = 0  # newest policy version among its generated tokens
+    gen_time_s: float = 0.0
+    tool_time_s: float = 0.0
+    reward_time_s: float = 0.0
+
+
+class TrajectoryGroup(Wire, tag="trajectory_group"):
+    """A finished GRPO group, published on `traj` once its tensors are in the TransferQueue."""
+
+    group_id: str  # == task_id of the prompt it answers (one group per task release)
+    task_id: str
+    producer_id: str
+    samples: list[SampleMeta]
+    data_source: str = ""
+    index: int = 0
+    epoch: int = 0
+    attempt: int = 0
+    created_at: float = msgspec.field(default_factory=now)
+
+    @property
+    def min_version(self) -> int:
+        return min((s.min_version for s in self.samples), default=0)
+
+    @property
+    def max_version(self) -> int:
+        return max((s.max_version for s in self.samples), default=0)
+
+    @property
+    def keys(self) -> list[str]:
+        return [s.key for s in self.samples]
+
+
+class WeightsPublished(Wire, tag="weights_published"):
+    """A new policy version is in the weight store. Published on `weights`; also the KV bucket's `latest`."""
+
+    version: int
+    step: int
+    num_bytes: int
+    checksum: str  # hex digest over the tensors' bytes in name order
+    num_tensors: int = 0
+    dtype: str = "float32"
+    store: str = ""  # name of the weight-store actor holding it
+    created_at: float = msgspec.field(default_factory=now)
+
+
+class StepCompleted(Wire, tag="step_completed"):
+    """The trainer finished an optimizer step. Published on `events.step`."""
+
+    step: int
+    version: int
+    group_ids: list[str]
+    metrics: dict[str, float] = {}
+    created_at: float = msgspec.field(default_factory=now)
+
+
+class ProducerHeartbeat(Wire, tag="producer_heartbeat"):
+    """A producer is alive. Published on `events.heartbeat` every few seconds."""
+
+    producer_id: str
+    version: int  # weight version its engine holds
+    host: str = ""
+    pid: int = 0
+    status: str = "running"  # "starting" | "running" | "draining"
+    groups_done: int = 0
+    tokens_generated: int = 0
+    groups_per_min: float = 0.0
+    inflight: int = 0
+    created_at: float = msgspec.field(default_factory=now)
+
+
+class RoleStarted(Wire, tag="role_started"):
+    """Lifecycle: a process of some role came up. Published on `events.lifecycle`."""
+
+    role: str  # "trainer" | "producer" | "feeder" | "recorder" | "launcher"
+    role_id: str
+    host: str = ""
+    pid: int = 0
+    detail: str = ""
+    created_at: float = msgspec.field(default_factory=now)
+
+
+class RoleStopped(Wire, tag="role_stopped"):
+    """Lifecycle: a process of some role is going down (cleanly or not)."""
+
+    role: str
+    role_id: str
+    reason: str = ""
+    clean: bool = True
+    created_at: float = msgspec.field(default_factory=now)
+
+
+class ErrorRaised(Wire, tag="error_raised"):
+    """A role hit an error worth seeing in the log (it may or may not be fatal)."""
+
+    role: str
+    role_id: str
+    error: str  # exception type
+    message: str
+    fatal: bool = False
+    created_at: float = msgspec.field(default_factory=now)
+
+
+class DeadLetter(Wire, tag="dead_letter"):
+    """A message nobody could use, with why. Published on `events.dead_letter`; the original was terminated."""
+
+    reason: str
+    original_subject: str
+    payload: bytes
+    stream_seq: int = 0
+    num_delivered: int = 0
+    consumer: str = ""
+    created_at: float = msgspec.field(default_factory=now)
+
+
+#: Everything published on `events.*`.
+Event = Union[StepCompleted, ProducerHeartbeat, RoleStarted, RoleStopped, ErrorRaised, DeadLetter]
+
+#: `events.<kind>` subject token of each event type.
+EVENT_SUBJECT_KIND: dict[type, str] = {
+    StepCompleted: "step",
+    ProducerHeartbeat: "heartbeat",
+    RoleStarted: "lifecycle",
+    RoleStopped: "lifecycle",
+    ErrorRaised: "error",
+    DeadLetter: "dead_letter",
+}
+
+
+def check_version(msg: Any) -> None:
+    """Raise SchemaError if `msg` carries a schema version this reader does not support."""
+    from schemas.errors import SchemaError
+
+    v = getattr(msg, "schema_version", SCHEMA_VERSION)
+    if v not in SUPPORTED_VERSIONS:
+        raise SchemaError(
+            f"{type(msg).__name__} has schema_version {v}; this reader supports {sorted(SUPPORTED_VERSIONS)}"
+        )
+
+
+def encode(msg: Any) -> bytes:
+    return _ENCODER.encode(msg)
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+class TypedDecoder:
+    """A msgpack decoder for one wire type (or union), made once, that also enforces the schema version."""
+
+    def __init__(self, typ: Any):
+        self.type = typ
+        self._dec = msgspec.msgpack.Decoder(typ)
+
+    def decode(self, data: bytes) -> Any:
+        from schemas.errors import SchemaError
+
+        try:
+            msg = self._dec.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise SchemaError(f"cannot decode as {getattr(self.type, '__name__', self.type)}: {e}") from e
+        check_version(msg)
+        return msg

@@ -1,0 +1,1 @@
+"""Fixtures for a real nats-server (filled in by the bus work)."""

@@ -1,0 +1,1 @@
+"""Fixtures for a real local Ray (filled in by the TransferQueue work)."""

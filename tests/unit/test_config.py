@@ -1,0 +1,69 @@
+"""Config loading: overrides, validation messages that name the field, unknown keys refused."""
+
+from pathlib import Path
+
+import pytest
+
+from schemas.config import RunConfig, load_config, to_yaml
+from schemas.errors import ConfigError
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_overrides_apply_in_order_and_parse_as_yaml(tmp_path):
+    p = write(tmp_path, "name: demo\nmodel: {path: /m}\n")
+    cfg = load_config(p, ["trainer.lr=3e-6", "rollout.tools=[calculator, pkg.mod:tool]", "rollout.n=8", "rollout.n=6"])
+    assert cfg.trainer.lr == pytest.approx(3e-6)
+    assert cfg.rollout.tools == ["calculator", "pkg.mod:tool"]
+    assert cfg.rollout.n == 6
+    assert cfg.run_dir == Path("runs/demo")
+
+
+def test_engine_is_a_tagged_union_defaulting_to_hf(tmp_path):
+    p = write(tmp_path, "model: {path: /m}\nrollout: {engine: {max_batch_size: 4}}\n")
+    cfg = load_config(p)
+    assert type(cfg.rollout.engine).__name__ == "HFEngineConfig" and cfg.rollout.engine.max_batch_size == 4
+    cfg = load_config(p, ["rollout.engine={type: vllm, gpu_memory_utilization: 0.3}"])
+    assert type(cfg.rollout.engine).__name__ == "VLLMEngineConfig"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "words"),
+    [
+        (["trainer.lr=-1"], "trainer.lr", "> 0"),
+        (["rollout.bogus=1"], "rollout.bogus", "unknown key"),
+        (["bogus.x=1"], "bogus", "unknown key"),
+        (["rollout.n=abc"], "rollout.n", "int"),
+        (["algorithm.clip_ratio_c=0.5"], "algorithm.clip_ratio_c", "> 1"),
+        (["algorithm.loss_agg_mode=mean"], "algorithm.loss_agg_mode", "choose from token-mean"),
+        (["rollout.engine.type=tpu"], "rollout.engine.type", "hf, vllm, simulated"),
+        (["rollout.engine.type=vllm", "rollout.engine.gpu_memory_utilization=2"],
+         "rollout.engine.gpu_memory_utilization", "(0, 1]"),
+        (["name=has space"], "name", "letters"),
+        (["model.path="], "model.path", "required"),
+        (["data.type=parquet"], "data.path", "required"),
+    ],
+)
+def test_bad_config_names_the_field(tmp_path, overrides, field, words):
+    p = write(tmp_path, "model: {path: /m}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(p, overrides)
+    assert info.value.field == field, str(info.value)
+    assert words in str(info.value)
+
+
+def test_missing_file_and_bad_override_are_clear(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="section.field=value"):
+        load_config(write(tmp_path, "model: {path: /m}\n"), ["trainer.lr"])
+
+
+def test_resolved_yaml_round_trips(tmp_path):
+    cfg = load_config(write(tmp_path, "model: {path: /m}\n"), ["trainer.total_steps=7"])
+    again = load_config(write(tmp_path, to_yaml(cfg)))
+    assert again == cfg and isinstance(again, RunConfig)

@@ -1,0 +1,502 @@
+"""The asyncio NATS JetStream client every role uses: typed publish, typed pull consumption, watch, KV.
+
+    async with await Bus.connect(cfg.bus, run="quickstart", name="producer-0") as bus:
+        await bus.ensure_streams()
+        await bus.publish(bus.subjects.traj, group, msg_id=group.group_id)
+        async for d in bus.pull(bus.subjects.traj, bus.subjects.traj_consumer, TrajectoryGroup, batch=16):
+            ...; await d.ack()
+
+Messages are msgspec-msgpack wire structs (schemas.wire). A message that cannot be decoded, or carries an unknown
+schema version, is terminated and republished as a `DeadLetter` on `events.dead_letter`; consumers keep going.
+Benchmark: `python bench/bus.py` (docs/benchmarks.md, "Bus").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from types import TracebackType
+from typing import Any, AsyncIterator, Generic, Literal, TypeVar
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    KeyValueConfig,
+    PubAck,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.kv import KeyValue
+
+from schemas.config import BusConfig
+from schemas.errors import BusError, SchemaError
+from schemas.subjects import Subjects
+from schemas.wire import EVENT_SUBJECT_KIND, DeadLetter, TypedDecoder, encode
+
+__all__ = ["Bus", "Delivery", "PubAck"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+MSG_ID_HEADER = "Nats-Msg-Id"
+#: Window in which JetStream drops a re-published message with the same Nats-Msg-Id (seconds).
+DUPLICATE_WINDOW_S = 300.0
+#: Attempts of a publish whose JetStream ack timed out (a retry with the same msg_id is de-duplicated).
+PUBLISH_ATTEMPTS = 3
+PUBLISH_TIMEOUT_S = 5.0
+ACK_TIMEOUT_S = 5.0
+#: nats-server error code: "stream name already in use with a different configuration".
+_STREAM_NAME_IN_USE = 10058
+
+DeliverFrom = Literal["new", "all", "last", "last_per_subject"]
+_DELIVER = {
+    "new": DeliverPolicy.NEW,
+    "all": DeliverPolicy.ALL,
+    "last": DeliverPolicy.LAST,
+    "last_per_subject": DeliverPolicy.LAST_PER_SUBJECT,  # e.g. each producer's last heartbeat
+}
+
+
+class Delivery(Generic[T]):
+    """One message of a durable pull consumer, decoded into its type. Settle it once: ack, nak, or term."""
+
+    __slots__ = ("data", "subject", "consumer", "_msg", "_bus")
+
+    data: T
+    subject: str
+    consumer: str
+
+    def __init__(self, data: T, msg: Msg, consumer: str, bus: "Bus"):
+        self.data = data
+        self.subject = msg.subject
+        self.consumer = consumer
+        self._msg = msg
+        self._bus = bus
+
+    # Sequence numbers and the header are read on demand: parsing the ack subject for every message is a
+    # measurable share of the client's per-message cost (bench/bus.py), and most consumers never look.
+    @property
+    def stream_seq(self) -> int:
+        return self._msg.metadata.sequence.stream
+
+    @property
+    def num_delivered(self) -> int:
+        """1 on first delivery."""
+        return self._msg.metadata.num_delivered
+
+    @property
+    def msg_id(self) -> str:
+        """The Nats-Msg-Id header ("" if the publisher set none)."""
+        return _msg_id(self._msg)
+
+    async def ack(self) -> None:
+        """Acknowledge and wait for JetStream to confirm (double ack): once this returns, no redelivery."""
+        try:
+            await self._msg.ack_sync(timeout=ACK_TIMEOUT_S)
+        except nats.errors.TimeoutError as e:
+            raise BusError(
+                f"ack of {self.subject} seq {self.stream_seq} ({self.consumer}) not confirmed within {ACK_TIMEOUT_S}s"
+            ) from e
+
+    async def nak(self, delay: float | None = None) -> None:
+        """Ask for redelivery, after `delay` seconds if given (else at once); returns once JetStream confirmed."""
+        payload = b"-NAK" if delay is None else b'-NAK {"delay": %d}' % int(delay * 1e9)
+        await self._bus._settle(self._msg, payload, self.consumer)
+
+    async def in_progress(self) -> None:
+        """Still working on it: resets the consumer's ack_wait timer for this message."""
+        await self._msg.in_progress()
+
+    async def term(self) -> None:
+        """Never redeliver this message (confirmed by JetStream before returning)."""
+        await self._bus._settle(self._msg, b"+TERM", self.consumer)
+
+    async def dead_letter(self, reason: str) -> None:
+        """Publish a DeadLetter carrying this message's bytes and `reason`, then terminate it."""
+        await self._bus._dead_letter(self._msg, reason, self.consumer)
+
+    def __repr__(self) -> str:
+        return f"Delivery({type(self.data).__name__}, subject={self.subject!r}, seq={self.stream_seq}, n={self.num_delivered})"
+
+
+def _msg_id(msg: Msg) -> str:
+    h = msg.headers
+    return h.get(MSG_ID_HEADER, "") if h else ""
+
+
+def _is_auth_error(e: Exception) -> bool:
+    # nats-py reports a refused CONNECT as a plain Error carrying the server's "-ERR 'Authorization Violation'".
+    return isinstance(e, nats.errors.AuthorizationError) or "authorization violation" in str(e).lower()
+
+
+def _ssl_context(cfg: BusConfig) -> ssl.SSLContext | None:
+    if not (cfg.tls_ca or cfg.tls_cert or cfg.tls_key):
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=cfg.tls_ca or None)
+    if cfg.tls_cert:
+        ctx.load_cert_chain(cfg.tls_cert, cfg.tls_key or None)
+    return ctx
+
+
+def _auth(cfg: BusConfig) -> dict[str, str]:
+    if cfg.token:
+        return {"token": cfg.token}
+    if cfg.user:
+        return {"user": cfg.user, "password": cfg.password}
+    if cfg.creds_file:
+        from bus.server import load_creds
+
+        creds = load_creds(cfg.creds_file)
+        if creds.get("token"):
+            return {"token": creds["token"]}
+        return {"user": creds["user"], "password": creds["password"]}
+    return {}
+
+
+class Bus:
+    """A connection to the run's NATS JetStream: owns the client, the JetStream context and the KV handle."""
+
+    cfg: BusConfig
+    run: str
+    name: str
+    subjects: Subjects
+    nc: NATS
+    js: JetStreamContext
+    _kv: KeyValue | None
+    _streams: dict[str, str]  # subject -> stream name
+    _fetch_subs: dict[tuple[str, str], JetStreamContext.PullSubscription]  # (stream, durable) -> fetch()'s inbox
+
+    def __init__(self, cfg: BusConfig, run: str, name: str, nc: NATS):
+        self.cfg = cfg
+        self.run = run
+        self.name = name
+        self.subjects = Subjects.for_run(run)
+        self.nc = nc
+        self.js = nc.jetstream(timeout=PUBLISH_TIMEOUT_S)
+        self._kv = None
+        self._fetch_subs = {}
+        s = self.subjects
+        self._streams = {
+            s.prompts: s.prompts_stream,
+            s.traj: s.traj_stream,
+            s.weights: s.weights_stream,
+            s.events: s.events_stream,
+        }
+
+    # -- connection --------------------------------------------------------------------------------------------------
+
+    @classmethod
+    async def connect(cls, cfg: BusConfig, run: str, name: str = "") -> "Bus":
+        """Connect (retrying within cfg.connect_timeout_s), then reconnect forever with doubling backoff."""
+        url = cfg.url
+        if not url and cfg.creds_file:
+            # The embedded server writes its URL into the creds file too; `bus.creds_file=...` alone is enough.
+            from bus.server import load_creds
+
+            url = load_creds(cfg.creds_file).get("url", "")
+        if not url:
+            raise BusError("bus.url is empty: start a server with `rlbus bus up` and pass bus.url=... bus.creds_file=...")
+        if url != cfg.url:
+            cfg = msgspec.structs.replace(cfg, url=url)
+        servers = [u.strip() for u in url.split(",") if u.strip()]
+        connected = False
+
+        async def on_error(e: Exception) -> None:
+            # While first connecting, a refused login will not get better by retrying: fail now, with the URL.
+            if not connected and _is_auth_error(e):
+                raise BusError(f"NATS at {cfg.url} refused the credentials of {name or 'client'}: {e}") from e
+            log.warning("bus %s (%s): %s: %s", cfg.url, name, type(e).__name__, e)
+
+        async def on_disconnect() -> None:
+            if connected and not nc.is_closed:  # closed = our own close(), not an outage
+                log.warning("bus %s (%s): disconnected; reconnecting", cfg.url, name)
+
+        async def on_reconnect() -> None:
+            log.info("bus %s (%s): reconnected", cfg.url, name)
+
+        def backoff(pool: list[Any], info: dict[str, Any]) -> tuple[Any, float]:
+            # nats-py waits a fixed reconnect_time_wait; this doubles it per failed attempt up to the maximum, so a
+            # long outage does not hammer the server, and retries forever (max_reconnect_attempts=-1).
+            s = min(pool, key=lambda srv: srv.reconnects)
+            return s, min(cfg.reconnect_wait_s * 2 ** min(s.reconnects, 30), cfg.max_reconnect_wait_s)
+
+        nc = NATS()
+        try:
+            await asyncio.wait_for(
+                nc.connect(
+                    servers=servers,
+                    name=name or None,
+                    error_cb=on_error,
+                    disconnected_cb=on_disconnect,
+                    reconnected_cb=on_reconnect,
+                    connect_timeout=cfg.connect_timeout_s,  # type: ignore[arg-type]  # nats-py takes floats
+                    reconnect_time_wait=cfg.reconnect_wait_s,  # type: ignore[arg-type]
+                    max_reconnect_attempts=-1,
+                    reconnect_to_server_handler=backoff,
+                    tls=_ssl_context(cfg),
+                    **_auth(cfg),  # type: ignore[arg-type]
+                ),
+                timeout=cfg.connect_timeout_s,
+            )
+        except (asyncio.TimeoutError, OSError, nats.errors.Error) as e:
+            await nc.close()
+            raise BusError(f"cannot connect to NATS at {cfg.url} within {cfg.connect_timeout_s}s: {e!r}") from e
+        except BusError:
+            await nc.close()
+            raise
+        connected = True
+        return cls(cfg, run, name, nc)
+
+    async def close(self, timeout: float = 5.0) -> None:
+        """Drain (flush publishes, let subscriptions finish) for at most `timeout` s, then close."""
+        if self.nc.is_closed:
+            return
+        # fetch()'s inboxes have no reader left: drop them rather than wait for drain (their unacked messages are
+        # redelivered after ack_wait, as for any consumer that goes away).
+        for sub in self._fetch_subs.values():
+            await sub.unsubscribe()
+        self._fetch_subs.clear()
+        try:
+            await asyncio.wait_for(self.nc.drain(), timeout)
+        except asyncio.TimeoutError:
+            log.warning("bus %s (%s): drain did not finish within %.1fs; closing", self.cfg.url, self.name, timeout)
+        await self.nc.close()
+
+    async def __aenter__(self) -> "Bus":
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        await self.close()
+
+    # -- streams -----------------------------------------------------------------------------------------------------
+
+    async def ensure_streams(self) -> None:
+        """Create or update the run's streams, KV bucket and durable consumers. Idempotent and safe to race."""
+        s, cfg = self.subjects, self.cfg
+        max_age = cfg.max_age_s or None
+        common: dict[str, Any] = dict(
+            storage=StorageType.FILE, num_replicas=cfg.replicas, duplicate_window=DUPLICATE_WINDOW_S
+        )
+        # Prompts are a work queue: a task leaves the stream once a producer acks it; no age limit, never lost.
+        await self._ensure_stream(
+            StreamConfig(name=s.prompts_stream, subjects=[s.prompts], retention=RetentionPolicy.WORK_QUEUE, **common)
+        )
+        for name, subject in ((s.traj_stream, s.traj), (s.weights_stream, s.weights), (s.events_stream, s.events)):
+            await self._ensure_stream(
+                StreamConfig(name=name, subjects=[subject], retention=RetentionPolicy.LIMITS, max_age=max_age, **common)
+            )
+        self._kv = await self.js.create_key_value(
+            KeyValueConfig(bucket=s.weights_bucket, history=1, storage=StorageType.FILE, replicas=cfg.replicas)
+        )
+        # `name` + `durable_name` uses the create-or-update API: a changed ack_wait is applied, not refused.
+        await self.js.add_consumer(
+            s.prompts_stream,
+            ConsumerConfig(
+                name=s.prompts_consumer,
+                durable_name=s.prompts_consumer,
+                ack_policy=AckPolicy.EXPLICIT,
+                ack_wait=cfg.ack_wait_s,
+                max_deliver=cfg.max_deliver,
+                filter_subject=s.prompts,
+            ),
+        )
+        await self.js.add_consumer(
+            s.traj_stream,
+            ConsumerConfig(
+                name=s.traj_consumer,
+                durable_name=s.traj_consumer,
+                ack_policy=AckPolicy.EXPLICIT,
+                ack_wait=cfg.ack_wait_s,
+                max_deliver=-1,  # a group is retried until the trainer acks it; it never expires into a dead letter
+                filter_subject=s.traj,
+            ),
+        )
+
+    async def _ensure_stream(self, config: StreamConfig) -> None:
+        try:
+            await self.js.add_stream(config)
+        except nats.js.errors.BadRequestError as e:
+            if e.err_code != _STREAM_NAME_IN_USE:
+                raise BusError(f"cannot create stream {config.name} on {self.cfg.url}: {e}") from e
+            await self.js.update_stream(config)
+
+    def stream_of(self, subject: str) -> str:
+        """The stream that stores `subject` (events.<kind> belongs to the events stream)."""
+        if subject in self._streams:
+            return self._streams[subject]
+        if subject.startswith(self.subjects.prefix + ".events."):
+            return self.subjects.events_stream
+        raise BusError(f"subject {subject!r} belongs to no stream of run {self.run!r}")
+
+    # -- publishing --------------------------------------------------------------------------------------------------
+
+    async def publish(self, subject: str, msg: Any, msg_id: str | None = None) -> PubAck:
+        """Publish a wire struct and wait for JetStream to store it. `PubAck.duplicate` is True if de-duplicated."""
+        return await self.publish_raw(subject, encode(msg), msg_id)
+
+    async def publish_raw(self, subject: str, payload: bytes, msg_id: str | None = None) -> PubAck:
+        """Publish already-encoded bytes (dead letters, tools, benchmarks) with the same retry and ack rules."""
+        headers = {MSG_ID_HEADER: msg_id} if msg_id else None
+        last: Exception | None = None
+        for _ in range(PUBLISH_ATTEMPTS):
+            try:
+                return await self.js.publish(subject, payload, timeout=PUBLISH_TIMEOUT_S, headers=headers)
+            except nats.errors.TimeoutError as e:
+                # Lost ack or a reconnect in progress: publish again. With a msg_id the server drops the copy if the
+                # first one was stored; without one a retry may store the message twice (at-least-once).
+                last = e
+            except nats.js.errors.NoStreamResponseError as e:
+                raise BusError(f"no stream stores {subject!r} on {self.cfg.url} (ensure_streams not run?)") from e
+            except nats.js.errors.APIError as e:
+                raise BusError(f"JetStream refused a publish on {subject!r}: {e}") from e
+        raise BusError(
+            f"publish on {subject!r} not acknowledged by JetStream at {self.cfg.url} after {PUBLISH_ATTEMPTS} attempts"
+        ) from last
+
+    async def publish_event(self, event: Any) -> PubAck:
+        """Publish an Event on `events.<kind>`."""
+        kind = EVENT_SUBJECT_KIND.get(type(event))
+        if kind is None:
+            raise BusError(f"{type(event).__name__} is not an event type (see schemas.wire.EVENT_SUBJECT_KIND)")
+        return await self.publish(self.subjects.event(kind), event)
+
+    async def _dead_letter(self, msg: Msg, reason: str, consumer: str) -> None:
+        meta = msg.metadata
+        letter = DeadLetter(
+            reason=reason,
+            original_subject=msg.subject,
+            payload=bytes(msg.data),
+            stream_seq=meta.sequence.stream,
+            num_delivered=meta.num_delivered,
+            consumer=consumer,
+        )
+        # Publish first: if that fails, the message is still unacked and comes back, rather than vanishing.
+        await self.publish(self.subjects.dead_letter, letter)
+        await self._settle(msg, b"+TERM", consumer)
+        log.warning("bus %s: dead-lettered %s seq %d: %s", self.name, msg.subject, letter.stream_seq, reason)
+
+    async def _settle(self, msg: Msg, payload: bytes, consumer: str) -> None:
+        # Sent as a request, JetStream answers once it applied the ack/nak/term (like ack_sync), so a caller that
+        # goes on to count pending messages, or exits, sees the effect.
+        try:
+            await self.nc.request(msg.reply, payload, timeout=ACK_TIMEOUT_S)
+        except nats.errors.TimeoutError as e:
+            raise BusError(
+                f"{payload.split()[0].decode()} of {msg.subject} ({consumer}) not confirmed within {ACK_TIMEOUT_S}s"
+            ) from e
+
+    # -- consuming ---------------------------------------------------------------------------------------------------
+
+    async def fetch(
+        self, subject: str, durable: str, typ: Any, batch: int = 1, timeout: float = 1.0
+    ) -> list[Delivery[Any]]:
+        """One fetch of up to `batch` messages from a durable pull consumer; [] if none came within `timeout`."""
+        stream = self.stream_of(subject)
+        # One subscription per durable, kept: a message the server sends just as a fetch times out lands in this
+        # inbox and is returned by the next fetch, instead of in an abandoned inbox (a lost delivery until ack_wait).
+        sub = self._fetch_subs.get((stream, durable))
+        if sub is None:
+            sub = self._fetch_subs[(stream, durable)] = await self.js.pull_subscribe_bind(durable=durable, stream=stream)
+        return await self._fetch_decoded(sub, durable, TypedDecoder(typ), batch, timeout)
+
+    async def pull(
+        self, subject: str, durable: str, typ: type[T] | Any, *, batch: int = 1, timeout: float = 1.0
+    ) -> AsyncIterator[Delivery[T]]:
+        """Deliveries of a durable pull consumer, forever. Several iterators on one durable share its messages."""
+        decoder = TypedDecoder(typ)
+        sub = await self.js.pull_subscribe_bind(durable=durable, stream=self.stream_of(subject))
+        try:
+            while True:
+                for d in await self._fetch_decoded(sub, durable, decoder, batch, timeout):
+                    yield d
+        finally:
+            if not self.nc.is_closed:
+                await sub.unsubscribe()
+
+    async def _fetch_decoded(
+        self, sub: JetStreamContext.PullSubscription, durable: str, decoder: TypedDecoder, batch: int, timeout: float
+    ) -> list[Delivery[Any]]:
+        try:
+            msgs = await sub.fetch(batch, timeout=timeout)
+        except nats.errors.TimeoutError:
+            return []  # idle: nothing to deliver within `timeout`
+        out: list[Delivery[Any]] = []
+        for m in msgs:
+            try:
+                data = decoder.decode(m.data)
+            except SchemaError as e:
+                await self._dead_letter(m, str(e), durable)
+                continue
+            out.append(Delivery(data, m, durable, self))
+        return out
+
+    async def watch(self, subject: str, typ: type[T] | Any, *, deliver: DeliverFrom = "new") -> AsyncIterator[T]:
+        """Messages of `subject` in order through an ephemeral ordered consumer (nothing to ack)."""
+        if deliver not in _DELIVER:
+            raise BusError(f"watch deliver={deliver!r}; expected one of {sorted(_DELIVER)}")
+        decoder = TypedDecoder(typ)
+        sub = await self.js.subscribe(
+            subject, stream=self.stream_of(subject), ordered_consumer=True, deliver_policy=_DELIVER[deliver]
+        )
+        try:
+            async for m in sub.messages:
+                try:
+                    yield decoder.decode(m.data)
+                except SchemaError as e:
+                    # Nothing to terminate on an ordered consumer; record it so the bad message is seen, and go on.
+                    letter = DeadLetter(
+                        reason=str(e),
+                        original_subject=m.subject,
+                        payload=bytes(m.data),
+                        stream_seq=m.metadata.sequence.stream,
+                        consumer=f"watch:{self.name}",
+                    )
+                    await self.publish(self.subjects.dead_letter, letter)
+        finally:
+            if not self.nc.is_closed:
+                await sub.unsubscribe()
+
+    # -- KV and status -----------------------------------------------------------------------------------------------
+
+    async def _bucket(self) -> KeyValue:
+        if self._kv is None:
+            try:
+                self._kv = await self.js.key_value(self.subjects.weights_bucket)
+            except nats.js.errors.BucketNotFoundError as e:
+                raise BusError(f"KV bucket {self.subjects.weights_bucket} does not exist (ensure_streams not run?)") from e
+        return self._kv
+
+    async def kv_put(self, key: str, msg: Any) -> int:
+        """Store a wire struct under `key` in the weights bucket; returns the revision."""
+        return await (await self._bucket()).put(key, encode(msg))
+
+    async def kv_get(self, key: str, typ: type[T] | Any) -> T | None:
+        """The struct stored under `key` in the weights bucket, or None if there is none."""
+        try:
+            entry = await (await self._bucket()).get(key)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        if entry.value is None:
+            return None
+        return TypedDecoder(typ).decode(entry.value)
+
+    async def consumer_pending(self, stream: str, durable: str) -> tuple[int, int]:
+        """(num_pending, num_ack_pending) of a durable consumer: not yet delivered, delivered but not acked."""
+        info = await self.js.consumer_info(stream, durable)
+        return int(info.num_pending or 0), int(info.num_ack_pending or 0)
+
+    async def stream_msgs(self, stream: str) -> int:
+        """Messages currently stored in `stream`."""
+        info = await self.js.stream_info(stream)
+        return int(info.state.messages)

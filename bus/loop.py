@@ -1,0 +1,33 @@
+"""The event loop of long-running services: uvloop where installed, asyncio otherwise.
+
+    from bus.loop import run
+    sys.exit(run(run_role(cfg)))
+
+uvloop roughly halves the per-message cost of the NATS client (socket reads, callbacks, timers), which is most of a
+producer's or trainer's bus overhead; it is a pyproject dependency on every platform but Windows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Coroutine, TypeVar
+
+T = TypeVar("T")
+
+
+def uvloop_available() -> bool:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a service's main coroutine to completion on uvloop (asyncio's default loop where uvloop is missing)."""
+    try:
+        import uvloop
+    except ImportError:
+        # Only where uvloop is not installed (Windows, or a minimal install): behaviour is the same, just slower.
+        return asyncio.run(coro)
+    return uvloop.run(coro)

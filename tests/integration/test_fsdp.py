@@ -1,0 +1,272 @@
+"""Real FSDP2 on CPU (gloo, locally spawned ranks): two ranks == one process, checkpoints round-trip, HF export.
+
+    .venv/bin/python -m pytest -q tests/integration/test_fsdp.py
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from schemas.config import AlgorithmConfig, TrainerConfig
+
+VOCAB = 64
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# helpers (importable by the spawned ranks)
+
+
+def build_tiny_qwen2(path: Path, *, seed: int = 0) -> Path:
+    """A 2-layer, 64-wide Qwen2 causal LM plus a word-level tokenizer, saved as a Hugging Face directory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
+    )  # fmt: skip
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>").save_pretrained(path)
+    return path
+
+
+def make_batch(num_groups: int = 4, group_size: int = 4, T: int = 24, seed: int = 0) -> TensorDict:
+    """A synthetic RL batch in the trainer's contract: right-padded prompt+response, tool tokens masked out."""
+    g = torch.Generator().manual_seed(seed)
+    B = num_groups * group_size
+    prompt_len = torch.randint(3, 7, (B,), generator=g)
+    lengths = torch.randint(9, T + 1, (B,), generator=g)  # unequal lengths -> unequal micro-batch token counts
+    pos = torch.arange(T)[None]
+    attention_mask = (pos < lengths[:, None]).long()
+    input_ids = torch.randint(2, VOCAB, (B, T), generator=g) * attention_mask
+    response_mask = ((pos >= prompt_len[:, None]) & (pos < lengths[:, None])).float()
+    response_mask[:, 7:9] = 0.0  # a "tool output" span inside the response
+    rewards = torch.zeros(B, T)
+    rewards[torch.arange(B), lengths - 1] = torch.randint(0, 2, (B,), generator=g).float()
+    rollout_log_probs = (-torch.rand(B, T, generator=g) - 3.5) * response_mask  # an old, different policy
+    return TensorDict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": (pos.expand(B, T) * attention_mask).long(),
+            "response_mask": response_mask,
+            "rollout_log_probs": rollout_log_probs,
+            "token_level_rewards": rewards,
+            "group_index": torch.arange(B) // group_size,
+            "versions": torch.where(response_mask > 0, 0, -1).long(),
+        },
+        batch_size=[B],
+    )
+
+
+def rank_share(batch: TensorDict, rank: int, world: int) -> TensorDict:
+    """Whole groups per rank, deliberately uneven: with 2 ranks rank 0 gets 3 groups and rank 1 gets 1."""
+    groups = batch["group_index"]
+    n = int(groups.max()) + 1
+    cut = n - max(1, n // 4) if world == 2 else n
+    keep = groups < cut if rank == 0 else groups >= cut
+    return batch[keep]
+
+
+def _train_worker(model_dir: str, trainer_cfg: TrainerConfig, algo_cfg: AlgorithmConfig, steps: int) -> dict:
+    from trainer.dist import destroy_distributed, init_distributed
+    from trainer.engine import TrainEngine
+
+    torch.set_num_threads(1)
+    info = init_distributed("cpu")
+    engine = TrainEngine(model_dir, trainer_cfg, algo_cfg, temperature=0.9)
+    metrics = [engine.train_step(rank_share(make_batch(seed=s), info.rank, info.world_size)) for s in range(steps)]
+    weights = engine.full_state_dict()
+    destroy_distributed()
+    return {"metrics": metrics, "weights": weights}
+
+
+def reference_step(model_dir: str, trainer_cfg: TrainerConfig, algo_cfg: AlgorithmConfig, batch: TensorDict) -> dict:
+    """The same step as a plain single-process PyTorch loop: one forward of the whole batch, no FSDP."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer import algorithms as A
+    from trainer.engine import token_log_probs
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    opt = torch.optim.AdamW(model.parameters(), lr=trainer_cfg.lr, betas=trainer_cfg.betas,
+                            weight_decay=trainer_cfg.weight_decay)  # fmt: skip
+    mask = batch["response_mask"]
+
+    def logp() -> torch.Tensor:
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    position_ids=batch["position_ids"]).logits  # fmt: skip
+        return token_log_probs(out, batch["input_ids"], 0.9)
+
+    with torch.no_grad():
+        prox = logp()
+    adv = A.compute_advantages(batch["token_level_rewards"], mask, batch["group_index"])
+    isw = A.truncated_importance_weights(prox, batch["rollout_log_probs"], mask, cap=algo_cfg.is_cap)
+    tokens, seqs = A.LossNormaliser.local_counts(mask)
+    norm = A.LossNormaliser(num_tokens=tokens, num_seqs=seqs, scale=float(mask.sum(-1).max()))
+    out = A.ppo_clip_loss(logp(), prox, adv, mask, norm=norm, agg_mode=algo_cfg.loss_agg_mode,
+                          token_weights_BT=isw.weights_BT)  # fmt: skip
+    out.loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), trainer_cfg.grad_clip)
+    opt.step()
+    return {"loss": out.loss.item(), "grad_norm": float(grad_norm), "weights": model.state_dict(),
+            "weight_mean": isw.weight_mean}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tests
+
+
+@pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-mean"])
+def test_two_ranks_equal_one_process(tiny_model: Path, agg_mode: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from trainer.dist import spawn_local
+
+    torch.set_num_threads(1)
+    # Adam's first update is ~lr * sign(g), blind to the gradient's scale and noisy where g ~ 0. Clipping the
+    # gradient norm to 1e-6 puts |g| far below Adam's eps (1e-8 per element), where the update is ~lr * g / eps:
+    # the weight change is then proportional to the gradient itself, so this compares gradients element-wise.
+    trainer_cfg = TrainerConfig(micro_batch_size=3, mini_batches=1, lr=1e-3, grad_clip=1e-6)
+    algo_cfg = AlgorithmConfig(loss_agg_mode=agg_mode, off_policy="decoupled", is_cap=2.0)
+    two = spawn_local(2, _train_worker, str(tiny_model), trainer_cfg, algo_cfg, 1)
+    ref = reference_step(str(tiny_model), trainer_cfg, algo_cfg, make_batch(seed=0))
+
+    m0, m1 = two[0]["metrics"][0], two[1]["metrics"][0]
+    assert m0 == m1  # every rank returns the same (all-reduced) metrics
+    assert m0["actor/pg_loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7)
+    assert m0["actor/grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+    assert m0["is/weight_mean"] == pytest.approx(ref["weight_mean"], rel=1e-5)
+    assert two[1]["weights"] == {}  # full weights are gathered on rank 0 only
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
+    for name, w in two[0]["weights"].items():
+        delta_ref = ref["weights"][name] - initial[name]
+        assert delta_ref.abs().max() > 1e-6, name  # every tensor moved, so the comparison means something
+        torch.testing.assert_close(w - initial[name], delta_ref, rtol=1e-4, atol=1e-8, msg=name)
+
+
+def _ckpt_worker(model_dir: str, root: str) -> dict:
+    from trainer.checkpoint import load_checkpoint, save_checkpoint
+    from trainer.dist import destroy_distributed, init_distributed
+    from trainer.engine import TrainEngine
+
+    torch.set_num_threads(1)
+    info = init_distributed("cpu")
+    cfg = TrainerConfig(micro_batch_size=4, lr=1e-3, lr_schedule="cosine", warmup_steps=1, total_steps=5,
+                        keep_checkpoints=2)  # fmt: skip
+    algo_cfg = AlgorithmConfig()
+    share = lambda s: rank_share(make_batch(seed=s), info.rank, info.world_size)  # noqa: E731
+
+    engine = TrainEngine(model_dir, cfg, algo_cfg, temperature=0.9)
+    for step in range(1, 4):  # three saves with keep=2: the first one is pruned
+        engine.train_step(share(step))
+        save_checkpoint(engine, root, step, {"step": step, "version": step, "groups": [1, 2]}, keep=2)
+    after_save = engine.full_state_dict()
+    continued = engine.train_step(share(10))
+    continued_weights = engine.full_state_dict()
+
+    fresh = TrainEngine(model_dir, cfg, algo_cfg, temperature=0.9)
+    extra = load_checkpoint(fresh, root)
+    restored = fresh.full_state_dict()
+    resumed = fresh.train_step(share(10))
+    resumed_weights = fresh.full_state_dict()
+    destroy_distributed()
+    return {"extra": extra, "num_updates": (engine.num_updates, fresh.num_updates), "after_save": after_save,
+            "restored": restored, "continued": continued, "resumed": resumed, "continued_weights": continued_weights,
+            "resumed_weights": resumed_weights}  # fmt: skip
+
+
+def test_checkpoint_round_trip_and_hf_export(tiny_model: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.checkpoint import export_hf, latest_checkpoint, list_checkpoints
+    from trainer.dist import spawn_local
+
+    torch.set_num_threads(1)
+    root = tmp_path / "ckpt"
+    out = spawn_local(2, _ckpt_worker, str(tiny_model), str(root))[0]
+
+    assert out["extra"] == {"step": 3, "version": 3, "groups": [1, 2]}
+    assert [p.name for p in list_checkpoints(root)] == ["step_00000002", "step_00000003"]
+    assert latest_checkpoint(root) == root / "step_00000003"
+    assert not list(root.glob(".tmp-*"))
+    for name, w in out["after_save"].items():  # the model is restored exactly
+        assert torch.equal(out["restored"][name], w), name
+    # ... and so are the optimizer moments, the LR schedule and the update count: the next step is identical
+    assert out["num_updates"] == (4, 4)
+    assert out["resumed"]["actor/lr"] == out["continued"]["actor/lr"]
+    assert out["resumed"]["actor/pg_loss"] == out["continued"]["actor/pg_loss"]
+    for name, w in out["continued_weights"].items():
+        assert torch.equal(out["resumed_weights"][name], w), name
+    assert not torch.equal(out["continued_weights"]["model.norm.weight"], out["after_save"]["model.norm.weight"])
+
+    hf_dir = export_hf(latest_checkpoint(root), tmp_path / "hf", tiny_model)
+    assert json.loads((hf_dir / "config.json").read_text())["model_type"] == "qwen2"
+    exported = AutoModelForCausalLM.from_pretrained(hf_dir)
+    live = AutoModelForCausalLM.from_pretrained(tiny_model)
+    live.load_state_dict(out["after_save"])
+    ids = make_batch(seed=5)["input_ids"][:3]
+    with torch.no_grad():
+        assert torch.equal(exported(input_ids=ids).logits, live(input_ids=ids).logits)
+    assert AutoTokenizer.from_pretrained(hf_dir).convert_tokens_to_ids("t5") == 5
+    assert math.isfinite(out["continued"]["actor/grad_norm"])
+
+
+def _options_worker(model_dir: str, algo_cfg: AlgorithmConfig) -> list[dict[str, float]]:
+    from trainer.dist import destroy_distributed, init_distributed
+    from trainer.engine import TrainEngine
+
+    torch.set_num_threads(1)
+    init_distributed("cpu")
+    cfg = TrainerConfig(micro_batch_size=5, mini_batches=2, lr=1e-2, lr_schedule="cosine", warmup_steps=1,
+                        total_steps=2)  # fmt: skip
+    engine = TrainEngine(model_dir, cfg, algo_cfg, temperature=0.9)
+    metrics = [engine.train_step(make_batch(seed=s)) for s in range(2)]
+    destroy_distributed()
+    return metrics
+
+
+@pytest.mark.parametrize("use_kl_loss", [True, False])
+def test_reference_kl_entropy_bonus_and_mini_batches(tiny_model: Path, use_kl_loss: bool) -> None:
+    from trainer.dist import spawn_local
+
+    algo_cfg = AlgorithmConfig(kl_coef=0.1, kl_type="k3", use_kl_loss=use_kl_loss, entropy_coeff=0.01,
+                               off_policy="bypass", loss_agg_mode="seq-mean-token-sum-norm")  # fmt: skip
+    first, second = spawn_local(1, _options_worker, str(tiny_model), algo_cfg)[0]
+    for m in (first, second):
+        assert all(math.isfinite(v) for v in m.values()), m
+        assert {"actor/kl", "actor/entropy", "actor/pg_loss", "actor/clipfrac", "actor/grad_norm"} <= set(m)
+        assert "is/weight_mean" not in m  # bypass applies no importance weight
+        assert "timing/proximal_s" not in m and "timing/ref_s" in m
+    # the reference is the initial policy: KL starts at ~0 (first update) and grows once the policy has moved
+    assert 0.0 <= first["actor/kl"] < second["actor/kl"]
+    assert second["actor/num_updates"] == 4.0
+    # LR: warmup over the first step's 2 updates (0.5, 1.0) x lr, then cosine down to 0 over the remaining 2
+    assert first["actor/lr"] == pytest.approx(0.75e-2)
+    assert second["actor/lr"] == pytest.approx((1.0 + 0.5) / 2 * 1e-2)
+    assert 0.0 < first["actor/entropy"] <= math.log(VOCAB) + 1e-6
+
+
+def test_load_from_an_empty_root_is_a_fresh_start(tmp_path: Path) -> None:
+    from trainer.checkpoint import CheckpointError, load_checkpoint
+
+    assert load_checkpoint(object(), tmp_path / "nothing-here") is None
+    (tmp_path / "step_00000001").mkdir()
+    with pytest.raises(CheckpointError, match="no DCP metadata"):
+        load_checkpoint(object(), tmp_path / "step_00000001")

@@ -1,0 +1,375 @@
+"""The FSDP2 train engine: a Hugging Face causal LM, AdamW, an LR schedule, and one RL `train_step` per call.
+
+The trainer service (`trainer/service.py`) owns the loop; this module owns the math of one step on one rank:
+
+    engine = TrainEngine(model_path, cfg.trainer, cfg.algorithm, temperature=cfg.rollout.temperature)
+    metrics = engine.train_step(batch)       # batch: this rank's share (whole GRPO groups) as a TensorDict [B]
+    weights = engine.full_state_dict()       # rank 0: HF-named full tensors on CPU; others: {}
+
+Every rank must call `train_step`, `compute_log_probs` and `full_state_dict` together (they run collectives);
+ranks may hold different numbers of sequences: the number of forward/backward passes is agreed by all-reduce and a
+rank that runs out does empty passes. Tests: `pytest tests/integration/test_fsdp.py`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tensordict import TensorDict
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
+
+from schemas.config import AlgorithmConfig, TrainerConfig
+from trainer import algorithms as algo
+from trainer.dist import DistInfo, all_reduce, init_distributed
+from trainer.parallelize import parallelize
+
+BATCH_KEYS = ("input_ids", "attention_mask", "position_ids", "response_mask", "rollout_log_probs",
+              "token_level_rewards", "group_index")  # fmt: skip
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def lr_factor(update: int, *, schedule: str, warmup: int, total: int, min_ratio: float) -> float:
+    """Multiplier of the base LR for optimizer update `update` (0-based): linear warmup, then constant or cosine."""
+    if update < warmup:
+        return (update + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (update - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def token_log_probs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / temperature)[token] [B, T]: position t scored by the logits at t - 1; position 0 gets 0."""
+    z_BTV = logits_BTV[:, :-1].float() / temperature
+    picked_BT = z_BTV.gather(-1, input_ids_BT[:, 1:, None]).squeeze(-1)
+    # gather - logsumexp avoids materialising a second [B, T, V] tensor for log_softmax.
+    return F.pad(picked_BT - torch.logsumexp(z_BTV, dim=-1), (1, 0))
+
+
+class TrainEngine:
+    """One rank's share of the FSDP2-sharded policy (and frozen reference), optimizer and LR schedule."""
+
+    info: DistInfo
+    model: nn.Module
+    ref_model: nn.Module | None
+    optimizer: torch.optim.AdamW
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    num_updates: int  # optimizer updates done so far (mini-batches, not steps)
+    model_path: str
+
+    def __init__(
+        self,
+        model_path: str,
+        trainer_cfg: TrainerConfig,
+        algo_cfg: AlgorithmConfig,
+        temperature: float,
+        *,
+        dtype: str = "float32",
+        gradient_checkpointing: bool = False,
+    ) -> None:
+        self.cfg = trainer_cfg
+        self.algo = algo_cfg
+        self.temperature = float(temperature)
+        self.model_path = model_path
+        self.info = init_distributed(trainer_cfg.device)
+        torch.manual_seed(trainer_cfg.seed)
+        self.model = self._load(model_path, dtype, gradient_checkpointing)
+        self.ref_model = None
+        if algo_cfg.kl_coef > 0:
+            self.ref_model = self._load(model_path, dtype, False)
+            self.ref_model.requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=trainer_cfg.lr,
+            betas=tuple(trainer_cfg.betas),
+            weight_decay=trainer_cfg.weight_decay,
+        )
+        # The schedule counts optimizer updates; a step makes `mini_batches` of them.
+        total = trainer_cfg.total_steps * trainer_cfg.mini_batches
+        warmup = trainer_cfg.warmup_steps * trainer_cfg.mini_batches
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda u: lr_factor(u, schedule=trainer_cfg.lr_schedule, warmup=warmup, total=total,
+                                min_ratio=trainer_cfg.min_lr_ratio),
+        )  # fmt: skip
+        self.num_updates = 0
+
+    def _load(self, path: str, dtype: str, gradient_checkpointing: bool) -> nn.Module:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype])
+        model.config.use_cache = False
+        return parallelize(
+            model,
+            device=self.info.device,
+            mixed_precision=self.cfg.mixed_precision,
+            activation_checkpointing=gradient_checkpointing,
+        )
+
+    # -------------------------------------------------------------------------------------------------------------
+    # forward passes
+
+    def _forward(
+        self, model: nn.Module, mb: dict[str, torch.Tensor] | None, *, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(log-probs [b, T], entropy [b, T] or None, a zero scalar tied to the graph). `mb=None` is an empty pass.
+
+        The micro-batch is trimmed to its longest sequence (right padding) before the forward, and the outputs are
+        padded back to T with zeros.
+        """
+        if mb is None:  # this rank ran out of sequences; FSDP still needs its all-gathers and reduce-scatters
+            ids = torch.zeros(1, 1, dtype=torch.long, device=self.info.device)
+            ones, zeros = torch.ones_like(ids), torch.zeros_like(ids)
+            logits = model(input_ids=ids, attention_mask=ones, position_ids=zeros).logits
+            return ids.float(), None, logits.sum() * 0.0
+        T = mb["input_ids"].shape[1]
+        L = max(1, int(mb["attention_mask"].sum(dim=-1).max().item()))
+        ids_bL = mb["input_ids"][:, :L]
+        logits_bLV = model(
+            input_ids=ids_bL, attention_mask=mb["attention_mask"][:, :L], position_ids=mb["position_ids"][:, :L]
+        ).logits
+        logp_bT = F.pad(token_log_probs(logits_bLV, ids_bL, self.temperature), (0, T - L))
+        entropy_bT = None
+        if with_entropy:
+            grad = self.algo.entropy_coeff > 0 and torch.is_grad_enabled()
+            with torch.set_grad_enabled(grad):
+                # Entropy of the distribution that produced token t: logits at t - 1, as for the log-probs.
+                h_bL = algo.entropy_from_logits(logits_bLV[:, :-1].float() / self.temperature)
+            entropy_bT = F.pad(h_bL, (1, T - L))
+        return logp_bT, entropy_bT, logits_bLV.sum() * 0.0
+
+    def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor | None]:
+        """Split row indices into micro-batches; pad with None to the largest count over all ranks."""
+        local = list(rows.split(self.cfg.micro_batch_size)) if rows.numel() else []
+        (num_global,) = all_reduce([float(len(local))], "max")
+        return local + [None] * (int(num_global) - len(local))
+
+    @torch.no_grad()
+    def compute_log_probs(self, batch: TensorDict, *, model: nn.Module | None = None) -> torch.Tensor:
+        """Log-probs [B, T] of `batch`'s tokens under the current policy (or `model`), micro-batched, no grad."""
+        model = model if model is not None else self.model
+        data = self._tensors(batch)
+        out_BT = torch.zeros(data["input_ids"].shape, dtype=torch.float32, device=self.info.device)
+        for idx in self._micro_batches(torch.arange(data["input_ids"].shape[0], device=self.info.device)):
+            logp, _, _ = self._forward(model, None if idx is None else self._rows(data, idx), with_entropy=False)
+            if idx is not None:
+                out_BT[idx] = logp
+        return out_BT
+
+    def _tensors(self, batch: TensorDict) -> dict[str, torch.Tensor]:
+        missing = [k for k in BATCH_KEYS if k not in batch.keys()]
+        if missing:
+            raise KeyError(f"train batch lacks {missing}; it must carry {list(BATCH_KEYS)}")
+        return {k: batch.get(k).to(self.info.device) for k in BATCH_KEYS}
+
+    @staticmethod
+    def _rows(data: dict[str, torch.Tensor], idx: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {k: v[idx] for k, v in data.items()}
+
+    # -------------------------------------------------------------------------------------------------------------
+    # the step
+
+    def train_step(self, batch: TensorDict) -> dict[str, float]:
+        """One RL step on this rank's share of the batch; returns the same all-reduced metrics on every rank.
+
+        Every GRPO group must be whole on this rank (advantages use the group's own baseline). The step: proximal
+        log-probs (decoupled / none), reference log-probs (kl_coef > 0), KL-in-reward (use_kl_loss=False),
+        advantages, then `mini_batches` optimizer updates, each over micro-batches of `micro_batch_size` sequences
+        with the loss normalised by whole-update token / sequence counts summed over all ranks.
+        """
+        t_step = time.perf_counter()
+        data = self._tensors(batch)
+        mask_BT = data["response_mask"].float()
+        behaviour_BT = data["rollout_log_probs"].float()
+        timing: dict[str, float] = {}
+
+        proximal_BT = None
+        if algo.needs_proximal(self.algo.off_policy):
+            t = time.perf_counter()
+            proximal_BT = self.compute_log_probs(batch)
+            timing["timing/proximal_s"] = time.perf_counter() - t
+        ref_BT = None
+        if self.ref_model is not None:
+            t = time.perf_counter()
+            ref_BT = self.compute_log_probs(batch, model=self.ref_model)
+            timing["timing/ref_s"] = time.perf_counter() - t
+
+        old_BT = algo.old_log_probs_for(self.algo.off_policy, behaviour_BT, proximal_BT)
+        rewards_BT = data["token_level_rewards"].float()
+        if ref_BT is not None and not self.algo.use_kl_loss:
+            rewards_BT = algo.apply_kl_reward_penalty(
+                rewards_BT, old_BT, ref_BT, mask_BT, kl_coef=self.algo.kl_coef, kl_type=self.algo.kl_type
+            )
+        adv_BT = algo.compute_advantages(
+            rewards_BT, mask_BT, data["group_index"],
+            estimator=self.algo.adv_estimator, norm_by_std=self.algo.norm_adv_by_std,
+        )  # fmt: skip
+        isw = algo.importance_weights_for(
+            self.algo.off_policy, behaviour_BT, proximal_BT, mask_BT,
+            cap=self.algo.is_cap, log_ratio_clamp=self.algo.log_ratio_clamp,
+        )  # fmt: skip
+        weights_BT = isw.weights_BT if isw is not None else None
+        # C of seq-mean-token-sum-norm: the longest response of the step over all ranks, fixed for the step.
+        (scale,) = all_reduce([float(mask_BT.sum(dim=-1).max().item()) if mask_BT.numel() else 1.0], "max")
+
+        acc = _Accumulator()
+        t_update = time.perf_counter()
+        B = data["input_ids"].shape[0]
+        for part in torch.arange(B, device=self.info.device).tensor_split(self.cfg.mini_batches):
+            num_tokens, num_seqs = all_reduce(list(algo.LossNormaliser.local_counts(mask_BT[part])), "sum")
+            norm = algo.LossNormaliser(num_tokens=num_tokens, num_seqs=num_seqs, scale=max(scale, 1.0))
+            self.optimizer.zero_grad(set_to_none=True)
+            update_loss = 0.0
+            for idx in self._micro_batches(part):
+                mb = None if idx is None else self._rows(data, idx)
+                logp_bT, entropy_bT, zero = self._forward(self.model, mb, with_entropy=True)
+                if idx is None:
+                    loss = zero
+                else:
+                    loss, pg_loss = self._micro_loss(idx, logp_bT, entropy_bT, old_BT, adv_BT, mask_BT, weights_BT,
+                                                     ref_BT, norm, acc)  # fmt: skip
+                    update_loss += pg_loss
+                # FSDP averages gradients over ranks; the normaliser is already global, so undo the average.
+                (loss * self.info.world_size).backward()
+            acc.add("actor/pg_loss", update_loss, 1.0)
+            grad_norm = self._clip_grad_norm()
+            acc.add_global("actor/grad_norm", grad_norm)
+            acc.add_global("actor/lr", self.optimizer.param_groups[0]["lr"])
+            if math.isfinite(grad_norm):
+                self.optimizer.step()
+            else:  # a NaN/inf gradient would poison the weights and Adam's moments: skip this update, say so
+                acc.add_global("actor/skipped_updates", 1.0)
+            self.scheduler.step()
+            self.num_updates += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        timing["timing/update_s"] = time.perf_counter() - t_update
+
+        if isw is not None:
+            acc.add("is/weight_mean", isw.weight_mean * isw.num_tokens, isw.num_tokens)
+            acc.add("is/truncated_frac", isw.truncated_frac * isw.num_tokens, isw.num_tokens)
+        acc.add("perf/num_tokens", float(data["attention_mask"].sum().item()), 0.0)
+        metrics = acc.reduce(num_updates=self.cfg.mini_batches)
+        timing["timing/step_s"] = time.perf_counter() - t_step
+        names = list(timing)
+        metrics.update(zip(names, all_reduce([timing[n] for n in names], "max")))
+        metrics["perf/tokens_per_s"] = metrics["perf/num_tokens"] / max(metrics["timing/step_s"], 1e-9)
+        metrics["actor/num_updates"] = float(self.num_updates)
+        return metrics
+
+    def _micro_loss(
+        self,
+        idx: torch.Tensor,
+        logp_bT: torch.Tensor,
+        entropy_bT: torch.Tensor | None,
+        old_BT: torch.Tensor,
+        adv_BT: torch.Tensor,
+        mask_BT: torch.Tensor,
+        weights_BT: torch.Tensor | None,
+        ref_BT: torch.Tensor | None,
+        norm: algo.LossNormaliser,
+        acc: _Accumulator,
+    ) -> tuple[torch.Tensor, float]:
+        """The micro-batch's share of the update loss (policy + entropy bonus + KL loss) and its pg-loss value."""
+        mask_bT = mask_BT[idx]
+        mode = self.algo.loss_agg_mode
+        out = algo.ppo_clip_loss(
+            logp_bT, old_BT[idx], adv_BT[idx], mask_bT, norm=norm, agg_mode=mode,
+            clip_ratio_low=self.algo.clip_ratio_low, clip_ratio_high=self.algo.clip_ratio_high,
+            clip_ratio_c=self.algo.clip_ratio_c, log_ratio_clamp=self.algo.log_ratio_clamp,
+            token_weights_BT=None if weights_BT is None else weights_BT[idx],
+        )  # fmt: skip
+        loss = out.loss
+        n = out.num_tokens
+        acc.add("actor/clipfrac", out.clipfrac * n, n)
+        acc.add("actor/dual_clipfrac", out.dual_clipfrac * n, n)
+        acc.add("actor/approx_kl", out.approx_kl * n, n)
+        if entropy_bT is not None:
+            acc.add("actor/entropy", float((entropy_bT.detach() * mask_bT).sum()), n)
+            if self.algo.entropy_coeff > 0:
+                loss = loss - self.algo.entropy_coeff * algo.aggregate_loss(entropy_bT, mask_bT, mode, norm)
+        if ref_BT is not None:
+            kl_bT = algo.kl_estimate(logp_bT, ref_BT[idx], self.algo.kl_type)
+            acc.add("actor/kl", float((kl_bT.detach() * mask_bT).sum()), n)
+            if self.algo.use_kl_loss:
+                loss = loss + self.algo.kl_coef * algo.aggregate_loss(kl_bT, mask_bT, mode, norm)
+        return loss, float(out.loss.detach())
+
+    def _clip_grad_norm(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    # -------------------------------------------------------------------------------------------------------------
+    # weights and state
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) parameters and buffers on CPU with Hugging Face names on rank 0; {} on other ranks.
+
+        A collective: every rank must call it.
+        """
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Sharded trainer state for torch.distributed.checkpoint: model, optimizer, LR schedule, update count."""
+        return {
+            "model": get_model_state_dict(self.model),
+            "optim": get_optimizer_state_dict(self.model, self.optimizer),
+            "scheduler": self.scheduler.state_dict(),
+            "num_updates": self.num_updates,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state["model"])
+        set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.num_updates = int(state["num_updates"])
+
+
+class _Accumulator:
+    """Sums (value, weight) pairs per metric over a step, then all-reduces them once: sum(value) / sum(weight)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, list[float]] = {}
+        self.global_names: set[str] = set()
+
+    def add(self, name: str, value: float, weight: float) -> None:
+        s = self.sums.setdefault(name, [0.0, 0.0])
+        s[0] += value
+        s[1] += weight
+
+    def add_global(self, name: str, value: float) -> None:
+        """A value that is already identical on every rank (grad norm, LR): averaged over updates, not ranks."""
+        self.global_names.add(name)
+        self.add(name, value, 1.0)
+
+    def reduce(self, *, num_updates: int) -> dict[str, float]:
+        names = sorted(self.sums)
+        flat = [x for n in names for x in self.sums[n]]
+        total = all_reduce(flat, "sum")
+        world = all_reduce([1.0], "sum")[0]
+        out: dict[str, float] = {}
+        for i, n in enumerate(names):
+            value, weight = total[2 * i], total[2 * i + 1]
+            if n in self.global_names:
+                value, weight = value / world, weight / world
+                out[n] = value if n == "actor/skipped_updates" else value / max(weight, 1.0)
+            elif n == "actor/pg_loss":  # summed over ranks = each update's whole-batch loss; mean over updates
+                out[n] = value / num_updates
+            elif weight == 0.0:  # a plain total (token counts)
+                out[n] = value
+            else:
+                out[n] = value / weight
+        return out

@@ -1,0 +1,221 @@
+"""Start, join and stop the Ray cluster that carries rlbus's data plane (TransferQueue, weight store).
+
+    from bus.ray_cluster import ensure_ray, start_ray_head, stop_ray_head
+    head = start_ray_head(num_cpus=4)   # `rlbus up`: a loopback head that outlives any one role process
+    ensure_ray(RayConfig(address=head.address))   # every role process, with os.environ updated by head.env
+    stop_ray_head(head)
+
+Two Ray defaults are overridden for the clusters rlbus starts itself:
+- Ray advertises (and binds) the machine's routable IP even for a single-node cluster. Loopback-only is asked for
+  here, and Ray's only switch for it is the environment variable `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, read when
+  `ray` is imported -- so the head runs as a child process with that variable set.
+- Token authentication is off for these loopback-only heads (`RAY_AUTH_MODE=disabled`, said explicitly, since Ray
+  turns it on by default for new clusters): Ray reads the mode once per process, so a driver that imported Ray
+  before it learnt the address could not switch to token mode. A multi-machine cluster is started by the user with
+  `ray start` (token auth on, RAY_AUTH_MODE=token set for every rlbus process, as Ray documents) and given as
+  ray.address.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from schemas.config import RayConfig
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_STARTED: dict[int, subprocess.Popen] = {}  # heads this process started, by pid, so that stop can reap them
+
+
+@dataclass(frozen=True)
+class RayHead:
+    """A Ray head node running as a child process (`ray start --head --block`)."""
+
+    pid: int  # the `ray start --block` process; its process group holds every Ray process it started
+    address: str  # GCS address "127.0.0.1:<port>" to hand to ray.init / child processes
+    temp_dir: str  # Ray's session files and logs
+    env: dict[str, str] = field(default_factory=dict)  # environment a process needs to connect to this head
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface right now (the OS picks it; never a fixed port)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ray_bin() -> str:
+    # The `ray` script next to this interpreter, so a virtualenv's Ray is used even when it is not on PATH.
+    candidate = Path(sys.executable).with_name("ray")
+    return str(candidate) if candidate.exists() else "ray"
+
+
+def _die_with_parent() -> None:
+    # Runs in the child between fork and exec: SIGTERM it when the process (thread) that started it dies, so a
+    # crashed launcher does not leave a Ray cluster behind. `ray start --block` stops its children on SIGTERM.
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def start_ray_head(
+    num_cpus: int = 0,
+    object_store_memory: int = 0,
+    temp_dir: str | None = None,
+    timeout_s: float = 90.0,
+    die_with_parent: bool = True,
+) -> RayHead:
+    """Start a loopback-only Ray head as a child process and wait until it accepts drivers.
+
+    num_cpus / object_store_memory: 0 = Ray's default. die_with_parent: SIGTERM the head when the calling thread
+    exits (Linux PR_SET_PDEATHSIG; call it from a thread that lives as long as the cluster should, e.g. the main one).
+    """
+    head_env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+    env = dict(os.environ, **head_env, RAY_USAGE_STATS_ENABLED="0")
+    # Short path: Ray puts unix sockets under it and their paths are limited to ~107 bytes.
+    root = temp_dir or tempfile.mkdtemp(prefix="rlbus-ray-", dir="/tmp")
+    port = free_port()
+    cmd = [
+        _ray_bin(), "start", "--head", "--block", "--disable-usage-stats",
+        "--node-ip-address=127.0.0.1", f"--port={port}", f"--temp-dir={root}",
+        "--include-dashboard=false",
+        # Every listening port explicit: several Ray clusters may share this machine, and Ray's defaults are fixed.
+        f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}",
+        f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+        f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+        f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
+    ]  # fmt: skip
+    if num_cpus > 0:
+        cmd.append(f"--num-cpus={num_cpus}")
+    if object_store_memory > 0:
+        cmd.append(f"--object-store-memory={object_store_memory}")
+    log_path = Path(root) / "ray-start.log"
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # its own process group: stop_ray_head kills exactly what it started
+            preexec_fn=_die_with_parent if die_with_parent else None,
+        )
+    _STARTED[proc.pid] = proc
+    head = RayHead(
+        pid=proc.pid,
+        address=f"127.0.0.1:{port}",
+        temp_dir=root,
+        env=head_env,
+    )
+    deadline = time.monotonic() + timeout_s
+    while b"Ray runtime started" not in log_path.read_bytes():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            text = log_path.read_text(errors="replace")[-3000:]
+            stop_ray_head(head)
+            reason = f"exited with {proc.returncode}" if proc.returncode is not None else f"not up in {timeout_s}s"
+            raise RuntimeError(f"ray start --head {reason}; log tail:\n{text}")
+        time.sleep(0.2)
+    log.info("Ray head up at %s (pid %d, logs in %s)", head.address, head.pid, root)
+    return head
+
+
+def _alive(pid: int) -> bool:
+    proc = _STARTED.get(pid)
+    if proc is not None:
+        return proc.poll() is None
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)  # signal 0: only asks whether any process of the group exists
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def stop_ray_head(head: RayHead | int, timeout_s: float = 30.0, remove_temp_dir: bool = True) -> None:
+    """Stop a head started by start_ray_head: SIGTERM its `ray start --block` process (which stops the Ray
+    processes it started), then SIGKILL whatever is left in its process group. Touches nothing else."""
+    pid = head.pid if isinstance(head, RayHead) else head
+    if _alive(pid):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    # The group id is the head's pid (start_new_session); workers and agents it spawned stay in that group.
+    if _group_alive(pid):
+        os.killpg(pid, signal.SIGKILL)
+    proc = _STARTED.pop(pid, None)
+    if proc is not None:
+        proc.wait(timeout=timeout_s)
+    if remove_temp_dir and isinstance(head, RayHead) and Path(head.temp_dir).name.startswith("rlbus-ray-"):
+        shutil.rmtree(head.temp_dir, ignore_errors=True)
+
+
+def _is_loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return host == "localhost" or host.startswith("127.") or host == "::1"
+
+
+def use_loopback() -> None:
+    """Make this process treat its node as 127.0.0.1, as a loopback-only head requires of its drivers.
+
+    Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, at import, into ray_constants.ENABLE_RAY_CLUSTER; when Ray
+    was imported before we knew the address, that constant is set here to the value the variable would give
+    (Ray reads the constant at call time). Otherwise Ray rewrites "127.0.0.1:port" to the routable IP and cannot
+    reach a head that listens on loopback only.
+    """
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # for child processes
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def ensure_ray(cfg: RayConfig) -> str:
+    """Initialise Ray in this process unless it already is, and return the cluster's GCS address.
+
+    cfg.address "" starts a loopback head owned by this process (stopped at exit) and connects to it; any other
+    value ("auto", "host:port") connects to that cluster. Logging is kept quiet; there is no dashboard.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return ray.get_runtime_context().gcs_address
+    address = cfg.address
+    if not address:
+        # PR_SET_PDEATHSIG fires when the starting *thread* ends: tie the head to it only on the main thread
+        # (callers may run this in asyncio.to_thread); otherwise the atexit hook below is what stops it.
+        head = start_ray_head(
+            num_cpus=cfg.num_cpus,
+            object_store_memory=cfg.object_store_memory,
+            die_with_parent=threading.current_thread() is threading.main_thread(),
+        )
+        # Registered before ray.init, so it runs after Ray's own shutdown hook (atexit is last-in, first-out).
+        atexit.register(stop_ray_head, head)
+        os.environ.update(head.env)
+        address = head.address
+    if _is_loopback(address):
+        use_loopback()
+    ray.init(
+        address=address,
+        namespace=cfg.namespace,
+        logging_level=logging.WARNING,
+        log_to_driver=False,
+    )
+    return ray.get_runtime_context().gcs_address

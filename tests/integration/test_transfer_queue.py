@@ -1,0 +1,177 @@
+"""The TransferQueue and WeightStore against a real local Ray (one head per session, tests/support/ray_cluster.py).
+
+    .venv/bin/python -m pytest -q tests/integration/test_transfer_queue.py
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from bus.transfer_queue import TransferQueue, WeightStore, shard_of, state_dict_checksum
+from schemas.errors import PayloadMissing, TransferQueueFull, WeightsMissing
+
+torch.set_num_threads(1)
+
+
+def _traj(length: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "input_ids": torch.randint(0, 1000, (length,), generator=g),
+        "response_mask": torch.ones(length, dtype=torch.bool),
+        "logprobs": torch.randn(length, generator=g),
+        "topk": torch.randn(2, length, generator=g).to(torch.bfloat16),  # lead dim + a dtype numpy lacks
+        "reward": torch.tensor(float(seed)),  # 0-d
+    }
+
+
+async def test_round_trip_pads_unequal_lengths_and_keeps_order(ray_config, run_name):
+    tq = TransferQueue.connect(run_name, ray_config)
+    lengths = {"g/0": 5, "g/1": 2, "g/2": 7, "g/3": 1}
+    stored = {k: _traj(n, i) for i, (k, n) in enumerate(lengths.items())}
+    await tq.put_many(stored)
+
+    keys = ["g/2", "g/0", "g/3", "g/1"]
+    batch = await tq.get(keys)
+    assert batch.batch_size == torch.Size([4])
+    assert batch["input_ids"].shape == (4, 7) and batch["topk"].shape == (4, 2, 7)
+    assert batch["topk"].dtype == torch.bfloat16 and batch["response_mask"].dtype == torch.bool
+    for row, key in enumerate(keys):
+        n = lengths[key]
+        for name in ("input_ids", "response_mask", "logprobs"):
+            assert torch.equal(batch[name][row, :n], stored[key][name])
+            assert not batch[name][row, n:].any()  # right-padded with 0
+        assert torch.equal(batch["topk"][row, :, :n], stored[key]["topk"])
+        assert batch["reward"][row] == stored[key]["reward"]
+    assert torch.equal(tq.get_sync(keys)["logprobs"], batch["logprobs"])
+
+    unpadded = await tq.get_list(keys)
+    for key, item in zip(keys, unpadded):
+        assert item.keys() == stored[key].keys()
+        assert all(torch.equal(item[f], stored[key][f]) for f in item)
+
+
+async def test_reput_replaces_and_counts_once(ray_config, run_name):
+    tq = TransferQueue.connect(run_name, ray_config)
+    await tq.put("k", {"x": torch.zeros(100, dtype=torch.int64)})
+    await tq.put("k", {"x": torch.ones(10, dtype=torch.int64)})  # a retried put
+    stats = await tq.stats()
+    assert (stats["items"], stats["bytes"]) == (1, 80)
+    assert torch.equal((await tq.get(["k"]))["x"][0], torch.ones(10, dtype=torch.int64))
+
+
+_PRODUCER = textwrap.dedent(
+    """
+    import os, sys, time, torch
+    from schemas.config import RayConfig
+    from bus.transfer_queue import TransferQueue, WeightStore
+    address, namespace, run, mode = sys.argv[1:5]
+    cfg = RayConfig(address=address, namespace=namespace, num_storage_actors=2,
+                    capacity_items=16, capacity_bytes=128 * 1024, weight_versions_kept=2)
+    TransferQueue.connect(run, cfg).put_many_sync(
+        {f"sub/{i}": {"ids": torch.arange(50) + i} for i in range(4)})
+    WeightStore.connect(run, cfg).put_sync(7, {"w": torch.full((64, 64), 7.0)})
+    print("stored", flush=True)
+    if mode == "hang":
+        time.sleep(600)  # the test SIGKILLs us here
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["exit", "sigkill"])
+async def test_tensors_put_by_a_dead_producer_survive(ray_config, run_name, ray_env, how):
+    mode = "hang" if how == "sigkill" else "exit"
+    args = [sys.executable, "-c", _PRODUCER, ray_config.address, ray_config.namespace, run_name, mode]
+    proc = subprocess.Popen(args, env=ray_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "stored", proc.stderr.read()
+        if how == "sigkill":
+            proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == (-signal.SIGKILL if how == "sigkill" else 0)
+
+    tq = TransferQueue.connect(run_name, ray_config)
+    batch = await tq.get([f"sub/{i}" for i in range(4)])
+    assert torch.equal(batch["ids"], torch.arange(50)[None, :] + torch.arange(4)[:, None])
+    weights = await WeightStore.connect(run_name, ray_config).get(7, verify=True)
+    assert torch.equal(weights["w"], torch.full((64, 64), 7.0))
+
+
+async def test_delete_frees_memory_and_later_gets_are_missing(ray_config, run_name):
+    tq = TransferQueue.connect(run_name, ray_config)
+    await tq.put_many({f"d/{i}": {"x": torch.zeros(256)} for i in range(4)})
+    before = await tq.stats()
+    assert (before["items"], before["bytes"]) == (4, 4 * 1024)
+
+    assert await tq.delete(["d/0", "d/1", "never-stored"]) == 2
+    after = await tq.stats()
+    assert (after["items"], after["bytes"]) == (2, 2 * 1024)
+    with pytest.raises(PayloadMissing) as err:
+        await tq.get(["d/2", "d/0", "d/1"])
+    assert err.value.keys == ["d/0", "d/1"]
+    assert (await tq.get(["d/3"]))["x"].shape == (1, 256)
+
+
+async def test_exceeding_capacity_items_stores_nothing(ray_config, run_name):
+    tq = TransferQueue.connect(run_name, ray_config)  # 8 items per shard
+    keys = [f"c/{i}" for i in range(20)]
+    assert max(sum(shard_of(k, 2) == s for k in keys) for s in (0, 1)) > 8
+    assert min(sum(shard_of(k, 2) == s for k in keys) for s in (0, 1)) <= 8  # one shard accepts, then rolls back
+    with pytest.raises(TransferQueueFull, match="capacity_items"):
+        await tq.put_many({k: {"x": torch.zeros(4)} for k in keys})
+    stats = await tq.stats()
+    assert stats["items"] == 0 and stats["bytes"] == 0
+    assert all(s["staged_items"] == 0 for s in stats["shards"])
+
+    await tq.put_many({k: {"x": torch.zeros(4)} for k in keys[:6]})
+    assert (await tq.stats())["items"] == 6
+
+
+async def test_exceeding_capacity_bytes_raises_with_usage(ray_config, run_name):
+    tq = TransferQueue.connect(run_name, ray_config)  # 64 KiB per shard
+    await tq.put("small", {"x": torch.zeros(1024, dtype=torch.uint8)})
+    with pytest.raises(TransferQueueFull) as err:
+        await tq.put("big", {"x": torch.zeros(70 * 1024, dtype=torch.uint8)})
+    message = str(err.value)
+    assert "capacity_bytes" in message and str(64 * 1024) in message
+    stats = await tq.stats()
+    assert (stats["items"], stats["bytes"]) == (1, 1024)
+    with pytest.raises(PayloadMissing):
+        await tq.get(["big"])
+
+
+async def test_keys_spread_over_shards(ray_config, run_name):
+    tq = TransferQueue.connect(run_name, ray_config)
+    await tq.put_many({f"group-{g}/{i}": {"x": torch.zeros(1)} for g in range(2) for i in range(4)})
+    counts = [s["items"] for s in (await tq.stats())["shards"]]
+    assert sum(counts) == 8 and min(counts) >= 1
+
+
+async def test_weight_store_keeps_newest_versions(ray_config, run_name):
+    ws = WeightStore.connect(run_name, ray_config)  # keeps 2
+    with pytest.raises(WeightsMissing):
+        await ws.get()
+    infos = {}
+    for version in (1, 2, 3):
+        sd = {"layer.weight": torch.full((8, 8), float(version)), "layer.bias": torch.arange(8.0).bfloat16()}
+        infos[version] = await ws.put(version, sd)
+        assert infos[version].checksum == state_dict_checksum(sd)
+    assert await ws.versions() == [2, 3]
+    newest = await ws.get()
+    assert torch.equal(newest["layer.weight"], torch.full((8, 8), 3.0))
+    assert newest["layer.bias"].dtype == torch.bfloat16
+    assert state_dict_checksum(newest) == infos[3].checksum != infos[2].checksum
+    assert infos[3].num_tensors == 2 and infos[3].num_bytes == 8 * 8 * 4 + 8 * 2 and infos[3].dtype == "float32"
+    with pytest.raises(WeightsMissing, match=r"\[2, 3\]"):
+        await ws.get(1)
+    assert torch.equal(ws.get_sync(2)["layer.weight"], torch.full((8, 8), 2.0))

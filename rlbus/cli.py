@@ -29,6 +29,56 @@ def cmd_bus_up(args: argparse.Namespace) -> int:
     return serve_forever(store_dir=args.dir, port=args.port, host=args.host)
 
 
+def cmd_init_model(args: argparse.Namespace) -> int:
+    from producers.model.init_model import main as init_main
+
+    return int(init_main(args.rest) or 0)
+
+
+def cmd_rollout(args: argparse.Namespace) -> int:
+    from producers.rollout_dry_run import main as rollout_main
+
+    return int(rollout_main(args.rest) or 0)
+
+
+def cmd_producer(args: argparse.Namespace) -> int:
+    from producers.service import main as producer_main
+
+    return producer_main(_load(args), producer_id=args.id)
+
+
+def cmd_trainer(args: argparse.Namespace) -> int:
+    from trainer.service import main as trainer_main
+
+    return trainer_main(_load(args))
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from rlbus.launcher import main as up_main
+
+    return up_main(_load(args))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from rlbus.status import main as status_main
+
+    return status_main(_load(args))
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from rlbus.plot import plot_run
+
+    print(plot_run(args.run_dir, args.out))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from rlbus.export import export_checkpoint
+
+    print(export_checkpoint(args.checkpoint, args.out))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlbus", description="Asynchronous, event-driven RL post-training.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -49,11 +99,63 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=4222, help="client port (0 = pick a free one)")
     up.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     up.set_defaults(func=cmd_bus_up)
+
+    # init-model and rollout parse their own arguments (their modules own the flags).
+    im = sub.add_parser("init-model", help="build the tiny quickstart model and tokenizer offline", add_help=False)
+    im.add_argument("rest", nargs=argparse.REMAINDER)
+    im.set_defaults(func=cmd_init_model)
+    ro = sub.add_parser("rollout", help="dry-run the agent loop on N prompts (no bus, no Ray)", add_help=False)
+    ro.add_argument("rest", nargs=argparse.REMAINDER)
+    ro.set_defaults(func=cmd_rollout)
+    ev = sub.add_parser("events", help="inspect a run's event log (filter, decode, export, follow)", add_help=False)
+    ev.add_argument("rest", nargs=argparse.REMAINDER)
+    ev.set_defaults(func=cmd_events)
+    rp = sub.add_parser("replay", help="replay recorded steps on CPU: bit for bit, or what-if with overrides",
+                        add_help=False)
+    rp.add_argument("rest", nargs=argparse.REMAINDER)
+    rp.set_defaults(func=cmd_replay)
+
+    pr = with_config(sub.add_parser("producer", help="run a rollout producer (any number, any time)"))
+    pr.add_argument("--id", default="", help="producer id (default: <host>-<pid>)")
+    pr.set_defaults(func=cmd_producer)
+    with_config(sub.add_parser("trainer", help="run the trainer (and the prompt feeder)")).set_defaults(func=cmd_trainer)
+    with_config(sub.add_parser("up", help="all in one: bus, Ray, trainer and producers, supervised, with progress")
+                ).set_defaults(func=cmd_up)
+    with_config(sub.add_parser("status", help="show a live run's state, read from the bus")).set_defaults(func=cmd_status)
+
+    pl = sub.add_parser("plot", help="draw reward / staleness / throughput curves of a run directory")
+    pl.add_argument("run_dir")
+    pl.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curves.png)")
+    pl.set_defaults(func=cmd_plot)
+    ex = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
+    ex.add_argument("checkpoint", help="RUN_DIR/checkpoints/step_N")
+    ex.add_argument("out", help="output directory")
+    ex.set_defaults(func=cmd_export)
     return p
 
 
+def cmd_events(args: argparse.Namespace) -> int:
+    from rlbus.events import main as events_main
+
+    return int(events_main(args.rest) or 0)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from consumers.replay import main as replay_main
+
+    return int(replay_main(args.rest) or 0)
+
+
+#: Subcommands whose modules own all their flags; their arguments are handed over untouched (`--help` included).
+PASSTHROUGH = {"init-model": cmd_init_model, "rollout": cmd_rollout, "events": cmd_events, "replay": cmd_replay}
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in PASSTHROUGH:
+        args = argparse.Namespace(rest=argv[1:], func=PASSTHROUGH[argv[0]])
+    else:
+        args = build_parser().parse_args(argv)
     from schemas.errors import ConfigError
 
     try:

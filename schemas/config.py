@@ -165,6 +165,7 @@ class RolloutConfig(_Section):
     heartbeat_interval_s: float = 5.0
     in_progress_interval_s: float = 10.0  # how often a producer tells JetStream it still works on a task
     max_inflight_tasks: int = 1  # prompt tasks a producer rolls out at once
+    tool_timeout_s: float = 30.0  # a tool call running longer answers "error: ... timed out" to the model
 
     def __post_init__(self) -> None:
         _need(self.n >= 1, "n", "must be >= 1")
@@ -179,6 +180,7 @@ class RolloutConfig(_Section):
         _need(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "must be > 0")
         _need(self.in_progress_interval_s > 0, "in_progress_interval_s", "must be > 0")
         _need(self.max_inflight_tasks >= 1, "max_inflight_tasks", "must be >= 1")
+        _need(self.tool_timeout_s > 0, "tool_timeout_s", "must be > 0")
 
 
 class AlgorithmConfig(_Section):

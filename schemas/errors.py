@@ -43,3 +43,15 @@ class PayloadMissing(TransferQueueError):
 
 class WeightsMissing(TransferQueueError):
     """A weight version is not (or no longer) held by the weight store."""
+
+
+class WeightLoadError(RlbusError):
+    """A rollout engine was handed a state dict that does not fit its model (names or shapes differ)."""
+
+    def __init__(self, version: int, *, missing: list[str], unexpected: list[str], bad_shape: list[str]):
+        self.version = version
+        self.missing, self.unexpected, self.bad_shape = list(missing), list(unexpected), list(bad_shape)
+        parts = [f"{label} {names[:5]}{' ...' if len(names) > 5 else ''}"
+                 for label, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", bad_shape))
+                 if names]
+        super().__init__(f"weights of version {version} do not fit the engine's model: " + "; ".join(parts))

@@ -1,3 +1,3 @@
-"""Shared fixtures: a real nats-server per test module and a real local Ray per test session (tests/support/)."""
+"""Shared fixtures: a real nats-server per test module, a real local Ray per test session, role processes."""
 
-pytest_plugins = ["tests.support.nats_server", "tests.support.ray_cluster"]
+pytest_plugins = ["tests.support.nats_server", "tests.support.ray_cluster", "tests.support.runs"]

@@ -1,0 +1,12 @@
+"""Prompt data sets (JSONL, Parquet in verl's layout, synthetic arithmetic) and their conversion to PromptTasks."""
+
+from producers.data.datasets import (
+    DataError,
+    Example,
+    PromptDataset,
+    example_to_task,
+    load_dataset,
+    prompt_token_ids,
+)
+
+__all__ = ["DataError", "Example", "PromptDataset", "example_to_task", "load_dataset", "prompt_token_ids"]

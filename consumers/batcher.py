@@ -1,0 +1,152 @@
+"""The trainer's intake: pulls TrajectoryGroups from the durable `traj` consumer and forms each step's batch.
+
+A step's batch is `trainer.groups_per_step` whole groups. On the way in, each group meets the staleness policy
+(`version - oldest token version > max_staleness`: drop, or keep and let importance weights correct it), optional
+dynamic sampling (DAPO: groups whose rewards are all equal carry no GRPO signal and are skipped), and the ledger of
+groups already trained (a redelivery after a restart is acknowledged, not retrained).
+
+Acks are held: a group used by step s is acknowledged only by `commit(s)`, after the step is durable (checkpointed).
+Until then a background task keeps its delivery alive with `in_progress()`, so JetStream does not redeliver it while
+the trainer is healthy, and does redeliver it if the trainer dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import msgspec
+
+from schemas.config import RunConfig
+from schemas.wire import TrajectoryGroup
+
+log = logging.getLogger("rlbus.batcher")
+
+
+class Held(msgspec.Struct):
+    delivery: Any  # bus.client.Delivery[TrajectoryGroup]
+    step: int  # the step that trained it (-1 while it waits in a batch being formed)
+
+
+class IntakeCounts(msgspec.Struct, kw_only=True):
+    dropped_stale: int = 0
+    skipped_uniform: int = 0
+    duplicates: int = 0
+    missing_payload: int = 0
+
+
+class Batcher:
+    cfg: RunConfig
+    trained: set[str]  # ids of groups whose step is durable (restored from the checkpoint)
+    counts: IntakeCounts
+    _bus: Any
+    _tq: Any
+    _feeder: Any
+    _held: dict[str, Held]
+    _backlog: list[Any]  # deliveries fetched beyond what a batch needed (a fetch may return extra), not yet judged
+    _keepalive: asyncio.Task | None
+
+    def __init__(self, cfg: RunConfig, bus, tq, feeder, trained: set[str] | None = None):
+        self.cfg = cfg
+        self._bus, self._tq, self._feeder = bus, tq, feeder
+        self.trained = set(trained or ())
+        self.counts = IntakeCounts()
+        self._held = {}
+        self._backlog = []
+        self._keepalive = None
+
+    def start(self) -> None:
+        self._keepalive = asyncio.create_task(self._keep_alive(), name="batcher-keepalive")
+
+    async def stop(self) -> None:
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            await asyncio.gather(self._keepalive, return_exceptions=True)
+
+    # -------------------------------------------------------------- forming a batch
+
+    async def next_batch(self, version: int, need: int | None = None) -> list[TrajectoryGroup]:
+        """Wait for `need` (default groups_per_step) usable groups at trainer version `version`."""
+        if self._keepalive is not None and self._keepalive.done():
+            self._keepalive.result()  # re-raise a failed keep-alive instead of silently losing acks
+        need = self.cfg.trainer.groups_per_step if need is None else need
+        subjects = self._bus.subjects
+        batch: list[TrajectoryGroup] = []
+        while len(batch) < need:
+            if not self._backlog:
+                self._backlog = await self._bus.fetch(subjects.traj, subjects.traj_consumer, TrajectoryGroup,
+                                                      batch=need - len(batch), timeout=1.0)
+            while self._backlog and len(batch) < need:
+                # Judged one at a time at the current version: a leftover waits for the next batch unjudged,
+                # so its staleness is measured against the version that trains it.
+                group = await self._admit(self._backlog.pop(0), version)
+                if group is not None:
+                    batch.append(group)
+        return batch
+
+    async def _admit(self, d, version: int) -> TrajectoryGroup | None:
+        g: TrajectoryGroup = d.data
+        t = self.cfg.trainer
+        if g.group_id in self.trained:  # trained in a durable step; the ack was lost (e.g. crash after checkpoint)
+            self.counts.duplicates += 1
+            await d.ack()
+            return None
+        if g.group_id in self._held:  # redelivered while we hold it: keep the first delivery
+            self.counts.duplicates += 1
+            return None
+        if t.staleness_policy == "drop" and version - g.min_version > t.max_staleness:
+            self.counts.dropped_stale += 1
+            await self._discard(d, reissue=True)
+            return None
+        if t.dynamic_sampling and len({s.reward for s in g.samples}) == 1 and len(g.samples) > 1:
+            self.counts.skipped_uniform += 1
+            await self._discard(d, reissue=False)
+            return None
+        self._held[g.group_id] = Held(delivery=d, step=-1)
+        return g
+
+    async def _discard(self, d, *, reissue: bool) -> None:
+        g: TrajectoryGroup = d.data
+        await d.ack()
+        await self._tq.delete(g.keys)
+        self._feeder.abandon(g.index, g.epoch, g.attempt, reissue=reissue)
+
+    async def payload_missing(self, group_ids: list[str]) -> None:
+        """Groups whose tensors are gone (Ray restarted): acknowledge them and re-issue their prompts."""
+        for gid in group_ids:
+            held = self._held.pop(gid)
+            self.counts.missing_payload += 1
+            g: TrajectoryGroup = held.delivery.data
+            await held.delivery.ack()
+            await self._tq.delete(g.keys)
+            self._feeder.abandon(g.index, g.epoch, g.attempt, reissue=True)
+
+    # -------------------------------------------------------------- acks after durability
+
+    def trained_in(self, step: int, group_ids: list[str]) -> None:
+        for gid in group_ids:
+            self._held[gid].step = step
+
+    async def commit(self, durable_step: int) -> int:
+        """Ack every group trained in a step <= durable_step, free its tensors; returns how many were acked."""
+        done = [gid for gid, h in self._held.items() if 0 <= h.step <= durable_step]
+        keys: list[str] = []
+        for gid in done:
+            held = self._held.pop(gid)
+            await held.delivery.ack()
+            self.trained.add(gid)
+            keys.extend(held.delivery.data.keys)
+        if keys:
+            await self._tq.delete(keys)
+        return len(done)
+
+    def pending(self) -> int:
+        return len(self._held)
+
+    async def _keep_alive(self) -> None:
+        period = max(1.0, self.cfg.bus.ack_wait_s / 3)
+        while True:
+            await asyncio.sleep(period)
+            for delivery in [h.delivery for h in self._held.values()] + list(self._backlog):
+                await delivery.in_progress()

@@ -1,0 +1,486 @@
+"""The run's event log: archives the bus's metadata, every step's composition and (record=full) its tensors.
+
+A run directory must replay alone -- no bus, no Ray -- so the trainer's controller copies what JetStream holds into
+`<run_dir>/events/` as it happens, and every FSDP rank writes the batch it trained on. The format (stable, documented
+in docs/event-log.md):
+
+    events/
+        prompts.jsonl       PromptTask, handed over by the feeder as it releases them (the prompts stream is a
+                            work queue: a second consumer there is not allowed)
+        traj.jsonl          TrajectoryGroup      <- ordered consumer on `traj`
+        weights.jsonl       WeightsPublished     <- ordered consumer on `weights`
+        completed.jsonl     StepCompleted        <- ordered consumer on `events.>`, routed by type
+        heartbeats.jsonl    ProducerHeartbeat
+        lifecycle.jsonl     RoleStarted / RoleStopped
+        errors.jsonl        ErrorRaised
+        dead_letters.jsonl  DeadLetter
+        steps.jsonl         StepRecord: which groups, in which order, which rows on which rank, metrics
+        steps/step_00000012/rank_0.safetensors   the collated TensorDict rank 0 trained on at step 12 (full only)
+
+Every archive line is `{"seq", "subject", "recorded_at", "msg"}` with `msg` the wire struct as JSON (its `kind` tag
+included); `steps.jsonl` lines are bare StepRecords. On restart each watcher resumes after the last stream sequence
+on disk, and step records (with their tensor folders) after the resumed step are cut back, as metrics.jsonl is.
+
+    recorder = Recorder(cfg.run_dir, cfg.logging.record, resume_step=step)     # rank 0
+    await recorder.start(bus)                                                  # traj, weights, events.> watchers
+    recorder.prompt(task)                                                      # the feeder, per release
+    write_shard(cfg.run_dir, cfg.logging.record, step, rank, batch)            # every rank, before train_step
+    recorder.step(step=..., version=..., groups=..., shards=plan.shards, metrics=row)
+    await recorder.stop()
+
+Tests: `pytest tests/integration/test_events.py tests/integration/test_replay.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Generic, Iterator, Literal, TypeVar, Union
+
+import msgspec
+
+from schemas.errors import RlbusError
+from schemas.wire import (
+    DeadLetter,
+    ErrorRaised,
+    Event,
+    ProducerHeartbeat,
+    PromptTask,
+    RoleStarted,
+    RoleStopped,
+    SampleMeta,
+    StepCompleted,
+    TrajectoryGroup,
+    WeightsPublished,
+)
+
+log = logging.getLogger("rlbus.recorder")
+
+#: Version of the on-disk layout; bumped only by a breaking change (fields are appended with defaults otherwise).
+RECORD_FORMAT = 1
+EVENTS_DIR = "events"
+STEPS_FILE = "steps.jsonl"
+
+M = TypeVar("M")
+RecordMode = Literal["off", "metadata", "full"]
+
+
+class RecordError(RlbusError):
+    """The event log of a run directory is missing what was asked of it."""
+
+    def __init__(self, run_dir: str | os.PathLike, reason: str):
+        self.run_dir = str(run_dir)
+        self.reason = reason
+        super().__init__(f"event log of {self.run_dir}: {reason}")
+
+
+class Entry(msgspec.Struct, Generic[M], kw_only=True):
+    """One archived bus message."""
+
+    seq: int  # JetStream stream sequence (0 for prompts: they come from the feeder, not a stream)
+    subject: str
+    recorded_at: float
+    msg: M
+
+
+class ShardRow(msgspec.Struct, array_like=True):
+    """One row of a rank's batch: sample `sample` of group `group` (indices into StepRecord.groups)."""
+
+    group: int
+    sample: int
+
+
+class StepRecord(msgspec.Struct, kw_only=True, tag="step_record", tag_field="kind"):
+    """The exact composition of one optimizer step. `groups[i]` has `group_index == i` in the batch."""
+
+    step: int
+    trained_version: int  # the policy version the step started from
+    version: int  # the version it produced
+    world_size: int
+    groups: list[TrajectoryGroup]  # in step order
+    shards: list[list[ShardRow]]  # per rank, the rows of its batch in order (rank r's file holds len(shards[r]))
+    metrics: dict[str, Union[float, int, None]] = {}  # the step's row of metrics.jsonl (non-finite -> null)
+    payload: Literal["metadata", "full"] = "metadata"  # full: steps/step_N/rank_R.safetensors exist
+    payload_bytes: int = 0  # all ranks' tensor files together
+    record_format: int = RECORD_FORMAT
+    created_at: float = msgspec.field(default_factory=time.time)
+
+
+#: kind name -> (file name, message type). The CLI's `--kind` takes these names.
+KINDS: dict[str, tuple[str, Any]] = {
+    "prompts": ("prompts.jsonl", PromptTask),
+    "traj": ("traj.jsonl", TrajectoryGroup),
+    "weights": ("weights.jsonl", WeightsPublished),
+    "completed": ("completed.jsonl", StepCompleted),
+    "heartbeats": ("heartbeats.jsonl", ProducerHeartbeat),
+    "lifecycle": ("lifecycle.jsonl", Union[RoleStarted, RoleStopped]),
+    "errors": ("errors.jsonl", ErrorRaised),
+    "dead-letter": ("dead_letters.jsonl", DeadLetter),
+}
+EVENT_KIND: dict[type, str] = {
+    StepCompleted: "completed",
+    ProducerHeartbeat: "heartbeats",
+    RoleStarted: "lifecycle",
+    RoleStopped: "lifecycle",
+    ErrorRaised: "errors",
+    DeadLetter: "dead-letter",
+}
+_ENC = msgspec.json.Encoder()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# paths and file helpers
+
+
+def events_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / EVENTS_DIR
+
+
+def step_dir(run_dir: str | os.PathLike, step: int) -> Path:
+    return events_dir(run_dir) / "steps" / f"step_{step:08d}"
+
+
+def shard_path(run_dir: str | os.PathLike, step: int, rank: int) -> Path:
+    return step_dir(run_dir, step) / f"rank_{rank}.safetensors"
+
+
+def _repair_tail(path: Path) -> None:
+    """Cut a torn last line (a crash mid-write) so the file is whole lines again."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with path.open("rb+") as f:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) == b"\n":
+            return
+        size = f.seek(0, os.SEEK_END)
+        back = min(size, 1 << 20)
+        while True:
+            f.seek(size - back)
+            cut = f.read(back).rfind(b"\n")
+            if cut >= 0 or back == size:
+                f.truncate(size - back + cut + 1 if cut >= 0 else 0)
+                return
+            back = min(size, back * 2)
+
+
+def _last_line(path: Path) -> bytes | None:
+    if not path.is_file() or path.stat().st_size == 0:
+        return None
+    with path.open("rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        back = min(size, 4096)
+        while True:
+            f.seek(size - back)
+            lines = f.read(back).rstrip(b"\n").split(b"\n")
+            if len(lines) > 1 or back == size:
+                return lines[-1]
+            back = min(size, back * 2)
+
+
+class _SeqOnly(msgspec.Struct):
+    seq: int = 0
+
+
+class _SeqSubject(msgspec.Struct):
+    seq: int = 0
+    subject: str = ""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# writing: every rank
+
+
+def write_shard(run_dir: str | os.PathLike, mode: RecordMode, step: int, rank: int, batch: Any) -> int:
+    """Save the collated TensorDict `batch` that `rank` trains on at `step`; returns its bytes (0 unless full).
+
+    Written to a temporary name and renamed, so a step redone after a crash (or a retry after a missing payload)
+    replaces the earlier file whole.
+    """
+    if mode != "full":
+        return 0
+    from safetensors.torch import save_file
+
+    path = shard_path(run_dir, step, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: batch.get(k).detach().cpu().contiguous() for k in batch.keys()}
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(tensors, str(tmp), metadata={"step": str(step), "rank": str(rank), "format": str(RECORD_FORMAT)})
+    os.replace(tmp, path)
+    return path.stat().st_size
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# writing: rank 0
+
+
+class Recorder:
+    """Rank 0's archive writer: bus watchers, feeder hand-over and step records. A no-op when mode is "off"."""
+
+    run_dir: Path
+    mode: RecordMode
+    dir: Path
+    _files: dict[str, Any]  # kind -> open append handle
+    _last_seq: dict[str, int]  # stream name -> last archived sequence
+    _tasks: list[asyncio.Task]
+
+    def __init__(self, run_dir: str | os.PathLike, mode: RecordMode = "full", *, resume_step: int = 0):
+        self.run_dir = Path(run_dir)
+        self.mode = mode
+        self.dir = events_dir(run_dir)
+        self._files, self._last_seq, self._tasks = {}, {}, []
+        if mode == "off":
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for name, _ in [*KINDS.values(), (STEPS_FILE, None)]:
+            _repair_tail(self.dir / name)
+        self._cut_back(resume_step)
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    def _cut_back(self, step: int) -> None:
+        """Forget steps after `step`: the resumed run redoes them and its records replace these."""
+        path = self.dir / STEPS_FILE
+        if path.is_file():
+            lines = [ln for ln in path.read_bytes().splitlines(keepends=True) if ln.strip()]
+            keep = [ln for ln in lines if msgspec.json.decode(ln, type=_StepOnly).step <= step]
+            if len(keep) != len(lines):
+                tmp = path.with_name(f".{path.name}.tmp")
+                tmp.write_bytes(b"".join(keep))
+                os.replace(tmp, path)
+        steps = self.dir / "steps"
+        if steps.is_dir():
+            for d in steps.iterdir():
+                if d.name.startswith("step_") and int(d.name[5:]) > step:
+                    shutil.rmtree(d)
+
+    def _append(self, kind_file: str, line: bytes) -> None:
+        f = self._files.get(kind_file)
+        if f is None:
+            f = self._files[kind_file] = (self.dir / kind_file).open("ab")
+        f.write(line + b"\n")
+        f.flush()  # whole lines reach the OS at once; a crash leaves at most a torn tail, repaired on open
+
+    # -- the feeder's hand-over --------------------------------------------------------------------------------------
+
+    def prompt(self, task: PromptTask, subject: str = "") -> None:
+        """Archive a PromptTask the feeder released (call after JetStream acknowledged the publish)."""
+        if self.enabled:
+            self._append(KINDS["prompts"][0], _ENC.encode(Entry(seq=0, subject=subject, recorded_at=time.time(),
+                                                                 msg=task)))
+
+    # -- step records ------------------------------------------------------------------------------------------------
+
+    def step(
+        self,
+        *,
+        step: int,
+        version: int,
+        groups: list[TrajectoryGroup],
+        shards: list[list[tuple[SampleMeta, int]]],
+        metrics: dict[str, Any],
+    ) -> StepRecord | None:
+        """Archive step `step`'s composition (`shards` = the plan's per-rank (sample, group index) rows)."""
+        self._raise_if_failed()
+        if not self.enabled:
+            return None
+        position = [{s.key: i for i, s in enumerate(g.samples)} for g in groups]
+        rows = [[ShardRow(group=gi, sample=position[gi][meta.key]) for meta, gi in shard] for shard in shards]
+        nbytes = 0
+        if self.mode == "full":
+            for r, shard in enumerate(shards):
+                path = shard_path(self.run_dir, step, r)
+                if shard and not path.is_file():
+                    raise RecordError(self.run_dir, f"rank {r} wrote no tensors for step {step} ({path})")
+                nbytes += path.stat().st_size if path.is_file() else 0
+        clean = {k: _finite_or_none(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+        record = StepRecord(step=step, trained_version=version - 1, version=version, world_size=len(shards),
+                            groups=list(groups), shards=rows, metrics=clean, payload=self.mode, payload_bytes=nbytes)
+        self._append(STEPS_FILE, _ENC.encode(record))
+        return record
+
+    # -- bus watchers ------------------------------------------------------------------------------------------------
+
+    async def start(self, bus: Any) -> None:
+        """Watch `traj`, `weights` and `events.>` from the stream position after what is already on disk.
+
+        Returns once the three ordered consumers exist; their messages are archived by background tasks.
+        """
+        if not self.enabled:
+            return
+        s = bus.subjects
+        letters = self._dead_letter_seqs()
+        self._last_seq = {
+            s.traj_stream: max(self._last_seq_of("traj"), letters.get(s.traj, 0)),
+            s.weights_stream: max(self._last_seq_of("weights"), letters.get(s.weights, 0)),
+            s.events_stream: max([self._last_seq_of(k) for k in set(EVENT_KIND.values()) if k != "dead-letter"]
+                                 + [q for subj, q in letters.items() if subj.startswith(s.prefix + ".events.")]),
+        }
+        watched = [(s.traj, s.traj_stream, TrajectoryGroup, "traj"), (s.weights, s.weights_stream, WeightsPublished,
+                   "weights"), (s.events, s.events_stream, Event, None)]  # fmt: skip
+        log.info("recorder: archiving into %s from stream positions %s", self.dir,
+                 {k: v + 1 for k, v in self._last_seq.items()})
+        for subject, stream, typ, kind in watched:
+            sub = await self._subscribe(bus, subject, stream)
+            self._tasks.append(asyncio.create_task(self._archive(bus, sub, stream, typ, kind),
+                                                   name=f"record-{stream}"))
+
+    def _last_seq_of(self, kind: str) -> int:
+        line = _last_line(self.dir / KINDS[kind][0])
+        return msgspec.json.decode(line, type=_SeqOnly).seq if line else 0
+
+    def _dead_letter_seqs(self) -> dict[str, int]:
+        """Highest archived sequence per original subject in the dead-letter file (it holds the recorder's own
+        undecodable traj / weights messages as well as the events stream's dead letters)."""
+        out: dict[str, int] = {}
+        path = self.dir / KINDS["dead-letter"][0]
+        if path.is_file():
+            for ln in path.read_bytes().splitlines():
+                if ln.strip():
+                    e = msgspec.json.decode(ln, type=_SeqSubject)
+                    out[e.subject] = max(out.get(e.subject, 0), e.seq)
+        return out
+
+    async def _subscribe(self, bus: Any, subject: str, stream: str) -> Any:
+        from nats.js.api import ConsumerConfig, DeliverPolicy
+
+        # An ordered consumer from a stream sequence: nothing to ack, no durable state on the server; the position
+        # lives in our own files, so what is on disk and where we resume can never disagree.
+        return await bus.js.subscribe(subject, stream=stream, ordered_consumer=True,
+                                      config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                                                            opt_start_seq=self._last_seq[stream] + 1))
+
+    async def _archive(self, bus: Any, sub: Any, stream: str, typ: Any, kind: str | None) -> None:
+        from schemas.errors import SchemaError
+        from schemas.wire import TypedDecoder
+
+        decoder = TypedDecoder(typ)
+        try:
+            async for m in sub.messages:
+                seq = m.metadata.sequence.stream
+                if seq <= self._last_seq[stream]:
+                    continue
+                try:
+                    msg = decoder.decode(m.data)
+                    file = KINDS[kind or EVENT_KIND[type(msg)]][0]
+                except SchemaError as e:  # kept in the archive as a dead letter; the watch goes on
+                    msg = DeadLetter(reason=str(e), original_subject=m.subject, payload=bytes(m.data),
+                                     stream_seq=seq, consumer="recorder")
+                    file = KINDS["dead-letter"][0]
+                    log.warning("recorder: %s seq %d does not decode; archived as a dead letter: %s", m.subject, seq, e)
+                self._append(file, _ENC.encode(Entry(seq=seq, subject=m.subject, recorded_at=time.time(), msg=msg)))
+                self._last_seq[stream] = seq
+        finally:
+            if not (bus.nc.is_closed or bus.nc.is_draining):
+                await sub.unsubscribe()
+
+    def archived(self) -> dict[str, int]:
+        """Last archived stream sequence per stream (what a restart resumes after)."""
+        return dict(self._last_seq)
+
+    def _raise_if_failed(self) -> None:
+        for t in self._tasks:
+            if t.done() and not t.cancelled() and t.exception() is not None:
+                raise t.exception()
+
+    async def drain(self, subject_seq: dict[str, int], timeout: float = 10.0) -> None:
+        """Wait until every stream in `subject_seq` is archived up to the given sequence (tests, clean stops)."""
+        deadline = time.monotonic() + timeout
+        while any(self._last_seq.get(st, 0) < seq for st, seq in subject_seq.items()):
+            self._raise_if_failed()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"recorder did not reach {subject_seq} within {timeout}s (at {self._last_seq})")
+            await asyncio.sleep(0.02)
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        results = await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        for f in self._files.values():
+            f.close()
+        self._files = {}
+        for r in results:
+            if isinstance(r, Exception):  # a watcher that died before stop: its failure is the caller's to see
+                raise r
+
+
+class _StepOnly(msgspec.Struct):
+    step: int
+
+
+def _finite_or_none(v: float | int) -> float | int | None:
+    return None if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf"))) else v
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reading (rlbus events, rlbus replay)
+
+
+def read_entries(run_dir: str | os.PathLike, kind: str) -> list[Entry[Any]]:
+    """Every archived message of one kind, in archive order."""
+    name, typ = KINDS[kind]
+    path = events_dir(run_dir) / name
+    if not path.is_file():
+        return []
+    dec = msgspec.json.Decoder(Entry[typ])
+    return [dec.decode(ln) for ln in path.read_bytes().splitlines() if ln.strip()]
+
+
+def read_steps(run_dir: str | os.PathLike) -> list[StepRecord]:
+    """Step records in step order (the last record of a step wins, should a file hold two)."""
+    path = events_dir(run_dir) / STEPS_FILE
+    if not path.is_file():
+        return []
+    dec = msgspec.json.Decoder(StepRecord)
+    by_step = {r.step: r for r in (dec.decode(ln) for ln in path.read_bytes().splitlines() if ln.strip())}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def load_rank_batch(run_dir: str | os.PathLike, step: int, rank: int) -> Any:
+    """The TensorDict rank `rank` trained on at `step`."""
+    from safetensors.torch import load_file
+    from tensordict import TensorDict
+
+    path = shard_path(run_dir, step, rank)
+    if not path.is_file():
+        raise RecordError(run_dir, f"no tensors for step {step} rank {rank} ({path}); was the run recorded with "
+                                   "logging.record=full?")
+    tensors = load_file(str(path))
+    return TensorDict(tensors, batch_size=[tensors["input_ids"].shape[0]])
+
+
+def load_step_batch(run_dir: str | os.PathLike, record: StepRecord) -> Any:
+    """The whole step's batch: every rank's shard concatenated in rank order, padded to the longest T."""
+    import torch
+    from tensordict import TensorDict
+
+    parts = [load_rank_batch(run_dir, record.step, r) for r, rows in enumerate(record.shards) if rows]
+    if len(parts) == 1:
+        return parts[0]
+    T = max(p["input_ids"].shape[1] for p in parts)
+    fill = {"versions": -1}  # collate's padding value of each [B, T] field; every other field pads with 0
+    out: dict[str, torch.Tensor] = {}
+    for k in parts[0].keys():
+        pieces = []
+        for p in parts:
+            t = p.get(k)
+            if t.dim() == 2 and t.shape[1] < T:
+                # input_ids pad with the pad id; attention_mask marks it as padding, so any value would do.
+                t = torch.nn.functional.pad(t, (0, T - t.shape[1]), value=fill.get(k, 0))
+            pieces.append(t)
+        out[k] = torch.cat(pieces)
+    return TensorDict(out, batch_size=[sum(p.batch_size[0] for p in parts)])
+
+
+def iter_step_samples(record: StepRecord) -> Iterator[tuple[int, int, TrajectoryGroup, SampleMeta]]:
+    """(rank, row, group, sample) for every row of the step."""
+    for r, rows in enumerate(record.shards):
+        for i, row in enumerate(rows):
+            g = record.groups[row.group]
+            yield r, i, g, g.samples[row.sample]

@@ -1,0 +1,147 @@
+"""The multi-turn tool agent loop: the model may call tools between turns until it answers.
+
+`rollout.agent_loop: tool` (the default). Each turn, the samples of a group that are still running generate
+together (one batched engine call) until `<|im_end|>` or max_new_tokens. A turn holding
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` runs the tool(s) (async, timed, all samples at once)
+and the environment inserts the tool response and the next assistant header -- tokenized from the chat
+template's own rendering, with mask 0. A turn with no tool call, or with an `<answer>`, ends the episode
+("stop"); so do a tool call in the last allowed turn ("max_turns") and running out of response tokens ("length").
+A malformed call (bad JSON, unknown tool, a tool that raises) becomes an "error: ..." tool response for the model
+to read: the rollout never fails because of what the model wrote.
+
+    .venv/bin/python -m pytest -q tests/unit/test_agent_loop.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from producers.agent_loops.base import AgentLoop, Trajectory
+from schemas.errors import RlbusError
+from schemas.wire import ChatMessage, PromptTask
+
+TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+TOOL_CALL_START = "<tool_call>"
+ANSWER_START = "<answer>"
+
+
+class ChatTemplateError(RlbusError):
+    """The tokenizer's chat template cannot be extended turn by turn (rendering is not prefix-stable)."""
+
+
+@dataclass
+class ToolCall:
+    """One parsed call; `error` set instead when the model's call could not be understood."""
+
+    name: str = ""
+    arguments: dict[str, Any] | None = None
+    error: str = ""
+
+
+def _parse_one(body: str) -> ToolCall:
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError as e:
+        return ToolCall(error=f"error: invalid tool call JSON ({e.msg} at column {e.colno})")
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return ToolCall(error='error: a tool call must be {"name": str, "arguments": {...}}')
+    args = call.get("arguments", {})
+    if isinstance(args, str):  # OpenAI style: arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return ToolCall(error="error: tool call arguments are not valid JSON")
+    if not isinstance(args, dict):
+        return ToolCall(error="error: tool call arguments must be an object")
+    return ToolCall(name=call["name"], arguments=args)
+
+
+def parse_tool_calls(text: str) -> list[ToolCall]:
+    """Every `<tool_call>...</tool_call>` of an assistant turn, in order; an unclosed one is an error call."""
+    calls = [_parse_one(m.group(1)) for m in TOOL_CALL_RE.finditer(text)]
+    tail = TOOL_CALL_RE.sub("", text)
+    if TOOL_CALL_START in tail:
+        calls.append(ToolCall(error="error: unterminated <tool_call> (close it with </tool_call>)"))
+    return calls
+
+
+class ToolAgentLoop(AgentLoop):
+    async def rollout_group(self, task: PromptTask, n: int) -> list[Trajectory]:
+        trajs = self.start(task, n)
+        while active := [t for t in trajs if not t.done]:
+            texts = await self.generate_turn(active)
+            pending: list[tuple[Trajectory, list[ToolCall]]] = []
+            for traj, text in zip(active, texts):
+                if traj.done:  # cut off by a token limit
+                    continue
+                calls = parse_tool_calls(text)
+                if not calls or ANSWER_START in text:
+                    traj.finish_reason = "stop"
+                elif traj.num_turns >= self.cfg.max_turns:
+                    traj.finish_reason = "max_turns"
+                else:
+                    pending.append((traj, calls))
+            await asyncio.gather(*(self._run_tools(traj, calls) for traj, calls in pending))
+        await self.score(task, trajs)
+        return trajs
+
+    async def _run_tools(self, traj: Trajectory, calls: list[ToolCall]) -> None:
+        t0 = time.perf_counter()
+        results = [await self._call(c) for c in calls]  # in order: a later call may depend on an earlier one
+        traj.tool_time_s += time.perf_counter() - t0
+        traj.num_tool_calls += len(calls)
+        tool_msgs = [ChatMessage(role="tool", content=self._truncate(r)) for r in results]
+        inserted = self._inserted_ids(traj.messages, tool_msgs)
+        if len(traj.response_ids) + len(inserted) >= self.cfg.max_response_tokens:
+            traj.finish_reason = "length"  # no room left for even one more generated token
+            return
+        traj.messages += tool_msgs
+        traj.add_inserted(inserted)
+
+    async def _call(self, call: ToolCall) -> str:
+        if call.error:
+            return call.error
+        tool = self.tools.get(call.name)
+        if tool is None:
+            return f"error: unknown tool {call.name!r}; available: {', '.join(sorted(self.tools)) or 'none'}"
+        try:
+            out = await asyncio.wait_for(tool(call.arguments or {}), timeout=self.cfg.tool_timeout_s)
+        except asyncio.TimeoutError:
+            return f"error: tool {call.name!r} timed out after {self.cfg.tool_timeout_s:g}s"
+        except Exception as e:  # noqa: BLE001 - a tool's failure is an observation for the model, not a crash
+            return f"error: {type(e).__name__}: {e}"
+        return out if isinstance(out, str) else str(out)
+
+    def _truncate(self, text: str) -> str:
+        """Cut a tool response to max_tool_response_tokens tokens (re-encoding stays within the cap)."""
+        cap = self.cfg.max_tool_response_tokens
+        ids = self.encode(text)
+        k = cap
+        while len(ids) > cap and k > 0:
+            cut = self.decode(ids[:k])
+            # A cut inside a multi-byte character decodes to U+FFFD, which may re-encode longer: back off.
+            if len(self.encode(cut)) <= cap:
+                return cut
+            k -= 1
+        return text if len(ids) <= cap else ""
+
+    def _inserted_ids(self, messages: list[ChatMessage], tool_msgs: list[ChatMessage]) -> list[int]:
+        """Token ids the template puts between the model's closing eos and the next assistant turn's content."""
+        before = self.render(messages, add_generation_prompt=False)
+        after = self.render(messages + tool_msgs, add_generation_prompt=True)
+        if not after.startswith(before):
+            raise ChatTemplateError(
+                "the chat template renders earlier turns differently once a tool message follows; "
+                "multi-turn rollouts need a prefix-stable template"
+            )
+        eos = self.tokenizer.eos_token
+        end = before.rfind(eos)
+        if end < 0:
+            raise ChatTemplateError(f"the chat template does not end assistant turns with eos {eos!r}")
+        # What the template writes after the eos the model generated (ChatML: "\n") is inserted too.
+        return self.encode(before[end + len(eos):] + after[len(before):])

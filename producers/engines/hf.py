@@ -1,0 +1,191 @@
+"""The Hugging Face `transformers` rollout engine (CPU default; also runs on one GPU): batched sampling with exact
+per-token log-probs and in-place weight loading.
+
+We use our own sampling loop over the model's KV cache instead of `model.generate`, because:
+- the log-prob of each sampled token must be `log_softmax(logits / temperature)[token]` from the raw logits, the same
+  quantity the trainer recomputes; `generate`'s `output_scores` are the top-p/top-k *processed* scores (-inf outside
+  the nucleus) and its `output_logits` path changes between transformers releases;
+- per-sequence stop tokens (the agent loop's `<|im_end|>`, `</tool_call>`) and per-row finish reasons are a few lines
+  here, while `generate` stops only on eos for the whole batch and pads finished rows silently.
+
+Prompts of different lengths are left-padded with explicit position ids (each sequence's positions start at 0, as
+in the trainer's unpadded forward), so a teacher-forced forward pass of the same weights reproduces the log-probs
+within float tolerance (tests/integration/test_hf_engine.py measures it).
+
+    .venv/bin/python -m pytest -q tests/integration/test_hf_engine.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+from typing import Mapping
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+
+from producers.engines.base import Generation, RolloutEngine, SamplingParams
+from schemas.config import HFEngineConfig
+from schemas.errors import WeightLoadError
+
+
+def _cache_kwarg(model: PreTrainedModel) -> str:
+    # transformers 5.x renamed `past_key_values` to `cache` (the old name is deprecated); accept both.
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _filter_logits(scaled_BV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) the tokens outside top-k and outside the top-p nucleus. Used only to choose the token."""
+    if top_k > 0 and top_k < scaled_BV.shape[-1]:
+        kth_B1 = torch.topk(scaled_BV, top_k, dim=-1).values[:, -1:]
+        scaled_BV = scaled_BV.masked_fill(scaled_BV < kth_B1, float("-inf"))
+    if top_p < 1.0:
+        sorted_BV, order_BV = torch.sort(scaled_BV, dim=-1, descending=True)
+        probs_BV = torch.softmax(sorted_BV, dim=-1)
+        # Drop a token when the tokens ranked above it already hold top_p of the mass (the first always stays).
+        drop_sorted_BV = (torch.cumsum(probs_BV, dim=-1) - probs_BV) >= top_p
+        drop_BV = torch.zeros_like(drop_sorted_BV).scatter(-1, order_BV, drop_sorted_BV)
+        scaled_BV = scaled_BV.masked_fill(drop_BV, float("-inf"))
+    return scaled_BV
+
+
+@torch.no_grad()
+def sample(
+    model: PreTrainedModel,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    *,
+    pad_token_id: int,
+    version: int = 0,
+    generator: torch.Generator | None = None,
+) -> list[Generation]:
+    """Sample one continuation per prompt in a single batch (synchronous; the engine runs it in a worker thread)."""
+    if params.temperature <= 0:
+        raise ValueError(f"temperature: must be > 0 (log-probs are of softmax(logits / temperature)), got {params.temperature}")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts: every prompt needs at least one token")
+    device = next(model.parameters()).device
+    num_seqs, max_len = len(prompts), max(len(p) for p in prompts)
+    input_ids_BT = torch.full((num_seqs, max_len), pad_token_id, dtype=torch.long)
+    mask_BT = torch.zeros((num_seqs, max_len), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        input_ids_BT[i, max_len - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask_BT[i, max_len - len(p) :] = 1
+    input_ids_BT, mask_BT = input_ids_BT.to(device), mask_BT.to(device)
+    positions_BT = (mask_BT.cumsum(-1) - 1).clamp(min=0)
+
+    cache = DynamicCache(config=model.config)
+    cache_kw = _cache_kwarg(model)
+    stop_ids = torch.tensor(list(params.stop_token_ids) or [-1], device=device)
+    tokens: list[list[int]] = [[] for _ in range(num_seqs)]
+    logps: list[list[float]] = [[] for _ in range(num_seqs)]
+    finish = ["length"] * num_seqs
+    done_B = torch.zeros(num_seqs, dtype=torch.bool, device=device)
+
+    step_ids_BT, step_pos_BT = input_ids_BT, positions_BT
+    for _ in range(params.max_new_tokens):
+        out = model(input_ids=step_ids_BT, attention_mask=mask_BT, position_ids=step_pos_BT, use_cache=True, **{cache_kw: cache})
+        scaled_BV = out.logits[:, -1, :].float() / params.temperature
+        logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)  # what the trainer computes: unfiltered
+        choose_BV = _filter_logits(scaled_BV, params.top_k, params.top_p)
+        next_B = torch.multinomial(torch.softmax(choose_BV, dim=-1), 1, generator=generator).squeeze(-1)
+        next_lp_B = logprobs_BV.gather(-1, next_B.unsqueeze(-1)).squeeze(-1)
+        for i in (~done_B).nonzero().flatten().tolist():
+            tokens[i].append(int(next_B[i]))
+            logps[i].append(float(next_lp_B[i]))
+        hit_B = torch.isin(next_B, stop_ids) & ~done_B
+        for i in hit_B.nonzero().flatten().tolist():
+            finish[i] = "stop"
+        done_B |= hit_B
+        if bool(done_B.all()):
+            break
+        # Finished rows keep decoding junk that is never read; it costs less than reshaping the cache.
+        step_ids_BT = next_B.unsqueeze(-1)
+        step_pos_BT = step_pos_BT[:, -1:] + 1
+        mask_BT = torch.cat([mask_BT, torch.ones((num_seqs, 1), dtype=mask_BT.dtype, device=device)], dim=-1)
+    return [
+        Generation(token_ids=tokens[i], log_probs=logps[i], finish_reason=finish[i], version=version)  # type: ignore[arg-type]
+        for i in range(num_seqs)
+    ]
+
+
+class HFEngine(RolloutEngine):
+    """A transformers model that samples prompt batches in a worker thread and swaps weights between chunks."""
+
+    model: PreTrainedModel
+    pad_token_id: int
+    _cfg: HFEngineConfig
+    _version: int
+    _lock: threading.Lock  # serialises generate chunks and weight loads (both run in worker threads)
+    _generator: torch.Generator
+
+    def __init__(self, model_path: str, engine_cfg: HFEngineConfig, *, version: int = 0, seed: int | None = None):
+        self._cfg = engine_cfg
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(engine_cfg.device).eval()
+        pad = self.model.config.pad_token_id
+        if pad is None:
+            pad = self.model.config.eos_token_id
+        if isinstance(pad, list):
+            pad = pad[0]
+        # Any id works for padding: padded positions are masked out of attention and never read.
+        self.pad_token_id = int(pad) if pad is not None else 0
+        self._version = version
+        self._lock = threading.Lock()
+        self._generator = torch.Generator(device=engine_cfg.device)
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def _generate_sync(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        generator = self._generator
+        if params.seed is not None:
+            generator = torch.Generator(device=self._cfg.device)
+            generator.manual_seed(params.seed)
+        results: list[Generation] = []
+        step = self._cfg.max_batch_size
+        for start in range(0, len(prompts), step):
+            # One chunk runs on one weight version; a load waits for it and the next chunk sees the new weights.
+            with self._lock:
+                results += sample(
+                    self.model,
+                    prompts[start : start + step],
+                    params,
+                    pad_token_id=self.pad_token_id,
+                    version=self._version,
+                    generator=generator,
+                )
+        return results
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        if not prompts:
+            return []
+        return await asyncio.to_thread(self._generate_sync, prompts, params)
+
+    def _load_sync(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        with self._lock:
+            own = self.model.state_dict()
+            missing = [k for k in own if k not in state_dict]
+            # A tied lm_head is the embedding itself; senders may leave it out.
+            if getattr(self.model.config, "tie_word_embeddings", False):
+                missing = [k for k in missing if k != "lm_head.weight"]
+            unexpected = [k for k in state_dict if k not in own]
+            bad_shape = [k for k in state_dict if k in own and tuple(state_dict[k].shape) != tuple(own[k].shape)]
+            if missing or unexpected or bad_shape:
+                raise WeightLoadError(version, missing=missing, unexpected=unexpected, bad_shape=bad_shape)
+            with torch.no_grad():
+                for name, tensor in state_dict.items():
+                    own[name].copy_(tensor.to(own[name].device, own[name].dtype))
+            self._version = version
+
+    async def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        await asyncio.to_thread(self._load_sync, state_dict, version)
+
+    async def close(self) -> None:
+        with self._lock:
+            self.model = None  # type: ignore[assignment]  # frees the weights; the engine is unusable afterwards

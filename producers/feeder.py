@@ -1,0 +1,190 @@
+"""The prompt feeder: walks the data set and releases PromptTasks onto the `prompts` work queue, under admission.
+
+It runs inside the trainer's controller (rank 0), because admission depends on the trainer's version:
+
+    admitted = released - abandoned <= (version + max_staleness + 1) * groups_per_step      (AReaL's rule)
+
+`abandoned` counts releases that will never become a trained group (dropped as too stale, skipped by dynamic
+sampling, payload lost, dead-lettered), so they do not hold admission slots forever. Groups whose data was lost are
+re-issued (a new release of the same example with attempt + 1) up to `feeder.max_attempts` releases.
+
+Task ids are deterministic (`e<epoch>-i<index>-a<attempt>`) and sent as Nats-Msg-Id, so a feeder that restarts and
+re-releases a task within JetStream's duplicate window is de-duplicated. The feeder's position is written to
+`<run_dir>/feeder.json` after every release batch, so a restart continues where it stopped, not at the last
+checkpoint (tasks released since the checkpoint are still in the queue or with producers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+from pathlib import Path
+from typing import Any, Callable
+
+import msgspec
+
+from schemas.config import RunConfig
+from schemas.wire import PromptTask
+
+log = logging.getLogger("rlbus.feeder")
+
+
+class Reissue(msgspec.Struct, array_like=True):
+    index: int
+    epoch: int
+    attempt: int
+
+
+class FeederState(msgspec.Struct, kw_only=True):
+    epoch: int = 0
+    cursor: int = 0  # next position in this epoch's permutation
+    released: int = 0
+    abandoned: int = 0
+    reissues: list[Reissue] = []
+    given_up: int = 0  # examples dropped after max_attempts releases
+    exhausted: bool = False  # all epochs released
+
+
+def permutation(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
+    order = list(range(n))
+    if shuffle:
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order
+
+
+class Feeder:
+    """Releases tasks while admission allows. `version_fn()` returns the trainer's current version."""
+
+    cfg: RunConfig
+    state: FeederState
+    _dataset: Any
+    _bus: Any
+    _version_fn: Callable[[], int]
+    _wake: asyncio.Event
+    _path: Path
+    _order: list[int]
+    _on_release: Callable[[PromptTask, str], None] | None  # the event recorder (the work queue allows no 2nd reader)
+
+    def __init__(self, cfg: RunConfig, dataset, bus, version_fn: Callable[[], int], state: FeederState | None = None,
+                 on_release: Callable[[PromptTask, str], None] | None = None):
+        self.cfg = cfg
+        self._on_release = on_release
+        self._dataset = dataset
+        self._bus = bus
+        self._version_fn = version_fn
+        self._wake = asyncio.Event()
+        self._path = cfg.run_dir / "feeder.json"
+        self.state = state or self._load_saved() or FeederState()
+        self._order = permutation(len(dataset), cfg.feeder.seed, self.state.epoch, cfg.feeder.shuffle)
+
+    # -------------------------------------------------------------- admission
+
+    def admitted(self) -> int:
+        return self.state.released - self.state.abandoned
+
+    def allowance(self) -> int:
+        """How many more tasks admission allows right now."""
+        t = self.cfg.trainer
+        return (self._version_fn() + t.max_staleness + 1) * t.groups_per_step - self.admitted()
+
+    def notify(self) -> None:
+        """The version moved or a release was abandoned: re-check admission."""
+        self._wake.set()
+
+    def abandon(self, index: int, epoch: int, attempt: int, *, reissue: bool) -> None:
+        """A release will not become a trained group; optionally release the example again."""
+        self.state.abandoned += 1
+        if reissue:
+            if attempt + 1 < self.cfg.feeder.max_attempts:
+                self.state.reissues.append(Reissue(index=index, epoch=epoch, attempt=attempt + 1))
+            else:
+                self.state.given_up += 1
+                log.warning("example %d (epoch %d) given up after %d releases", index, epoch, attempt + 1)
+        self.notify()
+
+    # -------------------------------------------------------------- main loop
+
+    async def run(self) -> None:
+        while True:
+            self._wake.clear()  # before reading the allowance: a notify() after this line is not missed
+            n = self.allowance()
+            if n > 0 and await self._release(n) == 0 and self.state.exhausted:
+                log.info("feeder: data set exhausted after %d epoch(s)", self.state.epoch + 1)
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=5.0)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _release(self, n: int) -> int:
+        count = 0
+        while count < n:
+            item = self._next()
+            if item is None:
+                break
+            index, epoch, attempt = item
+            task = self._task(index, epoch, attempt)
+            ack = await self._bus.publish(self._bus.subjects.prompts, task, msg_id=task.task_id)
+            if self._on_release is not None and not ack.duplicate:
+                self._on_release(task, self._bus.subjects.prompts)
+            self.state.released += 1
+            count += 1
+        if count:
+            self._save()
+        return count
+
+    def _next(self) -> tuple[int, int, int] | None:
+        s = self.state
+        if s.reissues:
+            r = s.reissues.pop(0)
+            return r.index, r.epoch, r.attempt
+        if s.exhausted:
+            return None
+        if s.cursor >= len(self._order):
+            epochs = self.cfg.feeder.epochs
+            if epochs and s.epoch + 1 >= epochs:
+                s.exhausted = True
+                return None
+            s.epoch += 1
+            s.cursor = 0
+            self._order = permutation(len(self._dataset), self.cfg.feeder.seed, s.epoch, self.cfg.feeder.shuffle)
+        index = self._order[s.cursor]
+        s.cursor += 1
+        return index, s.epoch, 0
+
+    def _task(self, index: int, epoch: int, attempt: int) -> PromptTask:
+        from producers.data import example_to_task
+
+        return example_to_task(self._dataset[index], task_id=f"e{epoch}-i{index}-a{attempt}",
+                               n=self.cfg.rollout.n, epoch=epoch, attempt=attempt,
+                               released_version=self._version_fn())
+
+    # -------------------------------------------------------------- persistence
+
+    def _save(self) -> None:
+        self._path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self._path.with_suffix(".tmp")
+        tmp.write_bytes(msgspec.json.encode(self.state))
+        os.replace(tmp, self._path)  # atomic: a crash leaves the old or the new state, never half of one
+
+    def _load_saved(self) -> FeederState | None:
+        if not self._path.is_file():
+            return None
+        try:
+            return msgspec.json.decode(self._path.read_bytes(), type=FeederState)
+        except msgspec.DecodeError as e:
+            raise RuntimeError(f"{self._path} is corrupt ({e}); delete it to restart the feeder from the "
+                               "last checkpoint's position") from e
+
+    def state_dict(self) -> dict:
+        return json.loads(msgspec.json.encode(self.state))
+
+    def load_state_dict(self, d: dict) -> None:
+        """Take a checkpoint's position unless the live file is further along (it usually is)."""
+        restored = msgspec.convert(d, FeederState)
+        if restored.released > self.state.released:
+            self.state = restored
+            self._order = permutation(len(self._dataset), self.cfg.feeder.seed, restored.epoch,
+                                      self.cfg.feeder.shuffle)

@@ -1,0 +1,63 @@
+"""The tiny Qwen2-style causal LM of the quickstart: standard `transformers` classes, small enough for CPU RL.
+
+About 0.9M parameters (hidden 128, 4 layers, 4 query / 2 key-value heads, tied embeddings): a forward+backward
+of a 16 x 64-token batch takes tens of milliseconds on two CPU cores, so a GRPO step of the quickstart is seconds.
+Being a stock Qwen2ForCausalLM, it loads anywhere a real model does (AutoModelForCausalLM, vLLM, FSDP2).
+
+Built by `rlbus init-model OUT_DIR` (producers/model/init_model.py).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+from transformers import PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
+
+
+class TinyModelSpec(msgspec.Struct, kw_only=True, frozen=True):
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2  # grouped-query attention, as in Qwen2
+    max_position_embeddings: int = 1024
+    rope_theta: float = 10000.0
+    vocab_multiple: int = 64  # embedding rows are padded up to a multiple of this (ids beyond the tokenizer unused)
+
+
+def tiny_config(tokenizer: PreTrainedTokenizerBase, spec: TinyModelSpec = TinyModelSpec()) -> Qwen2Config:
+    """A Qwen2Config sized for `tokenizer`, with its eos (<|im_end|>) and pad ids."""
+    vocab = -(-len(tokenizer) // spec.vocab_multiple) * spec.vocab_multiple
+    return Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        dtype="float32",
+    )
+
+
+def tiny_model(tokenizer: PreTrainedTokenizerBase, *, seed: int = 0, spec: TinyModelSpec = TinyModelSpec()) -> Qwen2ForCausalLM:
+    """A freshly initialised tiny model (deterministic for a given seed)."""
+    config = tiny_config(tokenizer, spec)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    return model.float()
+
+
+if __name__ == "__main__":
+    from producers.model.tokenizer import build_tokenizer
+
+    m = tiny_model(build_tokenizer())
+    print(m.config)
+    print(f"{sum(p.numel() for p in m.parameters()):,} parameters")

@@ -1,0 +1,160 @@
+"""The quickstart tokenizer: a small byte-level BPE built offline with `tokenizers`, plus its ChatML chat template.
+
+No tokenizer can be downloaded here, so `rlbus init-model` builds one. Choices, and why:
+
+- byte-level: every string encodes and decodes back exactly (`decode(encode(x)) == x`), whatever its characters;
+- digits are split one per token before BPE sees them, so "17*23" is `1 7 * 2 3` and arithmetic can generalise
+  across numbers instead of memorising multi-digit tokens;
+- the pipeline is exactly Qwen2's (NFC, Qwen2's pre-split regex, byte-level BPE): transformers 5 loads any
+  directory whose config says `model_type: qwen2` with its own `Qwen2Tokenizer`, which rebuilds that pipeline
+  around our vocabulary and merges whatever tokenizer.json says; matching it keeps the tokenizer the same however it
+  is loaded (transformers 4 or 5, vLLM). Qwen2's regex also puts every digit in its own piece;
+- a small BPE (vocab < 512) trained on the synthetic demonstrations, so the words of the prompts and of the tool-call
+  JSON cost few tokens;
+- the chat markers and tool tags are added (special) tokens: each is exactly one id and never merged into text.
+
+Built and saved by `rlbus init-model OUT_DIR` (producers/model/init_model.py); loaded with
+`AutoTokenizer.from_pretrained(OUT_DIR)`. Try it: `.venv/bin/python -m producers.model.tokenizer`.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping, Sequence
+
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"  # end of every turn; also the eos token (an assistant turn stops on it)
+ENDOFTEXT = "<|endoftext|>"  # padding
+TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+TOOL_RESPONSE_START, TOOL_RESPONSE_END = "<tool_response>", "</tool_response>"
+ANSWER_START, ANSWER_END = "<answer>", "</answer>"
+
+#: Control tokens (never produced by BPE merges): ids 0.. in this order.
+CONTROL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+#: Tags the model writes or reads inside a turn; single ids as well.
+TAG_TOKENS = (TOOL_CALL_START, TOOL_CALL_END, TOOL_RESPONSE_START, TOOL_RESPONSE_END, ANSWER_START, ANSWER_END)
+SPECIAL_TOKENS = CONTROL_TOKENS + TAG_TOKENS
+
+#: Qwen2's pre-tokenizer split (transformers' Qwen2Tokenizer uses this exact pattern).
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+#: Upper bound of the vocabulary (256 byte symbols + 9 special tokens + BPE merges).
+VOCAB_SIZE = 448
+
+#: The chat template (Jinja), ChatML as in Qwen; a tool result is a user turn wrapped in <tool_response> tags.
+#: `render_chat` below is the same thing in Python; tests check that they agree.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'tool' -%}"
+    "{{- '<|im_start|>user\\n<tool_response>' + (message['content'] or '') + '</tool_response><|im_end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def render_message(role: str, content: str) -> str:
+    """One turn in the chat format (a "tool" message becomes a user turn holding a <tool_response>)."""
+    if role == "tool":
+        return f"{IM_START}user\n{TOOL_RESPONSE_START}{content}{TOOL_RESPONSE_END}{IM_END}\n"
+    return f"{IM_START}{role}\n{content}{IM_END}\n"
+
+
+def generation_prompt() -> str:
+    """What opens an assistant turn for the model to complete."""
+    return f"{IM_START}assistant\n"
+
+
+def render_chat(messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = False) -> str:
+    """The chat template in plain Python (for building corpora without a tokenizer)."""
+    text = "".join(render_message(m["role"], m.get("content") or "") for m in messages)
+    return text + (generation_prompt() if add_generation_prompt else "")
+
+
+def encode_chat(tokenizer, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = False) -> list[int]:
+    """Token ids of `messages` through the tokenizer's own chat template (any HF tokenizer, transformers 4 or 5).
+
+    Renders to text first and encodes without extra special tokens: transformers 5 returns a BatchEncoding from
+    `apply_chat_template(tokenize=True)` where 4.x returned a list, and a BOS the template already wrote must not be
+    added twice.
+    """
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _default_corpus() -> list[str]:
+    from producers.model.demos import demonstration_corpus  # lazy: demos imports this module
+
+    return demonstration_corpus(num_examples=512, seed=0)
+
+
+def build_tokenizer(corpus: Iterable[str] | None = None, *, vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
+    """Train the byte-level BPE on `corpus` (default: the synthetic demonstrations) and wrap it for transformers.
+
+    Deterministic: the same corpus gives the same vocabulary and merges (no randomness, ties broken by the trainer
+    in a fixed order).
+    """
+    if vocab_size >= 512:
+        raise ValueError(f"vocab_size: must be < 512 for the quickstart tokenizer, got {vocab_size}")
+    texts = list(_default_corpus() if corpus is None else corpus)
+
+    tok = Tokenizer(models.BPE())
+    # Qwen2's pipeline (see the module docstring): `\p{N}` alone in the regex makes each digit its own piece, which
+    # no merge can cross.
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # The special tokens must be known while training so that the corpus's chat markers are not split into bytes.
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.train_from_iterator(texts, trainer=trainer)
+
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        unk_token=None,
+        additional_special_tokens=list(TAG_TOKENS),
+        clean_up_tokenization_spaces=False,  # exact round trip
+        model_max_length=4096,
+        padding_side="left",  # batched generation pads on the left
+    )
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def _demo() -> None:
+    tok = build_tokenizer()
+    text = render_chat(
+        [
+            {"role": "user", "content": "What is 17*23?"},
+            {"role": "assistant", "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "17*23"}}</tool_call>'},
+            {"role": "tool", "content": "391"},
+        ],
+        add_generation_prompt=True,
+    )
+    ids = tok.encode(text, add_special_tokens=False)
+    print(f"vocab {len(tok)}; {len(ids)} tokens for {len(text)} chars")
+    print(" | ".join(tok.convert_ids_to_tokens(ids)))
+
+
+if __name__ == "__main__":
+    _demo()

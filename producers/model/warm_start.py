@@ -1,0 +1,167 @@
+"""The supervised warm start of the quickstart model: a short pass over fresh synthetic demonstrations.
+
+Loss only on what the model itself would write (assistant contents and their closing `<|im_end|>`); prompts, chat
+markers and tool results are context. Sequences are laid out exactly as the agent loop builds them at rollout time:
+prompt ids (with the generation prompt), then the assistant's ids, then the tool turn and the next generation
+prompt, ... so the warm-started model sees at rollout the token boundaries it was trained on.
+
+Run by `rlbus init-model OUT_DIR` (producers/model/init_model.py); on its own:
+`.venv/bin/python -m producers.model.warm_start` (trains a fresh model and prints the loss curve).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from typing import Callable
+
+import msgspec
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from producers.model.demos import Message, answer_text, arithmetic_problem, demonstration, tool_call_text
+from producers.model.tokenizer import IM_END, generation_prompt, render_message
+
+
+class WarmStartConfig(msgspec.Struct, kw_only=True, frozen=True):
+    steps: int = 600  # optimizer steps (each on a fresh batch of demonstrations)
+    batch_size: int = 16
+    lr: float = 3e-3
+    warmup_steps: int = 30
+    min_lr_ratio: float = 0.05  # cosine floor
+    weight_decay: float = 0.01
+    tool_fraction: float = 0.5  # share of demonstrations that call the calculator
+    drill_batch_size: int = 16  # copy drills per step (0 = none); see copy_drill
+    seed: int = 0
+    log_every: int = 50
+
+
+def encode_demonstration(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask) of a conversation, segmented as the agent loop builds it; mask 1 on assistant output."""
+    ids: list[int] = []
+    mask: list[int] = []
+    context = ""  # text not written by the model, flushed before each assistant turn
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            context += render_message(m["role"], m["content"])
+            continue
+        context += generation_prompt()
+        ctx_ids = tokenizer.encode(context, add_special_tokens=False)
+        out_ids = tokenizer.encode(m["content"] + IM_END, add_special_tokens=False)
+        ids += ctx_ids + out_ids
+        mask += [0] * len(ctx_ids) + [1] * len(out_ids)
+        context = "\n"  # the newline that closes the assistant turn is added by the loop, not generated
+    return ids, mask
+
+
+def copy_drill(rng: random.Random) -> list[Message]:
+    """A short conversation whose only lesson is copying digits: a tool result into an answer, or a question's
+    expression into a tool call, with operands of 1-4 digits.
+
+    Demonstrations alone teach the format quickly but the copy (an induction circuit) only after many steps; these
+    short, dense drills make it form within the warm start. They carry no system prompt and no tool *choice*, so
+    they leave the tool-use rate of the quickstart prompt alone.
+    """
+    def number() -> str:
+        return str(rng.randint(0, 10 ** rng.randint(1, 4) - 1))
+
+    if rng.random() < 0.5:
+        result = number() if rng.random() < 0.5 else number() + number()
+        return [
+            {"role": "tool", "content": result},
+            {"role": "assistant", "content": answer_text(result)},
+        ]
+    expression = f"{number()}{rng.choice('*+')}{number()}"
+    return [
+        {"role": "user", "content": f"What is {expression}?"},
+        {"role": "assistant", "content": tool_call_text(expression)},
+    ]
+
+
+def _pad_batch(seqs: list[tuple[list[int], list[int]]], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pad (ids, mask) pairs into (input_ids_BT, attention_mask_BT, labels_BT); labels -100 off-mask."""
+    max_len = max(len(ids) for ids, _ in seqs)
+    input_ids_BT = torch.full((len(seqs), max_len), pad, dtype=torch.long)
+    attn_BT = torch.zeros((len(seqs), max_len), dtype=torch.long)
+    labels_BT = torch.full((len(seqs), max_len), -100, dtype=torch.long)
+    for i, (ids, mask) in enumerate(seqs):
+        n = len(ids)
+        input_ids_BT[i, :n] = torch.tensor(ids)
+        attn_BT[i, :n] = 1
+        labels_BT[i, :n] = torch.where(torch.tensor(mask, dtype=torch.bool), torch.tensor(ids), -100)
+    return input_ids_BT, attn_BT, labels_BT
+
+
+def drill_batch(tokenizer: PreTrainedTokenizerBase, rng: random.Random, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return _pad_batch([encode_demonstration(tokenizer, copy_drill(rng)) for _ in range(batch_size)], pad)
+
+
+def demo_batch(
+    tokenizer: PreTrainedTokenizerBase, rng: random.Random, batch_size: int, tool_fraction: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids_BT, attention_mask_BT, labels_BT) of fresh demonstrations, right-padded; labels -100 off-mask."""
+    seqs = []
+    for _ in range(batch_size):
+        question, answer = arithmetic_problem(rng)
+        seqs.append(encode_demonstration(tokenizer, demonstration(question, answer, use_tool=rng.random() < tool_fraction)))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return _pad_batch(seqs, pad)
+
+
+def _lr_factor(step: int, cfg: WarmStartConfig) -> float:
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _loss(model: PreTrainedModel, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Next-token cross-entropy averaged over the supervised tokens of the batch."""
+    input_ids_BT, attn_BT, labels_BT = batch
+    logits_BTV = model(input_ids=input_ids_BT, attention_mask=attn_BT).logits.float()
+    return torch.nn.functional.cross_entropy(
+        logits_BTV[:, :-1].reshape(-1, logits_BTV.shape[-1]), labels_BT[:, 1:].reshape(-1), ignore_index=-100
+    )
+
+
+def warm_start(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    cfg: WarmStartConfig = WarmStartConfig(),
+    *,
+    log: Callable[[str], None] = print,
+) -> list[float]:
+    """Train `model` in place on `cfg.steps` batches of demonstrations; returns the per-step losses."""
+    rng = random.Random(cfg.seed)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg))
+    losses: list[float] = []
+    start = time.perf_counter()
+    for step in range(cfg.steps):
+        opt.zero_grad(set_to_none=True)
+        loss = _loss(model, demo_batch(tokenizer, rng, cfg.batch_size, cfg.tool_fraction))
+        loss.backward()
+        if cfg.drill_batch_size:
+            # A separate, short batch (not padded to the demonstrations' length); its loss counts as much again.
+            _loss(model, drill_batch(tokenizer, rng, cfg.drill_batch_size)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if cfg.log_every and ((step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps):
+            log(f"warm start {step + 1}/{cfg.steps}: loss {sum(losses[-cfg.log_every:]) / len(losses[-cfg.log_every:]):.4f} "
+                f"({time.perf_counter() - start:.1f}s)")
+    model.eval()
+    return losses
+
+
+if __name__ == "__main__":
+    from producers.model.tiny import tiny_model
+    from producers.model.tokenizer import build_tokenizer
+
+    torch.set_num_threads(2)
+    tok = build_tokenizer()
+    warm_start(tiny_model(tok), tok, WarmStartConfig(steps=100, log_every=10))

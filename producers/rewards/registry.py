@@ -1,0 +1,68 @@
+"""Reward functions by name ("math") or import path ("pkg.module:fn"), normalised to one async signature.
+
+A reward function is `fn(response_text: str, ground_truth: str, *, task: PromptTask) -> float`, sync or async.
+`load_reward(cfg.rollout)` returns an async callable of that signature; sync functions run inline (rewards are
+expected to be cheap; a slow one should be written async).
+
+    .venv/bin/python -m pytest -q tests/unit/test_rewards.py
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any, Callable, Protocol
+
+from producers.rewards.math import compute_score
+from schemas.config import RolloutConfig
+from schemas.errors import RlbusError
+from schemas.wire import PromptTask
+
+
+class RewardFn(Protocol):
+    async def __call__(self, response_text: str, ground_truth: str, *, task: PromptTask) -> float: ...
+
+
+class RewardError(RlbusError):
+    """A reward function returned something that is not a finite number."""
+
+
+def _math_reward(format_reward: float) -> Callable[..., float]:
+    def math_reward(response_text: str, ground_truth: str, *, task: PromptTask) -> float:
+        return compute_score(response_text, ground_truth, format_reward=format_reward)
+
+    return math_reward
+
+
+def _resolve(cfg: RolloutConfig) -> Callable[..., Any]:
+    if cfg.reward == "math":
+        return _math_reward(cfg.format_reward)
+    # Imported here: producers.tools.registry owns the one import-path resolver and its error messages.
+    from producers.tools.registry import import_object
+
+    fn = import_object(cfg.reward, "rollout.reward")
+    if not callable(fn):
+        from schemas.errors import ConfigError
+
+        raise ConfigError("rollout.reward", f"{cfg.reward!r} is not callable")
+    return fn
+
+
+def load_reward(cfg: RolloutConfig) -> RewardFn:
+    """The run's reward as an async callable; its result is checked to be a finite float."""
+    fn = _resolve(cfg)
+    name = cfg.reward
+
+    async def reward(response_text: str, ground_truth: str, *, task: PromptTask) -> float:
+        value: Any = fn(response_text, ground_truth, task=task)
+        if inspect.isawaitable(value):
+            value = await value
+        # bool is accepted on purpose: `return answer == truth` is a natural 0/1 reward.
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise RewardError(f"reward {name!r} returned {value!r} for task {task.task_id!r}; expected a finite float")
+        return float(value)
+
+    return reward
+
+
+__all__ = ["RewardError", "RewardFn", "load_reward"]

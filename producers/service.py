@@ -1,0 +1,291 @@
+"""The rollout producer: pulls prompt tasks, rolls out GRPO groups, stores tensors, publishes trajectory groups.
+
+    rlbus producer configs/quickstart.yaml bus.url=nats://127.0.0.1:4222 bus.creds_file=... ray.address=...
+
+Any number of producers may run; they share one durable pull consumer on `prompts`, so each task goes to one of
+them. The order of a task's life is the "nothing is lost" invariant (docs/architecture.md):
+
+    pull task -> roll out n samples (in_progress() ticks meanwhile) -> put tensors in the TransferQueue
+      -> publish TrajectoryGroup (waits for JetStream's ack; Nats-Msg-Id = group id) -> ack the task
+
+A producer killed anywhere before the ack loses nothing: JetStream redelivers the task after ack_wait, and a
+re-published group with the same id is dropped by de-duplication. New weights are loaded between generation chunks
+(the engine serialises loads with generation), so no work is dropped when a version arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+from typing import Any
+
+from schemas.config import RunConfig
+from schemas.wire import (
+    ErrorRaised,
+    ProducerHeartbeat,
+    PromptTask,
+    RoleStarted,
+    RoleStopped,
+    TrajectoryGroup,
+    WeightsPublished,
+)
+
+log = logging.getLogger("rlbus.producer")
+
+#: How long a stopping producer waits for the groups it holds before it naks them back to the queue.
+DRAIN_TIMEOUT_S = 30.0
+
+
+def default_producer_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def check_producer_id(producer_id: str) -> str:
+    """A producer id is a subject token: no dots, spaces or wildcards."""
+    bad = set(producer_id) & set(". *>\t\n")
+    if not producer_id or bad:
+        raise ValueError(f"producer id {producer_id!r} must be non-empty without {sorted(bad) or 'dots or spaces'}")
+    return producer_id
+
+
+class Producer:
+    """One producer process: an engine, an agent loop, a bus connection and a TransferQueue handle."""
+
+    cfg: RunConfig
+    producer_id: str
+    bus: Any  # bus.client.Bus
+    tq: Any  # bus.transfer_queue.TransferQueue
+    weight_store: Any  # bus.transfer_queue.WeightStore
+    engine: Any  # producers.engines.base.RolloutEngine
+    agent_loop: Any  # producers.agent_loops.base.AgentLoop
+    trainer_version: int  # newest version the trainer announced
+    groups_done: int
+    groups_abandoned: int
+    tokens_generated: int
+    _inflight: dict[str, asyncio.Task]
+    _stopping: asyncio.Event
+    _started_at: float
+    _load_lock: asyncio.Lock
+
+    def __init__(self, cfg: RunConfig, producer_id: str = ""):
+        self.cfg = cfg
+        self.producer_id = check_producer_id(producer_id or default_producer_id().replace(".", "_"))
+        self.bus = self.tq = self.weight_store = self.engine = self.agent_loop = None
+        self.trainer_version = 0
+        self.groups_done = self.groups_abandoned = self.tokens_generated = 0
+        self._inflight = {}
+        self._stopping = asyncio.Event()
+        self._started_at = time.monotonic()
+        self._load_lock = asyncio.Lock()
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        from transformers import AutoTokenizer
+
+        from bus.client import Bus
+        from bus.ray_cluster import ensure_ray
+        from bus.transfer_queue import TransferQueue, WeightStore
+        from producers.agent_loops import make_agent_loop
+        from producers.engines import make_engine
+        from producers.model.ensure import ensure_model
+        from producers.rewards import load_reward
+        from producers.tools.registry import load_tools
+
+        cfg = self.cfg
+        model_path = ensure_model(cfg.model)
+        self.bus = await Bus.connect(cfg.bus, cfg.name, name=f"producer-{self.producer_id}")
+        await self.bus.ensure_streams()
+        ensure_ray(cfg.ray)  # from the main thread: a head it starts lives as long as this process
+        self.tq = TransferQueue.connect(cfg.name, cfg.ray)
+        self.weight_store = WeightStore.connect(cfg.name, cfg.ray)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.engine = make_engine(cfg, model_path=model_path)
+        self.agent_loop = make_agent_loop(cfg, self.engine, tokenizer, load_tools(cfg.rollout.tools),
+                                          load_reward(cfg.rollout))
+        latest = await self.bus.kv_get("latest", WeightsPublished)  # a late joiner starts from the newest weights
+        if latest is not None:
+            await self._load_version(latest)
+        await self.bus.publish_event(RoleStarted(role="producer", role_id=self.producer_id, host=socket.gethostname(),
+                                                 pid=os.getpid(), detail=f"version {self.engine.version}"))
+        log.info("producer %s up (weights v%d)", self.producer_id, self.engine.version)
+
+    async def run(self) -> None:
+        """Main loop: until stopped, keep up to `rollout.max_inflight_tasks` tasks rolling out."""
+        background = [asyncio.create_task(self._heartbeats(), name="heartbeats"),
+                      asyncio.create_task(self._watch_weights(), name="weights")]
+        slots = asyncio.Semaphore(self.cfg.rollout.max_inflight_tasks)
+        subjects = self.bus.subjects
+        try:
+            while not self._stopping.is_set():
+                self._raise_failed(background)
+                await slots.acquire()
+                if self._stopping.is_set():
+                    slots.release()
+                    break
+                deliveries = await self.bus.fetch(subjects.prompts, subjects.prompts_consumer, PromptTask,
+                                                  batch=1, timeout=1.0)
+                if not deliveries:
+                    slots.release()
+                    continue
+                delivery = deliveries[0]
+                if self._stopping.is_set():  # fetched while asked to stop: give it straight back
+                    await delivery.nak()
+                    slots.release()
+                    break
+                task = asyncio.create_task(self._handle(delivery), name=delivery.data.task_id)
+                self._inflight[delivery.data.task_id] = task
+                task.add_done_callback(lambda t, tid=delivery.data.task_id: (self._inflight.pop(tid, None),
+                                                                             slots.release()))
+            await self._drain()
+        finally:
+            for t in background:
+                t.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+
+    def stop(self) -> None:
+        """Ask the main loop to stop pulling; held tasks are finished (or nak'ed after DRAIN_TIMEOUT_S)."""
+        self._stopping.set()
+
+    async def close(self, reason: str = "", clean: bool = True) -> None:
+        if self.bus is not None:
+            with contextlib.suppress(Exception):  # best effort: the bus may be the thing that failed
+                await self.bus.publish_event(RoleStopped(role="producer", role_id=self.producer_id,
+                                                         reason=reason, clean=clean))
+            await self.bus.close()
+        if self.engine is not None:
+            await self.engine.close()
+
+    # ---------------------------------------------------------------- one task
+
+    async def _handle(self, delivery) -> None:
+        task: PromptTask = delivery.data
+        cfg = self.cfg
+        max_deliver = cfg.bus.max_deliver
+        ticker = asyncio.create_task(self._keep_alive(delivery))
+        try:
+            started = time.monotonic()
+            trajectories = await self.agent_loop.rollout_group(task, task.n or cfg.rollout.n)
+            if self._too_stale(trajectories):
+                # The trainer would drop this group; give the task back so it is redone with fresh weights.
+                self.groups_abandoned += 1
+                log.info("task %s abandoned: generated at v%d, trainer at v%d", task.task_id,
+                         min(min((v for v in t.versions if v >= 0), default=0) for t in trajectories),
+                         self.trainer_version)
+                await delivery.nak()
+                return
+            items = {f"{task.task_id}/{i}": t.tensors() for i, t in enumerate(trajectories)}
+            await self.tq.put_many(items)
+            group = TrajectoryGroup(
+                group_id=task.task_id, task_id=task.task_id, producer_id=self.producer_id,
+                samples=[t.sample_meta(key) for key, t in zip(items, trajectories)],
+                data_source=task.data_source, index=task.index, epoch=task.epoch, attempt=task.attempt,
+            )
+            await self.bus.publish(self.bus.subjects.traj, group, msg_id=group.group_id)
+            await delivery.ack()
+            self.groups_done += 1
+            self.tokens_generated += sum(int(sum(t.response_mask)) for t in trajectories)
+            log.debug("group %s done in %.1fs", task.task_id, time.monotonic() - started)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await delivery.nak()
+            raise
+        except Exception as e:
+            log.exception("task %s failed", task.task_id)
+            await self.bus.publish_event(ErrorRaised(role="producer", role_id=self.producer_id,
+                                                     error=type(e).__name__, message=f"task {task.task_id}: {e}"))
+            if delivery.num_delivered >= max_deliver:
+                await delivery.dead_letter(f"producer {self.producer_id}: {type(e).__name__}: {e}")
+            else:
+                await delivery.nak(delay=1.0)
+        finally:
+            ticker.cancel()
+
+    def _too_stale(self, trajectories) -> bool:
+        tc = self.cfg.trainer
+        if tc.staleness_policy != "drop":
+            return False
+        oldest = min((v for t in trajectories for v, m in zip(t.versions, t.response_mask) if m), default=None)
+        return oldest is not None and self.trainer_version - oldest > tc.max_staleness
+
+    async def _keep_alive(self, delivery) -> None:
+        """Tell JetStream the task is still being worked on, so ack_wait does not redeliver it meanwhile."""
+        while True:
+            await asyncio.sleep(self.cfg.rollout.in_progress_interval_s)
+            await delivery.in_progress()
+
+    async def _drain(self) -> None:
+        if not self._inflight:
+            return
+        log.info("draining %d task(s)", len(self._inflight))
+        tasks = list(self._inflight.values())
+        done, pending = await asyncio.wait(tasks, timeout=DRAIN_TIMEOUT_S)
+        for t in pending:  # cancelled tasks nak themselves
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+    # ---------------------------------------------------------------- weights and heartbeats
+
+    async def _watch_weights(self) -> None:
+        async for published in self.bus.watch(self.bus.subjects.weights, WeightsPublished, deliver="last"):
+            await self._load_version(published)
+
+    async def _load_version(self, published: WeightsPublished) -> None:
+        from bus.transfer_queue import state_dict_checksum
+
+        self.trainer_version = max(self.trainer_version, published.version)
+        async with self._load_lock:
+            if published.version <= self.engine.version:
+                return
+            state_dict = await self.weight_store.get(published.version)
+            checksum = await asyncio.to_thread(state_dict_checksum, state_dict)
+            if checksum != published.checksum:
+                raise RuntimeError(f"weights v{published.version}: checksum {checksum} != published "
+                                   f"{published.checksum}")
+            await self.engine.load_weights(state_dict, published.version)  # waits for the chunk in flight
+            log.info("loaded weights v%d", published.version)
+
+    async def _heartbeats(self) -> None:
+        while True:
+            minutes = max((time.monotonic() - self._started_at) / 60.0, 1e-9)
+            # One subject per producer, so `rlbus status` reads each one's last heartbeat (last-per-subject).
+            await self.bus.publish(self.bus.subjects.event(f"heartbeat.{self.producer_id}"), ProducerHeartbeat(
+                producer_id=self.producer_id, version=self.engine.version, host=socket.gethostname(),
+                pid=os.getpid(), status="draining" if self._stopping.is_set() else "running",
+                groups_done=self.groups_done, tokens_generated=self.tokens_generated,
+                groups_per_min=self.groups_done / minutes, inflight=len(self._inflight)))
+            await asyncio.sleep(self.cfg.rollout.heartbeat_interval_s)
+
+    @staticmethod
+    def _raise_failed(tasks: list[asyncio.Task]) -> None:
+        for t in tasks:
+            if t.done() and not t.cancelled() and t.exception() is not None:
+                raise t.exception()
+
+
+async def run_producer(cfg: RunConfig, producer_id: str = "") -> None:
+    producer = Producer(cfg, producer_id)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, producer.stop)
+    try:
+        await producer.start()
+        await producer.run()
+    except BaseException as e:
+        await producer.close(reason=f"{type(e).__name__}: {e}", clean=False)
+        raise
+    await producer.close(reason="stopped", clean=True)
+
+
+def main(cfg: RunConfig, producer_id: str = "") -> int:
+    from bus.loop import run
+    from rlbus.logs import setup_logging
+
+    setup_logging(cfg.logging.level)
+    run(run_producer(cfg, producer_id))
+    return 0

@@ -1,0 +1,76 @@
+"""The tool registry: built-in tools by name, user tools by import path ("pkg.module:attr").
+
+`rollout.tools: [calculator, mypkg.search:SEARCH]` in a run config becomes `load_tools(cfg.rollout.tools)`, a
+name -> Tool mapping the agent loop dispatches `<tool_call>` names to. A user tool is any object with `name`,
+`description` and an async `__call__(arguments: dict) -> str`; a class or a zero-argument factory is instantiated.
+
+    .venv/bin/python -m pytest -q tests/unit/test_agent_loop.py
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any, Callable, Protocol, runtime_checkable
+
+from producers.tools.calculator import CALCULATOR
+from schemas.errors import ConfigError
+
+
+@runtime_checkable
+class Tool(Protocol):
+    """A tool the model can call. The returned string is shown to the model as the tool response."""
+
+    name: str
+    description: str
+
+    async def __call__(self, arguments: dict[str, Any]) -> str: ...
+
+
+BUILTIN_TOOLS: dict[str, Callable[[], Tool]] = {"calculator": lambda: CALCULATOR}
+
+
+def import_object(path: str, field: str) -> Any:
+    """Resolve "pkg.module:attr" (attr may be dotted), raising ConfigError(field, ...) saying what failed."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(field, f"{path!r} is neither a built-in name nor an import path 'pkg.module:attr'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(field, f"cannot import module {module_name!r} for {path!r}: {e}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(field, f"{path!r}: {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def load_tool(spec: str) -> Tool:
+    """One tool by built-in name or import path."""
+    if spec in BUILTIN_TOOLS:
+        return BUILTIN_TOOLS[spec]()
+    obj = import_object(spec, "rollout.tools")
+    if inspect.isclass(obj) or (callable(obj) and not hasattr(obj, "name")):
+        obj = obj()  # a class or a factory function
+    missing = [a for a in ("name", "description") if not isinstance(getattr(obj, a, None), str)]
+    if missing or not callable(obj):
+        raise ConfigError(
+            "rollout.tools",
+            f"{spec!r} is not a tool: it needs str attributes name and description and an async __call__(arguments)"
+            + (f" (missing {', '.join(missing)})" if missing else ""),
+        )
+    if not inspect.iscoroutinefunction(obj.__call__) and not inspect.iscoroutinefunction(obj):
+        raise ConfigError("rollout.tools", f"{spec!r}: __call__ must be async (async def __call__(self, arguments))")
+    return obj
+
+
+def load_tools(names: list[str]) -> dict[str, Tool]:
+    """name -> Tool for every entry of `rollout.tools`; two tools with one name are a config error."""
+    tools: dict[str, Tool] = {}
+    for spec in names:
+        tool = load_tool(spec)
+        if tool.name in tools:
+            raise ConfigError("rollout.tools", f"two tools are named {tool.name!r}")
+        tools[tool.name] = tool
+    return tools

@@ -1,0 +1,223 @@
+"""`rlbus up CONFIG [overrides]`: the all-in-one launcher.
+
+    rlbus up configs/quickstart.yaml
+    rlbus up configs/quickstart.yaml trainer.total_steps=60 rollout.num_producers=3
+
+Starts the embedded bus unless `bus.url` is given, a local Ray head unless `ray.address` is given, then the trainer
+and `rollout.num_producers` producers, each its own OS process running the same code as `rlbus trainer` /
+`rlbus producer` (in its own session, so Ctrl-C reaches only the launcher, which then stops them in order). A
+producer that dies is reported and restarted; a trainer that dies stops the run with its log shown. Ctrl-C stops
+everything cleanly; the trainer checkpoints on the way out, so `rlbus up` on the same run directory resumes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import msgspec
+
+from schemas.config import RunConfig, to_yaml
+
+#: Seconds a stopping child gets before SIGKILL.
+STOP_TIMEOUT_S = 60.0
+#: A producer that dies this many times within RESTART_WINDOW_S makes the launcher give up on it.
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 120.0
+
+
+class Child:
+    """One supervised role process."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen | None
+    restarts: list[float]
+    _log: IO[bytes] | None
+
+    def __init__(self, name: str, argv: list[str], log_path: Path):
+        self.name, self.argv, self.log_path = name, argv, log_path
+        self.proc, self.restarts, self._log = None, [], None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+
+    def poll(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)  # only our own child, by pid
+
+    async def stop(self, timeout: float = STOP_TIMEOUT_S) -> int | None:
+        if self.proc is None:
+            return None
+        self.signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if self._log is not None:
+            self._log.close()
+        return self.proc.returncode
+
+    def log_tail(self, lines: int = 40) -> str:
+        if not self.log_path.is_file():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _role_argv(role: str, config_path: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "rlbus.cli", role, str(config_path), *extra]
+
+
+class Launcher:
+    cfg: RunConfig
+    run_dir: Path
+    server: Any  # bus.server.EmbeddedServer | None
+    ray_head: Any  # handle from bus.ray_cluster.start_ray_head | None
+    trainer: Child | None
+    producers: list[Child]
+    _stop: asyncio.Event
+    _console: Any
+
+    def __init__(self, cfg: RunConfig):
+        from rich.console import Console
+
+        self.cfg = cfg
+        self.run_dir = cfg.run_dir
+        self.server = self.ray_head = self.trainer = None
+        self.producers = []
+        self._stop = asyncio.Event()
+        self._console = Console(stderr=True)
+
+    # -------------------------------------------------------------- infrastructure
+
+    def _start_infrastructure(self) -> RunConfig:
+        """Start what the config does not point at; return the config the children get (addresses filled in)."""
+        from bus.ray_cluster import start_ray_head
+        from bus.server import EmbeddedServer
+
+        cfg = self.cfg
+        bus_cfg, ray_cfg = cfg.bus, cfg.ray
+        if not bus_cfg.url:
+            store = Path(bus_cfg.embedded_dir) if bus_cfg.embedded_dir else self.run_dir / "bus"
+            self.server = EmbeddedServer(store, port=0).start()
+            bus_cfg = msgspec.structs.replace(bus_cfg, url=self.server.url, creds_file=str(self.server.creds_file))
+            self._console.print(f"[dim]bus[/dim] {self.server.url} (store {store})")
+        if not ray_cfg.address:
+            self.ray_head = start_ray_head(num_cpus=ray_cfg.num_cpus, object_store_memory=ray_cfg.object_store_memory)
+            os.environ.update(self.ray_head.env)  # children inherit what they need to join this head
+            ray_cfg = msgspec.structs.replace(ray_cfg, address=self.ray_head.address)
+            self._console.print(f"[dim]ray[/dim] {self.ray_head.address}")
+        return msgspec.structs.replace(cfg, bus=bus_cfg, ray=ray_cfg)
+
+    def _stop_infrastructure(self) -> None:
+        from bus.ray_cluster import stop_ray_head
+
+        if self.ray_head is not None:
+            stop_ray_head(self.ray_head)
+        if self.server is not None:
+            self.server.stop()
+
+    # -------------------------------------------------------------- supervision
+
+    async def run(self) -> int:
+        from producers.model.ensure import ensure_model
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
+        self._console.print(f"[bold]rlbus up[/bold] run [cyan]{self.cfg.name}[/cyan] in {self.run_dir}")
+        await asyncio.to_thread(ensure_model, self.cfg.model)  # once, before children race to build it
+        child_cfg = self._start_infrastructure()
+        try:
+            launch = self.run_dir / "launch.yaml"
+            launch.write_text(to_yaml(child_cfg))
+            logs = self.run_dir / "logs"
+            self.trainer = Child("trainer", _role_argv("trainer", launch), logs / "trainer.log")
+            self.trainer.start()
+            for i in range(child_cfg.rollout.num_producers):
+                p = Child(f"producer-{i}", _role_argv("producer", launch, "--id", f"p{i}"), logs / f"producer-{i}.log")
+                p.start()
+                self.producers.append(p)
+            return await self._supervise(child_cfg)
+        finally:
+            await self._stop_children()
+            self._stop_infrastructure()
+
+    async def _supervise(self, child_cfg: RunConfig) -> int:
+        from rlbus.progress import RunMonitor
+
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGINT, self._stop.set)
+        loop.add_signal_handler(signal.SIGTERM, self._stop.set)
+        monitor = RunMonitor(child_cfg, self.producers, self._console)
+        async with monitor:
+            while True:
+                code = self.trainer.poll()
+                if code is not None:
+                    monitor.stop()
+                    if code == 0:
+                        return self._finish()
+                    self._console.print(f"[red]trainer exited with code {code}[/red]; its log "
+                                        f"({self.trainer.log_path}) ends with:\n{self.trainer.log_tail()}")
+                    return 1
+                if self._stop.is_set():
+                    monitor.stop()
+                    self._console.print("[yellow]stopping: the trainer checkpoints, producers give back their "
+                                        "tasks; run the same command again to resume[/yellow]")
+                    await self._stop_children()
+                    return 130
+                self._restart_dead_producers()
+                await asyncio.sleep(0.5)
+
+    def _restart_dead_producers(self) -> None:
+        now = time.monotonic()
+        for p in self.producers:
+            code = p.poll()
+            if code is None:
+                continue
+            p.restarts = [t for t in p.restarts if now - t < RESTART_WINDOW_S] + [now]
+            if len(p.restarts) > MAX_RESTARTS:
+                raise RuntimeError(f"{p.name} died {MAX_RESTARTS} times in {RESTART_WINDOW_S:.0f}s; last log:\n"
+                                   f"{p.log_tail()}")
+            self._console.print(f"[yellow]{p.name} exited with code {code}; restarting[/yellow] (log {p.log_path})")
+            p.start()
+
+    async def _stop_children(self) -> None:
+        # Producers first (they nak what they hold), then the trainer (it checkpoints).
+        await asyncio.gather(*(p.stop() for p in self.producers))
+        if self.trainer is not None:
+            await self.trainer.stop()
+
+    def _finish(self) -> int:
+        from rlbus.plot import plot_run
+        from rlbus.progress import summary_table
+        from rlbus.export import export_checkpoint
+
+        cfg = self.cfg
+        if cfg.logging.plot:
+            self._console.print(f"curves: {plot_run(self.run_dir)}")
+        final = export_checkpoint(self.run_dir / "checkpoints", self.run_dir / "final_model", cfg.model.path)
+        self._console.print(f"final model: {final}")
+        self._console.print(summary_table(self.run_dir))
+        return 0
+
+
+def main(cfg: RunConfig) -> int:
+    from bus.loop import run
+
+    return run(Launcher(cfg).run())

@@ -1,0 +1,49 @@
+"""Curves of a run: reward, staleness and throughput against step, from `<run_dir>/metrics.jsonl`.
+
+    rlbus plot runs/quickstart            # writes runs/quickstart/curves.png
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display here
+    import matplotlib.pyplot as plt
+
+    from trainer.metrics import read_metrics
+
+    run_dir = Path(run_dir)
+    rows = read_metrics(run_dir)
+    if not rows:
+        raise FileNotFoundError(f"{run_dir / 'metrics.jsonl'} holds no steps to plot")
+    steps = [r["step"] for r in rows]
+
+    def series(key: str) -> list[float]:
+        return [float(r.get(key) if r.get(key) is not None else "nan") for r in rows]
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4), constrained_layout=True)
+    ax = axes[0]
+    ax.plot(steps, series("reward/mean"), marker="o", ms=3, label="reward/mean")
+    mean, std = series("reward/mean"), series("reward/std")
+    ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
+    ax.set(title="reward", xlabel="step", ylim=(-0.05, 1.05))
+    ax.legend(loc="lower right")
+    ax = axes[1]
+    ax.plot(steps, series("staleness/mean"), label="mean")
+    ax.plot(steps, series("staleness/max"), label="max", linestyle="--")
+    ax.set(title="staleness (versions)", xlabel="step")
+    ax.legend()
+    ax = axes[2]
+    ax.plot(steps, series("perf/tokens_per_s"), color="tab:green")
+    ax.set(title="trainer tokens / s", xlabel="step")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.suptitle(run_dir.name)
+    out = Path(out) if out else run_dir / "curves.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

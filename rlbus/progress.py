@@ -1,0 +1,147 @@
+"""The live view of a run (`rlbus up`) and its end-of-run summary, drawn with rich.
+
+The monitor reads the run's own records, never the processes' memory: the last line of metrics.jsonl for the step,
+reward, throughput and staleness; producer heartbeats and queue depths from the bus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from schemas.config import RunConfig
+from schemas.wire import ProducerHeartbeat
+
+#: A producer whose last heartbeat is older than this many heartbeat intervals counts as offline.
+OFFLINE_AFTER_INTERVALS = 3
+
+
+def last_metrics(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return {}
+    with path.open("rb") as f:
+        f.seek(0, 2)
+        f.seek(max(0, f.tell() - 65536))
+        lines = f.read().decode(errors="replace").strip().splitlines()
+    import json
+
+    for line in reversed(lines):
+        with contextlib.suppress(json.JSONDecodeError):
+            return json.loads(line)
+    return {}
+
+
+class RunMonitor:
+    """Async context manager: while open, refreshes a rich Live panel twice a second."""
+
+    cfg: RunConfig
+    heartbeats: dict[str, tuple[float, ProducerHeartbeat]]
+    queue: dict[str, int]
+    _children: list[Any]
+    _console: Console
+    _bus: Any
+    _tasks: list[asyncio.Task]
+    _progress: Progress
+    _task_id: Any
+    _live: Live | None
+
+    def __init__(self, cfg: RunConfig, children: list[Any], console: Console):
+        self.cfg, self._children, self._console = cfg, children, console
+        self.heartbeats, self.queue = {}, {}
+        self._bus, self._tasks, self._live = None, [], None
+        self._progress = Progress(TextColumn("[bold]step"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                  TextColumn("eta"), TimeRemainingColumn(), console=console)
+        self._task_id = self._progress.add_task("train", total=cfg.trainer.total_steps)
+
+    async def __aenter__(self) -> "RunMonitor":
+        from bus.client import Bus
+
+        self._bus = await Bus.connect(self.cfg.bus, self.cfg.name, name="monitor")
+        await self._bus.ensure_streams()
+        self._live = Live(self._render(), console=self._console, refresh_per_second=2, transient=False)
+        self._live.__enter__()
+        self._tasks = [asyncio.create_task(self._watch_heartbeats()), asyncio.create_task(self._refresh())]
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.stop()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._bus is not None:
+            await self._bus.close()
+
+    def stop(self) -> None:
+        if self._live is not None:
+            self._live.update(self._render())
+            self._live.__exit__(None, None, None)
+            self._live = None
+
+    async def _watch_heartbeats(self) -> None:
+        async for hb in self._bus.watch(self._bus.subjects.event("heartbeat.*"), ProducerHeartbeat, deliver="new"):
+            self.heartbeats[hb.producer_id] = (time.monotonic(), hb)
+
+    async def _refresh(self) -> None:
+        s = self._bus.subjects
+        while True:
+            self.queue["prompts"] = await self._bus.stream_msgs(s.prompts_stream)
+            pending, ack_pending = await self._bus.consumer_pending(s.traj_stream, s.traj_consumer)
+            self.queue["traj"] = pending
+            self.queue["traj_held"] = ack_pending
+            if self._live is not None:
+                self._live.update(self._render())
+            await asyncio.sleep(1.0)
+
+    def online(self) -> int:
+        limit = OFFLINE_AFTER_INTERVALS * self.cfg.rollout.heartbeat_interval_s
+        now = time.monotonic()
+        return sum(1 for t, hb in self.heartbeats.values() if now - t < limit and hb.status != "draining")
+
+    def _render(self) -> Group:
+        m = last_metrics(self.cfg.run_dir)
+        self._progress.update(self._task_id, completed=m.get("step", 0))
+        table = Table.grid(padding=(0, 3))
+        for _ in range(6):
+            table.add_column()
+
+        def fmt(key: str, spec: str = ".3f") -> str:
+            v = m.get(key)
+            return "-" if v is None else format(v, spec)
+
+        table.add_row("reward", "tokens/s", "staleness", "producers", "prompts queued", "groups waiting")
+        table.add_row(fmt("reward/mean"), fmt("perf/tokens_per_s", ".0f"), fmt("staleness/mean", ".2f"),
+                      f"{self.online()}/{len(self._children)}", str(self.queue.get("prompts", "-")),
+                      str(self.queue.get("traj", "-")))
+        return Group(self._progress, table)
+
+
+def summary_table(run_dir: Path) -> Table:
+    """First and last steps of a run side by side, plus what the run directory holds."""
+    from trainer.metrics import read_metrics
+
+    rows = read_metrics(run_dir)
+    table = Table(title=f"run {run_dir}", show_lines=False)
+    table.add_column("metric")
+    table.add_column("first 5 steps", justify="right")
+    table.add_column("last 10 steps", justify="right")
+    if not rows:
+        return table
+
+    def avg(rs: list[dict], key: str) -> str:
+        vals = [r[key] for r in rs if isinstance(r.get(key), (int, float))]
+        return f"{sum(vals) / len(vals):.3f}" if vals else "-"
+
+    for key in ("reward/mean", "tool_calls/mean", "response_length/mean", "staleness/mean", "actor/pg_loss",
+                "actor/entropy", "actor/grad_norm", "perf/tokens_per_s", "time/step"):
+        table.add_row(key, avg(rows[:5], key), avg(rows[-10:], key))
+    table.caption = f"{len(rows)} steps; metrics.jsonl, tensorboard/, curves.png, checkpoints/, final_model/"
+    return table

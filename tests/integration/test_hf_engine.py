@@ -1,0 +1,172 @@
+"""The transformers rollout engine on a tiny random Qwen2 model (built by init_model with no warm start):
+
+- its per-token log-probs are what a teacher-forced forward of the same weights gives (the trainer's computation);
+- a batch of prompts of different lengths behaves like each prompt alone (stop tokens, finish reasons, tokens);
+- loading new weights changes what it generates and stamps the new version;
+- generate runs off the event loop.
+
+    .venv/bin/python -m pytest -q tests/integration/test_hf_engine.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from producers.engines import make_engine
+from producers.engines.base import SamplingParams
+from producers.engines.hf import HFEngine
+from producers.model.demos import prompt_messages
+from producers.model.init_model import init_model
+from producers.model.tiny import tiny_model
+from producers.model.tokenizer import encode_chat
+from schemas.config import HFEngineConfig, from_dict
+from schemas.errors import WeightLoadError
+
+QUESTIONS = ["What is 17*23?", "What is 5+38?", "What is 9*9? Please show the steps and be careful.", "Hi"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the CPU is shared with other test runs
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return init_model(tmp_path_factory.mktemp("tiny") / "model", steps=0, log=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    out = [encode_chat(tokenizer, prompt_messages(q), add_generation_prompt=True) for q in QUESTIONS]
+    out.append(out[0][:3])  # a very short prompt next to long ones: lots of left padding
+    assert len({len(p) for p in out}) == len(out)
+    return out
+
+
+def _teacher_forced_logprobs(model, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits_TV = model(input_ids=ids).logits[0].float()
+    logp_TV = torch.log_softmax(logits_TV / temperature, dim=-1)
+    return logp_TV[len(prompt) - 1 : -1].gather(-1, torch.tensor(tokens).unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 1.0, 20)])
+async def test_logprobs_match_teacher_forced_forward(model_dir, prompts, temperature, top_p, top_k):
+    engine = HFEngine(str(model_dir), HFEngineConfig(max_batch_size=8), seed=0)
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=24, seed=1)
+    gens = await engine.generate(prompts, params)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    max_diff = 0.0
+    for prompt, gen in zip(prompts, gens):
+        assert len(gen.token_ids) == len(gen.log_probs) == 24 and gen.finish_reason == "length"
+        expected = _teacher_forced_logprobs(reference, prompt, gen.token_ids, temperature)
+        max_diff = max(max_diff, (expected - torch.tensor(gen.log_probs)).abs().max().item())
+    assert max_diff < 1e-4, f"engine vs teacher-forced log-probs: max |diff| = {max_diff:.3g}"
+    print(f"max |engine - teacher-forced| log-prob difference (T={temperature}, top_p={top_p}, top_k={top_k}): {max_diff:.3g}")
+
+
+async def test_top_k_restricts_sampling_but_not_logprobs(model_dir, prompts):
+    engine = HFEngine(str(model_dir), HFEngineConfig(), seed=0)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    params = SamplingParams(temperature=1.0, top_k=2, max_new_tokens=16, seed=3)
+    for prompt, gen in zip(prompts, await engine.generate(prompts, params)):
+        with torch.no_grad():
+            logits_TV = reference(input_ids=torch.tensor([prompt + gen.token_ids])).logits[0]
+        top2_TK = logits_TV[len(prompt) - 1 : -1].topk(2, dim=-1).indices
+        assert all(t in top2_TK[i].tolist() for i, t in enumerate(gen.token_ids))
+
+
+async def test_batch_equals_each_prompt_alone_with_stop_tokens(model_dir, prompts):
+    engine = HFEngine(str(model_dir), HFEngineConfig(max_batch_size=3), seed=0)  # 5 prompts -> chunks of 3 + 2
+    greedy = SamplingParams(temperature=1e-4, max_new_tokens=12)
+    free = await engine.generate(prompts, greedy)
+    # Stop on the 4th token the first prompt generates: it must end there, others wherever that id first appears.
+    stop_id = free[0].token_ids[3]
+    with_stop = await engine.generate(prompts, SamplingParams(temperature=1e-4, max_new_tokens=12, stop_token_ids=(stop_id,)))
+    for alone_free, batched in zip(free, with_stop):
+        if stop_id in alone_free.token_ids:
+            cut = alone_free.token_ids.index(stop_id) + 1
+            assert batched.token_ids == alone_free.token_ids[:cut] and batched.finish_reason == "stop"
+        else:
+            assert batched.token_ids == alone_free.token_ids and batched.finish_reason == "length"
+    assert with_stop[0].finish_reason == "stop" and len(with_stop[0].token_ids) <= 4
+    # Each prompt alone gives what it gave inside the batch.
+    for prompt, batched in zip(prompts, with_stop):
+        (alone,) = await engine.generate([prompt], SamplingParams(temperature=1e-4, max_new_tokens=12, stop_token_ids=(stop_id,)))
+        assert alone.token_ids == batched.token_ids and alone.finish_reason == batched.finish_reason
+        assert alone.log_probs == pytest.approx(batched.log_probs, abs=1e-4)
+
+
+async def test_load_weights_changes_generation_and_stamps_version(model_dir, prompts):
+    engine = HFEngine(str(model_dir), HFEngineConfig(), version=0, seed=0)
+    greedy = SamplingParams(temperature=1e-4, max_new_tokens=16)
+    before = await engine.generate(prompts, greedy)
+    assert {g.version for g in before} == {0}
+
+    new_model = tiny_model(AutoTokenizer.from_pretrained(model_dir), seed=123)
+    await engine.load_weights(new_model.state_dict(), version=7)
+    assert engine.version == 7
+    after = await engine.generate(prompts, greedy)
+    assert {g.version for g in after} == {7}
+    assert [g.token_ids for g in after] != [g.token_ids for g in before]
+    # ... and it is exactly the new model: its log-probs are the new model's teacher-forced ones.
+    new_model.eval()
+    for prompt, gen in zip(prompts, after):
+        expected = _teacher_forced_logprobs(new_model, prompt, gen.token_ids, 1e-4)
+        assert torch.allclose(expected, torch.tensor(gen.log_probs), atol=1e-2)
+
+    # A state dict without the tied lm_head loads too; one with a wrong shape is refused with the names.
+    state = {k: v for k, v in new_model.state_dict().items() if k != "lm_head.weight"}
+    await engine.load_weights(state, version=8)
+    bad = dict(state)
+    bad["model.norm.weight"] = torch.ones(3)
+    with pytest.raises(WeightLoadError, match="model.norm.weight"):
+        await engine.load_weights(bad, version=9)
+    assert engine.version == 8
+
+
+async def test_generate_does_not_block_the_event_loop(model_dir, prompts):
+    engine = HFEngine(str(model_dir), HFEngineConfig(), seed=0)
+    gaps: list[float] = []
+    done = asyncio.Event()
+
+    async def ticker():
+        last = time.perf_counter()
+        while not done.is_set():
+            await asyncio.sleep(0.01)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    tick = asyncio.create_task(ticker())
+    start = time.perf_counter()
+    await engine.generate(prompts * 4, SamplingParams(max_new_tokens=64))
+    took = time.perf_counter() - start
+    done.set()
+    await tick
+    assert took > 0.2, "generation too quick to say anything about the loop"
+    assert len(gaps) >= took / 0.1, f"loop ticked {len(gaps)} times in {took:.2f}s"
+    assert max(gaps) < 0.25, f"event loop stalled {max(gaps):.3f}s during generate"
+
+
+async def test_make_engine_builds_hf(model_dir, prompts):
+    cfg = from_dict({"model": {"path": str(model_dir)}, "rollout": {"engine": {"type": "hf", "max_batch_size": 2}}})
+    engine = make_engine(cfg, version=5)
+    assert isinstance(engine, HFEngine) and engine.version == 5
+    (gen,) = await engine.generate(prompts[:1], SamplingParams(max_new_tokens=3))
+    assert len(gen.token_ids) == 3 and gen.version == 5
+    await engine.close()

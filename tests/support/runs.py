@@ -1,0 +1,119 @@
+"""Helpers for system tests that run rlbus roles as real OS processes (`python -m rlbus.cli ...`).
+
+    proc = start_role("trainer", cfg_path, log_dir)     # its own session; stopped by pid only
+    wait_for_steps(run_dir, 3, procs=[proc])
+
+A tiny model for these tests comes from `tiny_model_dir` (session scope): the quickstart's tokenizer and model
+architecture with a very short warm start, so generation is cheap and produces real structure.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import yaml
+
+from trainer.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from producers.model.init_model import init_model
+
+    out = tmp_path_factory.mktemp("models") / "tiny"
+    init_model(out, steps=30, num_threads=1, log=lambda *_: None)
+    return out
+
+
+def write_config(path: Path, cfg: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def small_run_config(name: str, run_dir: Path, model_dir: Path, bus_url: str, creds_file: str, ray_address: str,
+                     **sections: dict[str, Any]) -> dict[str, Any]:
+    """A run config sized for tests: tiny groups, short turns, frequent heartbeats, short ack_wait."""
+    cfg: dict[str, Any] = {
+        "name": name,
+        "bus": {"url": bus_url, "creds_file": creds_file, "ack_wait_s": 8.0},
+        "ray": {"address": ray_address, "num_storage_actors": 1, "capacity_bytes": 256 * 1024**2},
+        "model": {"path": str(model_dir)},
+        "data": {"type": "synthetic", "num_examples": 256},
+        "rollout": {"n": 2, "max_new_tokens": 16, "max_response_tokens": 40, "max_turns": 2,
+                    "max_tool_response_tokens": 8, "heartbeat_interval_s": 1.0, "in_progress_interval_s": 2.0,
+                    "engine": {"type": "hf", "max_batch_size": 4}},
+        "trainer": {"total_steps": 6, "groups_per_step": 2, "max_staleness": 1, "checkpoint_interval": 2,
+                    "micro_batch_size": 4, "lr": 1e-4},
+        "logging": {"run_dir": str(run_dir), "tensorboard": False, "plot": False},
+    }
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    return cfg
+
+
+def start_role(role: str, cfg_path: Path, log_dir: Path, *extra: str, name: str | None = None) -> subprocess.Popen:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = open(log_dir / f"{name or role}.log", "ab")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "rlbus.cli", role, str(cfg_path), *extra], cwd=ROOT,
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc.log_path = log_dir / f"{name or role}.log"  # type: ignore[attr-defined]
+    return proc
+
+
+def log_tail(proc: subprocess.Popen, lines: int = 60) -> str:
+    path: Path = proc.log_path  # type: ignore[attr-defined]
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.is_file() else ""
+
+
+def wait_for_steps(run_dir: Path, steps: int, procs: list[subprocess.Popen], timeout: float = 300.0) -> list[dict]:
+    """Wait until metrics.jsonl reaches `steps`; fail early (with logs) if a watched process exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = read_metrics(run_dir)
+        if rows and rows[-1]["step"] >= steps:
+            return rows
+        for p in procs:
+            if p.poll() is not None:
+                pytest.fail(f"{p.args[3]} exited with {p.returncode} before step {steps}:\n{log_tail(p)}")
+        time.sleep(0.5)
+    pytest.fail(f"no step {steps} within {timeout}s; logs:\n" + "\n---\n".join(log_tail(p) for p in procs))
+
+
+def wait_exit(proc: subprocess.Popen, timeout: float) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{proc.args[3]} did not exit within {timeout}s:\n{log_tail(proc)}")
+
+
+def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int | None:
+    """Signal a process we started (by pid) and reap it; SIGKILL if it does not go within `timeout`."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+@pytest.fixture
+def role_processes() -> Iterator[list[subprocess.Popen]]:
+    """Processes a test starts; whatever is still running at the end is killed (by pid)."""
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

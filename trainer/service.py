@@ -1,0 +1,432 @@
+"""The trainer: consumes trajectory groups, trains, publishes weights, checkpoints; runs the prompt feeder.
+
+    rlbus trainer configs/quickstart.yaml bus.url=... bus.creds_file=... ray.address=...
+    rlbus trainer configs/quickstart.yaml trainer.num_ranks=2          # two local FSDP ranks
+    torchrun --nproc-per-node 2 -m rlbus.cli trainer CONFIG            # multi-node
+
+Rank 0 is the controller: it alone talks to NATS (batcher, feeder, events) and holds only metadata. Every step it
+broadcasts a plan -- which TransferQueue keys each rank fetches -- and every rank fetches its own tensors, so no
+tensor passes through the controller. The train loop:
+
+    while step < total_steps:
+        groups = await batcher.next_batch(version)       # whole groups, staleness policy applied
+        result = execute(plan(groups))                   # all ranks: fetch, train_step, [gather weights], [checkpoint]
+        step += 1; version = step
+        publish weights; log metrics; if checkpointed: ack the groups of durable steps
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from schemas.config import RunConfig, to_yaml
+from schemas.errors import PayloadMissing
+from schemas.wire import ErrorRaised, RoleStarted, RoleStopped, SampleMeta, StepCompleted, TrajectoryGroup, \
+    WeightsPublished
+
+log = logging.getLogger("rlbus.trainer")
+
+
+class StepPlan(msgspec.Struct, kw_only=True):
+    """What every rank does this round. Broadcast by rank 0; None ends the ranks' loop."""
+
+    step: int  # the step this round produces (0 = publish-only round at start)
+    shards: list[list[tuple[SampleMeta, int]]] | None  # per rank: (sample, group index in the step); None = no train
+    publish: bool  # gather the full state dict on rank 0
+    checkpoint: dict | None  # extra state to save with a checkpoint at this step, or None
+
+
+class StepResult(msgspec.Struct, kw_only=True):
+    missing: list[str] = []
+    metrics: dict[str, float] = {}
+    state_dict: Any = None  # rank 0 only, when publish
+    timings: dict[str, float] = {}
+
+
+def plan_shards(groups: list[TrajectoryGroup], num_ranks: int) -> list[list[tuple[SampleMeta, int]]]:
+    """Whole groups per rank (GRPO needs a whole group on one rank), balanced by tokens (largest first)."""
+    if len(groups) < num_ranks:
+        raise ValueError(f"{len(groups)} groups cannot feed {num_ranks} ranks (trainer.groups_per_step too small)")
+    order = sorted(range(len(groups)), key=lambda i: -sum(s.prompt_len + s.response_len for s in groups[i].samples))
+    shards: list[list[tuple[SampleMeta, int]]] = [[] for _ in range(num_ranks)]
+    load = [0] * num_ranks
+    for gi in order:
+        r = min(range(num_ranks), key=lambda k: (load[k], len(shards[k])))
+        shards[r].extend((s, gi) for s in groups[gi].samples)
+        load[r] += sum(s.prompt_len + s.response_len for s in groups[gi].samples)
+    return shards
+
+
+class StepWorker:
+    """The part of a step every rank runs: fetch own tensors, train, gather weights, checkpoint."""
+
+    cfg: RunConfig
+    engine: Any  # trainer.engine.TrainEngine
+    tq: Any  # bus.transfer_queue.TransferQueue
+    rank: int
+    world: int
+    pad_id: int
+    restored: dict  # the checkpoint's extra blob (step, version, feeder, trained ids); {} on a fresh start
+
+    def __init__(self, cfg: RunConfig, model_path: str):
+        from transformers import AutoTokenizer
+
+        from bus.ray_cluster import ensure_ray
+        from bus.transfer_queue import TransferQueue
+        from trainer.dist import init_distributed
+        from trainer.engine import TrainEngine
+
+        info = init_distributed(cfg.trainer.device)
+        self.cfg, self.rank, self.world = cfg, info.rank, info.world_size
+        torch.manual_seed(cfg.trainer.seed)
+        ensure_ray(cfg.ray)
+        self.tq = TransferQueue.connect(cfg.name, cfg.ray)
+        tok = AutoTokenizer.from_pretrained(model_path)
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+        self.engine = TrainEngine(model_path, cfg.trainer, cfg.algorithm, temperature=cfg.rollout.temperature,
+                                  dtype=cfg.model.dtype, gradient_checkpointing=cfg.model.gradient_checkpointing)
+        from trainer.checkpoint import load_checkpoint
+
+        # A collective: every rank restores its shards of model and optimizer from the same checkpoint.
+        self.restored = load_checkpoint(self.engine, cfg.run_dir / "checkpoints") or {}
+
+    def broadcast(self, plan: StepPlan | None) -> StepPlan | None:
+        if self.world == 1:
+            return plan
+        box = [plan]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        from consumers.collate import collate
+        from consumers.recorder import write_shard
+        from trainer.checkpoint import save_checkpoint
+
+        timings: dict[str, float] = {}
+        metrics: dict[str, float] = {}
+        if plan.shards is not None:
+            t0 = time.perf_counter()
+            shard = plan.shards[self.rank]
+            keys = [meta.key for meta, _ in shard]
+            missing: list[str] = []
+            stored: list[dict] = []
+            try:
+                stored = self.tq.get_list_sync(keys)
+            except PayloadMissing as e:
+                missing = e.keys
+            if self.world > 1:
+                everyone: list[list[str]] = [[] for _ in range(self.world)]
+                dist.all_gather_object(everyone, missing)
+                missing = [k for ks in everyone for k in ks]
+            if missing:
+                return StepResult(missing=missing)
+            batch = collate([(m, t) for (m, _), t in zip(shard, stored)], [gi for _, gi in shard], pad_id=self.pad_id)
+            timings["time/fetch"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            # logging.record=full: this rank's exact batch, for `rlbus replay` (consumers/recorder.py)
+            write_shard(self.cfg.run_dir, self.cfg.logging.record, plan.step, self.rank, batch)
+            timings["time/record"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            metrics = self.engine.train_step(batch)
+            timings["time/train"] = time.perf_counter() - t0
+        state_dict = None
+        if plan.publish:
+            t0 = time.perf_counter()
+            state_dict = self.engine.full_state_dict()
+            timings["time/gather_weights"] = time.perf_counter() - t0
+        if plan.checkpoint is not None:
+            t0 = time.perf_counter()
+            save_checkpoint(self.engine, self.cfg.run_dir / "checkpoints", plan.step, plan.checkpoint,
+                            keep=self.cfg.trainer.keep_checkpoints)
+            timings["time/checkpoint"] = time.perf_counter() - t0
+        return StepResult(metrics=metrics, state_dict=state_dict if self.rank == 0 else None, timings=timings)
+
+    def serve(self) -> None:
+        """Ranks > 0: follow rank 0's plans until it sends None."""
+        while (plan := self.broadcast(None)) is not None:
+            self.execute(plan)
+
+    def close(self) -> None:
+        from trainer.dist import destroy_distributed
+
+        destroy_distributed()
+
+
+class TrainerService:
+    """Rank 0: the controller. Owns the bus, the feeder, the batcher and the run directory."""
+
+    cfg: RunConfig
+    worker: StepWorker
+    step: int
+    version: int
+    bus: Any
+    weight_store: Any
+    feeder: Any
+    batcher: Any
+    metrics: Any
+    recorder: Any  # consumers.recorder.Recorder
+    _stopping: asyncio.Event
+    _feeder_task: asyncio.Task | None
+
+    def __init__(self, cfg: RunConfig, worker: StepWorker):
+        self.cfg, self.worker = cfg, worker
+        self.step = self.version = 0
+        self.bus = self.weight_store = self.feeder = self.batcher = self.metrics = self.recorder = None
+        self._stopping = asyncio.Event()
+        self._feeder_task = None
+
+    async def start(self) -> None:
+        from bus.client import Bus
+        from bus.transfer_queue import WeightStore
+        from consumers.batcher import Batcher
+        from consumers.recorder import Recorder
+        from producers.data import load_dataset
+        from producers.feeder import Feeder
+        from trainer.metrics import MetricsLog
+
+        cfg = self.cfg
+        run_dir = cfg.run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        self.bus = await Bus.connect(cfg.bus, cfg.name, name="trainer")
+        await self.bus.ensure_streams()
+        self.weight_store = WeightStore.connect(cfg.name, cfg.ray)
+        extra = self.worker.restored
+        self.step = int(extra.get("step", 0))
+        self.version = int(extra.get("version", 0))
+        self.recorder = Recorder(run_dir, cfg.logging.record, resume_step=self.step)
+        await self.recorder.start(self.bus)
+        self.feeder = Feeder(cfg, load_dataset(cfg.data), self.bus, lambda: self.version,
+                             on_release=self.recorder.prompt)
+        if "feeder" in extra:
+            self.feeder.load_state_dict(extra["feeder"])
+        self.batcher = Batcher(cfg, self.bus, self.worker.tq, self.feeder, trained=set(extra.get("trained", ())))
+        self.metrics = MetricsLog(run_dir, tensorboard=cfg.logging.tensorboard, resume_step=self.step)
+        await self.bus.publish_event(RoleStarted(role="trainer", role_id=f"trainer-{os.getpid()}",
+                                                 host=socket.gethostname(), pid=os.getpid(),
+                                                 detail=f"step {self.step} version {self.version}"))
+        # Producers (and late joiners via the KV bucket) need the weights of the version we resume at.
+        result = await self._execute(StepPlan(step=self.step, shards=None, publish=True, checkpoint=None))
+        await self._publish_weights(result.state_dict)
+        self.batcher.start()
+        self._feeder_task = asyncio.create_task(self.feeder.run(), name="feeder")
+        log.info("trainer up at step %d, version %d", self.step, self.version)
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def run(self) -> None:
+        total = self.cfg.trainer.total_steps
+        last_ckpt = self.step
+        while self.step < total and not self._stopping.is_set():
+            self._raise_if_failed(self._feeder_task)
+            row = await self._train_one_step()
+            if row is None:  # stopped while waiting for data
+                break
+            if self.step % self.cfg.trainer.checkpoint_interval == 0 or self.step == total:
+                await self._checkpoint()
+                last_ckpt = self.step
+        if self.step > last_ckpt:  # stopped early: leave the run resumable from here
+            await self._checkpoint()
+
+    async def _train_one_step(self) -> dict | None:
+        t_wait = time.perf_counter()
+        groups = await self._next_batch(self.cfg.trainer.groups_per_step)
+        if groups is None:
+            return None
+        wait_s = time.perf_counter() - t_wait
+        t_step = time.perf_counter()
+        while True:
+            publish = (self.step + 1) % self.cfg.trainer.weight_sync_interval == 0
+            plan = StepPlan(step=self.step + 1, shards=plan_shards(groups, self.worker.world),
+                            publish=publish, checkpoint=None)
+            result = await self._execute(plan)
+            if not result.missing:
+                break
+            lost = {k.rsplit("/", 1)[0] for k in result.missing}
+            log.warning("payload missing for %d group(s); re-issuing their prompts", len(lost))
+            await self.batcher.payload_missing(sorted(lost))
+            groups = [g for g in groups if g.group_id not in lost]
+            more = await self._next_batch(len(lost))
+            if more is None:
+                return None
+            groups += more
+        # Staleness is measured against the version the groups were trained at (before this step's update).
+        row = self._metrics_row(groups, result, wait_s)
+        self.step += 1
+        self.version = self.step
+        self.batcher.trained_in(self.step, [g.group_id for g in groups])
+        if publish:
+            t0 = time.perf_counter()
+            await self._publish_weights(result.state_dict)
+            row["time/publish_weights"] = time.perf_counter() - t0 + result.timings.get("time/gather_weights", 0.0)
+        row["step"], row["version"] = self.step, self.version
+        row["time/step"] = time.perf_counter() - t_step
+        row["perf/tokens_per_s"] = row.pop("_tokens") / max(row["time/step"], 1e-9)
+        record = self.recorder.step(step=self.step, version=self.version, groups=groups, shards=plan.shards,
+                                    metrics=row)
+        if record is not None:
+            row["record/bytes"] = record.payload_bytes
+        self.metrics.append(row)
+        await self.bus.publish_event(StepCompleted(step=self.step, version=self.version,
+                                                   group_ids=[g.group_id for g in groups],
+                                                   metrics={k: float(v) for k, v in row.items()
+                                                            if isinstance(v, (int, float))}))
+        self.feeder.notify()
+        log.info("step %d/%d reward %.3f staleness %.2f pg_loss %.4f", self.step, self.cfg.trainer.total_steps,
+                 row["reward/mean"], row["staleness/mean"], row.get("actor/pg_loss", float("nan")))
+        return row
+
+    async def _next_batch(self, need: int) -> list[TrajectoryGroup] | None:
+        """Wait for `need` groups, or None if asked to stop meanwhile."""
+        getter = asyncio.create_task(self.batcher.next_batch(self.version, need))
+        stopper = asyncio.create_task(self._stopping.wait())
+        done, _ = await asyncio.wait({getter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        if getter in done:
+            return getter.result()
+        getter.cancel()
+        await asyncio.gather(getter, return_exceptions=True)
+        return None
+
+    def _metrics_row(self, groups: list[TrajectoryGroup], result: StepResult, wait_s: float) -> dict[str, Any]:
+        samples = [s for g in groups for s in g.samples]
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+        stale = torch.tensor([self.version - s.min_version for s in samples], dtype=torch.float64)
+        resp = torch.tensor([s.response_len for s in samples], dtype=torch.float64)
+        counts = self.batcher.counts
+        row: dict[str, Any] = {
+            "reward/mean": rewards.mean().item(),
+            "reward/std": rewards.std(unbiased=False).item(),
+            "staleness/mean": stale.mean().item(),
+            "staleness/max": stale.max().item(),
+            "response_length/mean": resp.mean().item(),
+            "tool_calls/mean": sum(s.num_tool_calls for s in samples) / len(samples),
+            "batch/groups": len(groups),
+            "batch/dropped_stale": counts.dropped_stale,
+            "batch/skipped_uniform": counts.skipped_uniform,
+            "batch/duplicates": counts.duplicates,
+            "batch/missing_payload": counts.missing_payload,
+            "feeder/released": self.feeder.state.released,
+            "feeder/abandoned": self.feeder.state.abandoned,
+            "time/wait_data": wait_s,
+            "_tokens": sum(s.prompt_len + s.response_len for s in samples),
+        }
+        for v in range(int(stale.max().item()) + 1):  # the staleness histogram, one bucket per version lag
+            row[f"staleness/hist_{v}"] = int((stale == v).sum().item())
+        row.update(result.metrics)
+        row.update(result.timings)
+        row.pop("time/gather_weights", None)
+        return row
+
+    async def _publish_weights(self, state_dict: dict) -> None:
+        info = await self.weight_store.put(self.version, state_dict)
+        msg = WeightsPublished(version=self.version, step=self.step, num_bytes=info.num_bytes,
+                               checksum=info.checksum, num_tensors=info.num_tensors, dtype=info.dtype,
+                               store=f"{self.cfg.name}")
+        await self.bus.publish(self.bus.subjects.weights, msg, msg_id=f"weights-v{self.version}-s{self.step}")
+        await self.bus.kv_put("latest", msg)
+
+    async def _checkpoint(self) -> None:
+        trained = sorted(self.batcher.trained | {gid for gid, h in self.batcher._held.items() if h.step >= 0})
+        extra = {"step": self.step, "version": self.version, "feeder": self.feeder.state_dict(), "trained": trained}
+        await self._execute(StepPlan(step=self.step, shards=None, publish=False, checkpoint=extra))
+        acked = await self.batcher.commit(self.step)  # the step is durable: now its groups may go
+        log.info("checkpoint at step %d; acked %d group(s)", self.step, acked)
+
+    async def _execute(self, plan: StepPlan) -> StepResult:
+        """Run a round on every rank; rank 0's share runs in a thread so the event loop keeps acks alive."""
+
+        def both() -> StepResult:
+            return self.worker.execute(self.worker.broadcast(plan))
+
+        return await asyncio.to_thread(both)
+
+    @staticmethod
+    def _raise_if_failed(task: asyncio.Task | None) -> None:
+        if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
+            raise task.exception()
+
+    async def close(self, reason: str, clean: bool) -> None:
+        if self._feeder_task is not None:
+            self._feeder_task.cancel()
+            await asyncio.gather(self._feeder_task, return_exceptions=True)
+        if self.batcher is not None:
+            await self.batcher.stop()
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.bus is not None:
+            await self.bus.publish_event(RoleStopped(role="trainer", role_id=f"trainer-{os.getpid()}",
+                                                     reason=reason, clean=clean))
+            if not clean:
+                await self.bus.publish_event(ErrorRaised(role="trainer", role_id=f"trainer-{os.getpid()}",
+                                                         error="TrainerFailed", message=reason, fatal=True))
+            try:
+                if self.recorder is not None:  # what it has not archived yet stays in JetStream; a restart resumes
+                    await self.recorder.stop()
+            finally:
+                await self.bus.close()
+
+
+async def run_controller(cfg: RunConfig, worker: StepWorker) -> None:
+    service = TrainerService(cfg, worker)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, service.stop)
+    try:
+        await service.start()
+        await service.run()
+    except BaseException as e:
+        await service.close(reason=f"{type(e).__name__}: {e}", clean=False)
+        raise
+    await service.close(reason="finished" if service.step >= cfg.trainer.total_steps else "stopped", clean=True)
+    log.info("trainer stopped at step %d", service.step)
+
+
+def run_rank(cfg: RunConfig, model_path: str) -> int:
+    """Entry of one rank (spawned locally, under torchrun, or the only one)."""
+    from bus.loop import run
+    from rlbus.logs import setup_logging
+
+    setup_logging(cfg.logging.level)
+    worker = StepWorker(cfg, model_path)
+    try:
+        if worker.rank == 0:
+            try:
+                run(run_controller(cfg, worker))
+            finally:
+                worker.broadcast(None)  # release the other ranks, on every exit path
+        else:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when to stop
+            worker.serve()
+    finally:
+        worker.close()
+    return 0
+
+
+def main(cfg: RunConfig) -> int:
+    from bus.ray_cluster import ensure_ray
+    from producers.model.ensure import ensure_model
+    from rlbus.logs import setup_logging
+    from trainer.dist import spawn_local
+
+    setup_logging(cfg.logging.level)
+    model_path = ensure_model(cfg.model)
+    n = cfg.trainer.num_ranks
+    if n == 1 or "RANK" in os.environ:  # single rank, or torchrun already made the processes
+        return run_rank(cfg, model_path)
+    # Local multi-rank: every rank must reach the same Ray, so pin its address before spawning.
+    address = ensure_ray(cfg.ray)
+    cfg = msgspec.structs.replace(cfg, ray=msgspec.structs.replace(cfg.ray, address=address))
+    spawn_local(n, run_rank, cfg, model_path)
+    return 0

@@ -71,6 +71,7 @@ class Producer:
     _stopping: asyncio.Event
     _started_at: float
     _load_lock: asyncio.Lock
+    _loaded_checksum: str  # checksum of the weights the engine holds ("" = the model directory it was built from)
 
     def __init__(self, cfg: RunConfig, producer_id: str = ""):
         self.cfg = cfg
@@ -82,6 +83,7 @@ class Producer:
         self._stopping = asyncio.Event()
         self._started_at = time.monotonic()
         self._load_lock = asyncio.Lock()
+        self._loaded_checksum = ""
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -238,9 +240,14 @@ class Producer:
     async def _load_version(self, published: WeightsPublished) -> None:
         from bus.transfer_queue import state_dict_checksum
 
-        self.trainer_version = max(self.trainer_version, published.version)
+        # The newest announcement wins, even when it is older than what we hold: a trainer that restarted from a
+        # checkpoint republishes that checkpoint's version, and weights of the lost steps must not roll out again.
+        self.trainer_version = published.version
         async with self._load_lock:
-            if published.version <= self.engine.version:
+            if (published.version, published.checksum) == (self.engine.version, self._loaded_checksum):
+                return
+            if published.version == self.engine.version == 0 and not self._loaded_checksum:
+                self._loaded_checksum = published.checksum  # the base model the engine was built from
                 return
             state_dict = await self.weight_store.get(published.version)
             checksum = await asyncio.to_thread(state_dict_checksum, state_dict)
@@ -248,6 +255,7 @@ class Producer:
                 raise RuntimeError(f"weights v{published.version}: checksum {checksum} != published "
                                    f"{published.checksum}")
             await self.engine.load_weights(state_dict, published.version)  # waits for the chunk in flight
+            self._loaded_checksum = checksum
             log.info("loaded weights v%d", published.version)
 
     async def _heartbeats(self) -> None:

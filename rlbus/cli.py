@@ -23,6 +23,13 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config_reference(args: argparse.Namespace) -> int:
+    from rlbus.config_doc import reference_markdown
+
+    print(reference_markdown(), end="")
+    return 0
+
+
 def cmd_bus_up(args: argparse.Namespace) -> int:
     from bus.server import serve_forever
 
@@ -91,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     cfg = sub.add_parser("config", help="inspect run configs")
     cfg_sub = cfg.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     with_config(cfg_sub.add_parser("show", help="print the resolved config")).set_defaults(func=cmd_config_show)
+    cfg_sub.add_parser("reference", help="print every config key with its default and meaning (Markdown)"
+                       ).set_defaults(func=cmd_config_reference)
 
     bus = sub.add_parser("bus", help="the embedded NATS JetStream server")
     bus_sub = bus.add_subparsers(dest="bus_command", required=True, metavar="ACTION")

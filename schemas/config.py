@@ -36,13 +36,13 @@ class BusConfig(_Section):
     creds_file: str = ""  # credentials file written by `rlbus bus up` (holds token or user/password)
     token: str = ""  # auth token (overrides creds_file)
     user: str = ""  # user name (with password)
-    password: str = ""
+    password: str = ""  # password (with user)
     tls_ca: str = ""  # CA bundle; setting any tls_* turns TLS on
     tls_cert: str = ""  # client certificate (mutual TLS)
     tls_key: str = ""  # client key (mutual TLS)
     connect_timeout_s: float = 5.0  # per connection attempt
     reconnect_wait_s: float = 0.5  # first reconnect backoff; doubles up to max_reconnect_wait_s, forever
-    max_reconnect_wait_s: float = 8.0
+    max_reconnect_wait_s: float = 8.0  # longest reconnect backoff
     ack_wait_s: float = 60.0  # prompt consumer ack_wait; producers send in_progress() while they generate
     max_deliver: int = 5  # deliveries of one prompt before it is dead-lettered
     replicas: int = 1  # JetStream stream replicas (3 on a NATS cluster)
@@ -82,15 +82,15 @@ class ModelConfig(_Section):
     path: str = ""  # local Hugging Face model directory
     init_if_missing: bool = False  # build the tiny quickstart model at `path` if it is not there
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # trainer parameter dtype
-    trust_remote_code: bool = False
-    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False  # let transformers run code shipped with the model
+    gradient_checkpointing: bool = False  # recompute activations in backward (less memory, more compute)
 
     def __post_init__(self) -> None:
         _need(bool(self.path), "path", "is required (a local Hugging Face model directory)")
 
 
 class DataConfig(_Section):
-    type: Literal["synthetic", "jsonl", "parquet"] = "synthetic"
+    type: Literal["synthetic", "jsonl", "parquet"] = "synthetic"  # synthetic arithmetic, or a file at `path`
     path: str = ""  # JSONL or Parquet file (verl's parquet layout accepted)
     num_examples: int = 2048  # size of the synthetic set
     seed: int = 0  # synthetic set seed
@@ -108,7 +108,7 @@ class DataConfig(_Section):
 class HFEngineConfig(_Section, tag="hf", tag_field="type"):
     """Hugging Face transformers generation (CPU default)."""
 
-    device: str = "cpu"
+    device: str = "cpu"  # torch device of the engine
     max_batch_size: int = 16  # sequences per generate() call
 
     def __post_init__(self) -> None:
@@ -118,11 +118,11 @@ class HFEngineConfig(_Section, tag="hf", tag_field="type"):
 class VLLMEngineConfig(_Section, tag="vllm", tag_field="type"):
     """vLLM on a GPU (optional extra `rlbus[vllm]`)."""
 
-    gpu_memory_utilization: float = 0.5
-    tensor_parallel_size: int = 1
-    max_model_len: int = 4096
-    dtype: str = "bfloat16"
-    enforce_eager: bool = False
+    gpu_memory_utilization: float = 0.5  # fraction of GPU memory vLLM may take
+    tensor_parallel_size: int = 1  # GPUs one engine spans
+    max_model_len: int = 4096  # longest prompt + response vLLM plans for
+    dtype: str = "bfloat16"  # vLLM weight dtype
+    enforce_eager: bool = False  # disable CUDA graphs (faster start, slower decode)
 
     def __post_init__(self) -> None:
         _need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
@@ -134,9 +134,9 @@ class SimulatedEngineConfig(_Section, tag="simulated", tag_field="type"):
 
     mean_tokens: int = 128  # median of the response-length distribution
     tail_alpha: float = 1.5  # Pareto shape of the length tail (smaller = longer tail)
-    seconds_per_token: float = 0.002
-    vocab_size: int = 64
-    seed: int = 0
+    seconds_per_token: float = 0.002  # simulated decode time per token
+    vocab_size: int = 64  # range of the random token ids
+    seed: int = 0  # seed of the length distribution
 
     def __post_init__(self) -> None:
         _need(self.mean_tokens >= 1, "mean_tokens", "must be >= 1")
@@ -148,21 +148,21 @@ EngineConfig = Union[HFEngineConfig, VLLMEngineConfig, SimulatedEngineConfig]
 
 
 class RolloutConfig(_Section):
-    engine: EngineConfig = msgspec.field(default_factory=HFEngineConfig)
+    engine: EngineConfig = msgspec.field(default_factory=HFEngineConfig)  # {type: hf / vllm / simulated, ...}
     n: int = 4  # samples per prompt (GRPO group size)
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = 1.0  # sampling temperature (log-probs are of softmax(logits / temperature))
+    top_p: float = 1.0  # nucleus sampling mass
     top_k: int = 0  # 0 = off
     max_new_tokens: int = 48  # per assistant turn
     max_response_tokens: int = 160  # all turns together, tool output included
-    agent_loop: Literal["single_turn", "tool"] = "tool"
+    agent_loop: Literal["single_turn", "tool"] = "tool"  # single_turn, or tool (multi-turn tool calls)
     max_turns: int = 3  # assistant turns per trajectory
     max_tool_response_tokens: int = 32  # longer tool output is truncated
     tools: list[str] = msgspec.field(default_factory=lambda: ["calculator"])  # built-in names or "pkg.mod:attr"
     reward: str = "math"  # built-in name or "pkg.mod:fn"
     format_reward: float = 0.0  # added when the answer is well-formed, whatever its value
     num_producers: int = 2  # producers `rlbus up` starts
-    heartbeat_interval_s: float = 5.0
+    heartbeat_interval_s: float = 5.0  # seconds between producer heartbeats
     in_progress_interval_s: float = 10.0  # how often a producer tells JetStream it still works on a task
     max_inflight_tasks: int = 1  # prompt tasks a producer rolls out at once
     tool_timeout_s: float = 30.0  # a tool call running longer answers "error: ... timed out" to the model
@@ -183,20 +183,21 @@ class RolloutConfig(_Section):
         _need(self.tool_timeout_s > 0, "tool_timeout_s", "must be > 0")
 
 
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
 class AlgorithmConfig(_Section):
-    adv_estimator: Literal["grpo", "rloo"] = "grpo"
+    adv_estimator: Literal["grpo", "rloo"] = "grpo"  # grpo (group z-score) or rloo (leave-one-out baseline)
     norm_adv_by_std: bool = True  # False = Dr.GRPO
     clip_ratio_low: float = 0.2  # ratio clipped to [1 - low, 1 + high]
     clip_ratio_high: float = 0.2  # clip-higher (DAPO uses 0.28)
     clip_ratio_c: float = 3.0  # dual-clip lower bound for negative advantages; must be > 1
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
-        "token-mean"
-    )
-    off_policy: Literal["decoupled", "bypass", "none"] = "decoupled"
+    loss_agg_mode: LossAggMode = "token-mean"  # how token losses become the step loss (see trainer/algorithms)
+    off_policy: Literal["decoupled", "bypass", "none"] = "decoupled"  # decoupled / bypass / none
     is_cap: float = 2.0  # truncation C of the importance weight proximal / behaviour
     log_ratio_clamp: float = 20.0  # |log ratio| clamp before exp, for stability
     kl_coef: float = 0.0  # > 0 loads a frozen reference model
-    kl_type: Literal["k1", "k3"] = "k3"
+    kl_type: Literal["k1", "k3"] = "k3"  # k1 (log ratio) or k3 (unbiased, non-negative) KL estimator
     use_kl_loss: bool = True  # True: KL added to the loss; False: KL subtracted from the reward
     entropy_coeff: float = 0.0  # entropy bonus (entropy is always reported)
 
@@ -210,27 +211,27 @@ class AlgorithmConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    total_steps: int = 30
+    total_steps: int = 30  # optimizer steps of the run
     groups_per_step: int = 8  # whole GRPO groups per optimizer step (batch = groups_per_step * rollout.n)
     max_staleness: int = 1  # a token may lag the trainer by at most this many versions
     staleness_policy: Literal["drop", "correct"] = "drop"  # what to do with groups beyond max_staleness
     dynamic_sampling: bool = False  # skip groups whose rewards are all equal (DAPO) and pull more
     num_ranks: int = 1  # FSDP ranks; >1 spawns local processes (or run under torchrun)
-    device: Literal["cpu", "cuda"] = "cpu"
-    mixed_precision: Literal["none", "bf16"] = "none"
+    device: Literal["cpu", "cuda"] = "cpu"  # cpu (gloo) or cuda (NCCL)
+    mixed_precision: Literal["none", "bf16"] = "none"  # bf16 compute with fp32 reduce on GPU; none on CPU
     micro_batch_size: int = 8  # sequences per forward/backward
     mini_batches: int = 1  # optimizer updates per step (the step's batch split in this many parts)
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    warmup_steps: int = 0
+    lr: float = 1e-5  # AdamW learning rate
+    weight_decay: float = 0.0  # AdamW weight decay
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
+    lr_schedule: Literal["constant", "cosine"] = "constant"  # constant, or cosine decay after warmup
+    warmup_steps: int = 0  # linear LR warmup steps
     min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # max global gradient norm
     weight_sync_interval: int = 1  # publish weights every N optimizer updates
     checkpoint_interval: int = 5  # steps between checkpoints
-    keep_checkpoints: int = 2
-    seed: int = 0
+    keep_checkpoints: int = 2  # newest checkpoints kept on disk
+    seed: int = 0  # torch seed of the trainer
 
     def __post_init__(self) -> None:
         _need(self.total_steps >= 1, "total_steps", "must be >= 1")
@@ -250,8 +251,8 @@ class TrainerConfig(_Section):
 
 class FeederConfig(_Section):
     epochs: int = 0  # passes over the data set; 0 = as many as trainer.total_steps needs
-    shuffle: bool = True
-    seed: int = 0
+    shuffle: bool = True  # shuffle the data set each epoch
+    seed: int = 0  # shuffle seed (epoch e uses seed and e)
     max_attempts: int = 3  # releases of one example (first + re-issues) before it is given up
 
     def __post_init__(self) -> None:
@@ -262,9 +263,9 @@ class FeederConfig(_Section):
 class LoggingConfig(_Section):
     run_dir: str = ""  # "" = runs/<name>
     record: Literal["off", "metadata", "full"] = "full"  # event log archived under <run_dir>/events
-    tensorboard: bool = True
+    tensorboard: bool = True  # write TensorBoard event files under <run_dir>/tensorboard
     plot: bool = True  # write curves.png at the end
-    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"  # log level of every role
 
 
 class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

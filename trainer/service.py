@@ -219,11 +219,30 @@ class TrainerService:
         result = await self._execute(StepPlan(step=self.step, shards=None, publish=True, checkpoint=None))
         await self._publish_weights(result.state_dict)
         self.batcher.start()
+        lost = await self._groups_of_lost_steps()
+        if lost:
+            log.info("resuming at step %d: waiting for %d group(s) of the lost steps to be redelivered", self.step,
+                     len(lost))
+            missing = await self.batcher.await_redelivery(lost, timeout=2 * cfg.bus.ack_wait_s + 5)
+            if missing:
+                log.warning("%d group(s) of lost steps did not come back: %s", len(missing), missing[:5])
         self._feeder_task = asyncio.create_task(self.feeder.run(), name="feeder")
         log.info("trainer up at step %d, version %d", self.step, self.version)
 
     def stop(self) -> None:
         self._stopping.set()
+
+    async def _groups_of_lost_steps(self) -> list[str]:
+        """Group ids of steps a previous trainer completed after its last checkpoint (so they were never acked)."""
+        from rlbus.status import drain_for
+
+        events = await drain_for(self.bus.watch(self.bus.subjects.event("step"), StepCompleted, deliver="all"), 1.0,
+                                 limit=1 << 40)
+        last: dict[int, StepCompleted] = {}
+        for e in events:
+            if e.step > self.step:
+                last[e.step] = e
+        return [gid for step in sorted(last) for gid in last[step].group_ids]
 
     async def run(self) -> None:
         total = self.cfg.trainer.total_steps
@@ -317,6 +336,7 @@ class TrainerService:
             "batch/skipped_uniform": counts.skipped_uniform,
             "batch/duplicates": counts.duplicates,
             "batch/missing_payload": counts.missing_payload,
+            "batch/rolled_back": counts.rolled_back,
             "feeder/released": self.feeder.state.released,
             "feeder/abandoned": self.feeder.state.abandoned,
             "time/wait_data": wait_s,

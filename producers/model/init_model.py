@@ -5,7 +5,7 @@ The directory holds config.json, model.safetensors, generation_config.json, the 
 template) and warm_start.json (the settings, the final loss and the time it took), so that
 `AutoModelForCausalLM.from_pretrained(OUT_DIR)` / `AutoTokenizer.from_pretrained(OUT_DIR)` load it like any model.
 
-    rlbus init-model models/tiny-calc [--seed 0] [--steps 600] [--force] [--eval]
+    rlbus init-model models/tiny-calc [--seed 0] [--steps 1200] [--force] [--eval]
     .venv/bin/python -m producers.model.init_model models/tiny-calc
 """
 
@@ -26,7 +26,7 @@ from producers.model.tiny import TinyModelSpec, tiny_model
 from producers.model.tokenizer import build_tokenizer
 from producers.model.warm_start import WarmStartConfig, warm_start
 
-#: Optimizer steps of the default warm start (about a minute or two on two CPU cores; see warm_start.json).
+#: Optimizer steps of the default warm start (~3 min uncontended, ~6 min on a shared 2-core box; see warm_start.json).
 DEFAULT_STEPS = WarmStartConfig().steps
 
 

@@ -25,7 +25,7 @@ from producers.model.tokenizer import IM_END, generation_prompt, render_message
 
 
 class WarmStartConfig(msgspec.Struct, kw_only=True, frozen=True):
-    steps: int = 600  # optimizer steps (each on a fresh batch of demonstrations)
+    steps: int = 1200  # optimizer steps (each on a fresh batch of demonstrations)
     batch_size: int = 16
     lr: float = 3e-3
     warmup_steps: int = 30

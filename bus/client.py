@@ -467,6 +467,40 @@ class Bus:
             if not self.nc.is_closed:
                 await sub.unsubscribe()
 
+    async def exhausted(self, subject: str, durable: str) -> AsyncIterator[DeadLetter]:
+        """Messages of a durable consumer that reached max_deliver without an ack, each moved to the dead letters.
+
+        JetStream stops redelivering such a message and only says so in an advisory; left alone it would sit in a
+        work queue forever. For every advisory this takes the message out of its stream, publishes it as a
+        DeadLetter (reason: the delivery count) and yields that letter, so the caller can re-issue the work.
+        Advisories are core NATS messages: one sent while nobody listens is not seen.
+        """
+        stream = self.stream_of(subject)
+        sub = await self.nc.subscribe(f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{durable}")
+        try:
+            async for m in sub.messages:
+                advisory = msgspec.json.decode(m.data)
+                seq, deliveries = int(advisory["stream_seq"]), int(advisory.get("deliveries", 0))
+                try:
+                    raw = await self.js.get_msg(stream, seq)
+                except nats.js.errors.NotFoundError:
+                    continue  # acked or removed meanwhile: nothing was lost
+                letter = DeadLetter(
+                    reason=f"not acknowledged after {deliveries} deliveries (max_deliver)",
+                    original_subject=raw.subject or subject,
+                    payload=bytes(raw.data or b""),
+                    stream_seq=seq,
+                    num_delivered=deliveries,
+                    consumer=durable,
+                )
+                await self.publish(self.subjects.dead_letter, letter)
+                await self.js.delete_msg(stream, seq)
+                log.warning("bus %s: %s seq %d dead-lettered after %d deliveries", self.name, subject, seq, deliveries)
+                yield letter
+        finally:
+            if not self.nc.is_closed:
+                await sub.unsubscribe()
+
     # -- KV and status -----------------------------------------------------------------------------------------------
 
     async def _bucket(self) -> KeyValue:

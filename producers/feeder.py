@@ -161,6 +161,16 @@ class Feeder:
                                n=self.cfg.rollout.n, epoch=epoch, attempt=attempt,
                                released_version=self._version_fn())
 
+    async def reissue_exhausted(self) -> None:
+        """Tasks that producers failed to finish `bus.max_deliver` times are dead-lettered; release them again."""
+        from schemas.wire import TypedDecoder
+
+        decoder = TypedDecoder(PromptTask)
+        subjects = self._bus.subjects
+        async for letter in self._bus.exhausted(subjects.prompts, subjects.prompts_consumer):
+            task = decoder.decode(letter.payload)
+            self.abandon(task.index, task.epoch, task.attempt, reissue=True)
+
     # -------------------------------------------------------------- persistence
 
     def _save(self) -> None:

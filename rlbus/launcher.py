@@ -198,10 +198,10 @@ class Launcher:
             p.start()
 
     async def _stop_children(self) -> None:
-        # Producers first (they nak what they hold), then the trainer (it checkpoints).
-        await asyncio.gather(*(p.stop() for p in self.producers))
-        if self.trainer is not None:
-            await self.trainer.stop()
+        # All at once: the trainer checkpoints after the step in hand, producers nak what they hold. Stopping
+        # producers first would let the trainer go on training from the groups already queued meanwhile.
+        children = [*self.producers, *([self.trainer] if self.trainer is not None else [])]
+        await asyncio.gather(*(c.stop() for c in children))
 
     def _finish(self) -> int:
         from rlbus.plot import plot_run

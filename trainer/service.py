@@ -226,11 +226,14 @@ class TrainerService:
             missing = await self.batcher.await_redelivery(lost, timeout=2 * cfg.bus.ack_wait_s + 5)
             if missing:
                 log.warning("%d group(s) of lost steps did not come back: %s", len(missing), missing[:5])
-        self._feeder_task = asyncio.create_task(self.feeder.run(), name="feeder")
+        self._feeder_task = asyncio.create_task(self._feed(), name="feeder")
         log.info("trainer up at step %d, version %d", self.step, self.version)
 
     def stop(self) -> None:
         self._stopping.set()
+
+    async def _feed(self) -> None:
+        await asyncio.gather(self.feeder.run(), self.feeder.reissue_exhausted())
 
     async def _groups_of_lost_steps(self) -> list[str]:
         """Group ids of steps a previous trainer completed after its last checkpoint (so they were never acked)."""

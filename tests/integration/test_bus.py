@@ -223,3 +223,29 @@ async def test_publish_event_routes_by_kind(bus_config: BusConfig, run_name: str
         assert ack.stream == bus.subjects.events_stream
         async with aclosing(bus.watch(bus.subjects.event("step"), StepCompleted, deliver="all")) as it:
             assert (await asyncio.wait_for(it.__anext__(), 10)).group_ids == ["g1"]
+
+
+async def test_a_task_never_acked_within_max_deliver_is_dead_lettered_and_leaves_the_queue(
+        bus_config: BusConfig, run_name: str) -> None:
+    cfg = msgspec.structs.replace(bus_config, ack_wait_s=1.0, max_deliver=2)
+    async with await _bus(cfg, run_name) as bus:
+        s = bus.subjects
+        exhausted = bus.exhausted(s.prompts, s.prompts_consumer)
+        first = asyncio.ensure_future(exhausted.__anext__())  # subscribed before the deliveries run out
+        await asyncio.sleep(0.2)
+        await bus.publish(s.prompts, _task(7), msg_id="task-7")
+        for _ in range(2):  # two producers that die holding it: delivered, never acked
+            got = []
+            while not got:
+                got = await bus.fetch(s.prompts, s.prompts_consumer, PromptTask, timeout=2.0)
+            assert got[0].data.task_id == "task-7"
+        # The server notices the exhausted message when it would redeliver it: producers keep fetching meanwhile.
+        assert await bus.fetch(s.prompts, s.prompts_consumer, PromptTask, timeout=3.0) == []
+        letter = await asyncio.wait_for(first, timeout=15)
+        await exhausted.aclose()
+        assert letter.original_subject == s.prompts and letter.num_delivered == 2
+        assert msgspec.msgpack.decode(letter.payload, type=PromptTask).task_id == "task-7"
+        assert await bus.stream_msgs(s.prompts_stream) == 0  # out of the work queue, not stuck in it
+        async with aclosing(bus.watch(s.dead_letter, DeadLetter, deliver="all")) as letters:
+            stored = await asyncio.wait_for(letters.__anext__(), timeout=5)
+        assert "max_deliver" in stored.reason

@@ -66,16 +66,16 @@ def test_trainer_killed_between_step_and_checkpoint_trains_every_group_once(
 
 def test_up_stopped_with_ctrl_c_resumes_to_the_end(tmp_path, tiny_model_dir, run_name):
     run_dir = tmp_path / "run"
-    total = 6
+    total = 12
     cfg = small_run_config(run_name, run_dir, tiny_model_dir, "", "", "",
-                           trainer={"total_steps": total, "checkpoint_interval": 2},
+                           trainer={"total_steps": total, "checkpoint_interval": 4},
                            rollout={"num_producers": 1})
     cfg["logging"]["plot"] = True
     cfg_path = write_config(tmp_path / "run.yaml", cfg)
     logs = tmp_path / "logs"
     first = start_role("up", cfg_path, logs, name="up-1")
     try:
-        wait_for_steps(run_dir, 3, [first], timeout=400)
+        wait_for_steps(run_dir, 2, [first], timeout=400)
         first.send_signal(signal.SIGINT)  # what Ctrl-C does
         code = wait_exit(first, timeout=180)
     finally:

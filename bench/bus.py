@@ -19,8 +19,6 @@ import argparse
 import asyncio
 import importlib.metadata
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -29,14 +27,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-# Run as a script, this file's folder is sys.path[0] and this file (bench/bus.py) would shadow the `bus` package.
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    del sys.path[0]
+# Run as a script, bench/ is sys.path[0] and this file (bench/bus.py) would shadow the `bus` package.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
 from rich.console import Console
 from rich.table import Table
 
+from bench.common import machine, write_section
 from bus.client import Bus
 from bus.loop import run as run_loop
 from bus.server import EmbeddedServer, find_nats_server
@@ -161,14 +159,7 @@ async def bench(num_events: int, rounds: int, store: Path) -> dict[str, Any]:
     }
 
 
-def machine() -> dict[str, Any]:
-    model = platform.processor() or "unknown"
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+def bus_machine() -> dict[str, Any]:
     server_version = subprocess.run(
         [str(find_nats_server()), "--version"], capture_output=True, text=True, check=True
     ).stdout.strip()
@@ -178,16 +169,8 @@ def machine() -> dict[str, Any]:
         loop = f"uvloop {uvloop.__version__}"
     except ImportError:
         loop = "asyncio"
-    return {
-        "cpu_model": model,
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "nats_server": server_version,
-        "nats_py": importlib.metadata.version("nats-py"),
-        "msgspec": importlib.metadata.version("msgspec"),
-        "event_loop": loop,
-        "platform": platform.platform(),
-    }
+    return machine(nats_server=server_version, nats_py=importlib.metadata.version("nats-py"),
+                   msgspec=importlib.metadata.version("msgspec"), event_loop=loop)
 
 
 def bus_section(res: dict[str, Any], mach: dict[str, Any], command: str) -> str:
@@ -230,19 +213,6 @@ def bus_section(res: dict[str, Any], mach: dict[str, Any], command: str) -> str:
     )
 
 
-def write_section(path: Path, section: str) -> None:
-    """Replace (or add) the `## Bus` section of docs/benchmarks.md, leaving other sections alone."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n\nMeasured numbers, with the command and machine.\n\n"
-    start = text.find("## Bus\n")
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = text.find("\n## ", start + 1)
-        text = text[:start] + section + (text[end + 1 :] if end >= 0 else "")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--events", type=int, default=3000, help="events per round")
@@ -254,7 +224,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as store:
         res = run_loop(bench(args.events, args.rounds, Path(store)))
-    mach = machine()
+    mach = bus_machine()
 
     table = Table(title=f"Bus: TrajectoryGroup events/s ({args.events} events x {args.rounds} rounds)")
     table.add_column("path")
@@ -276,7 +246,7 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({**res, "machine": mach, "command": command}, indent=2) + "\n")
     if args.docs:
-        write_section(Path(args.docs), bus_section(res, mach, command))
+        write_section("## Bus", bus_section(res, mach, command), Path(args.docs))
     return 0
 
 

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-# Run as a script, this file's folder comes first on sys.path and bench/trainer.py would shadow the `trainer` package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+# Run as a script, bench/ is sys.path[0] and bench/trainer.py would shadow the `trainer` package.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
@@ -32,17 +31,9 @@ from schemas.config import AlgorithmConfig, TrainerConfig  # noqa: E402
 from schemas.wire import SampleMeta, TrajectoryGroup  # noqa: E402
 from trainer.engine import TrainEngine  # noqa: E402
 
+from bench.common import machine, tiny_qwen2  # noqa: E402
+
 RESULTS = Path(__file__).parent / "results" / "recorder.json"
-
-
-def build_model(path: Path, *, layers: int, hidden: int, vocab: int) -> None:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 128),
-                      max_position_embeddings=4096, tie_word_embeddings=True)  # fmt: skip
-    Qwen2ForCausalLM(cfg).save_pretrained(path)
 
 
 def make_step(step: int, *, groups: int, n: int, seq: int, vocab: int) -> tuple[list[TrajectoryGroup], dict]:
@@ -79,7 +70,7 @@ def main() -> int:
     console = Console()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        build_model(root / "model", layers=args.layers, hidden=args.hidden, vocab=args.vocab)
+        tiny_qwen2(root / "model", layers=args.layers, hidden=args.hidden, vocab=args.vocab)
         tcfg = TrainerConfig(micro_batch_size=8, lr=1e-6)
         engine = TrainEngine(str(root / "model"), tcfg, AlgorithmConfig(), temperature=1.0)
         run_dir = root / "run"
@@ -128,8 +119,7 @@ def main() -> int:
         "overhead_frac": rec / off,
         "bytes_per_step": {"tensors": tensor_bytes, "step_record": record_bytes, "total": tensor_bytes + record_bytes},
         "bytes_per_token": (tensor_bytes + record_bytes) / tokens,
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-                    "threads": torch.get_num_threads()},
+        "machine": machine(threads=torch.get_num_threads()),
     }
     table = Table(title=f"recorder cost: {args.groups}x{args.n} sequences, {tokens} tokens per step")
     for col in ("record", "step s (median)", "recorder s (median)", "bytes / step"):

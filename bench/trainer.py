@@ -17,8 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-# Run as a script, this file's folder comes first on sys.path and this module would shadow the `trainer` package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+# Run as a script, bench/ is sys.path[0] and bench/trainer.py would shadow the `trainer` package.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
@@ -30,17 +30,9 @@ from trainer import algorithms as A  # noqa: E402
 from trainer.dist import destroy_distributed  # noqa: E402
 from trainer.engine import TrainEngine, token_log_probs  # noqa: E402
 
+from bench.common import machine, tiny_qwen2  # noqa: E402
+
 RESULTS = Path(__file__).parent / "results" / "trainer.json"
-
-
-def build_model(path: Path, *, layers: int, hidden: int, vocab: int) -> None:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 128),
-                      max_position_embeddings=4096, tie_word_embeddings=True)  # fmt: skip
-    Qwen2ForCausalLM(cfg).save_pretrained(path)
 
 
 def make_batch(B: int, T: int, vocab: int) -> TensorDict:
@@ -109,7 +101,7 @@ def main() -> None:
     num_tokens = int(batch["attention_mask"].sum())
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
-        build_model(model_dir, layers=args.layers, hidden=args.hidden, vocab=args.vocab)
+        tiny_qwen2(model_dir, layers=args.layers, hidden=args.hidden, vocab=args.vocab)
         plain = plain_steps(model_dir, batch, cfg, args.steps)
         engine = TrainEngine(str(model_dir), cfg, algo_cfg, temperature=1.0)
         engine_times = []
@@ -147,6 +139,7 @@ def main() -> None:
         "copy_once_s": statistics.median(copy),
         "full_state_dict_over_copy": statistics.median(gather) / max(statistics.median(copy), 1e-9),
         "state_bytes": num_bytes,
+        "machine": machine(),
     }
     table = Table(title=f"trainer step: {num_params / 1e6:.1f}M params, {num_tokens} tokens, {args.threads} thread(s)")
     table.add_column("measure")

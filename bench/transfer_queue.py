@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from bench.common import machine, machine_line, write_section  # noqa: E402
 from bus.ray_cluster import ensure_ray  # noqa: E402
 from bus.transfer_queue import TransferQueue, pack_tensor, teardown  # noqa: E402
 from schemas.config import RayConfig  # noqa: E402
@@ -98,27 +98,14 @@ async def bench_tq(tq: TransferQueue, items: dict, repeats: int) -> dict[str, li
     return res
 
 
-def machine() -> dict:
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "torch": torch.__version__,
-        "ray": ray.__version__,
-        "load_avg_1m": os.getloadavg()[0],
-    }
-
-
 def write_docs(path: Path, report: dict) -> None:
     rows = report["rows"]
     lines = [
         SECTION,
         "",
         f"Command: `{report['command']}`  ",
-        f"Machine: {report['machine']['platform']}, {report['machine']['cpus']} CPUs, torch "
-        f"{report['machine']['torch']}, ray {report['machine']['ray']}, "
-        f"1-minute load {report['machine']['load_avg_1m']:.1f} "
-        "(a shared machine: absolute numbers are noisy; the ratio is measured in the same run).  ",
+        machine_line(report["machine"]) + f" Ray {report['machine']['ray']} (a shared machine: absolute numbers "
+        "are noisy; the ratio is measured in the same run).  ",
         f"Batch: {report['trajectories']} trajectories x {report['tokens']} tokens "
         f"({report['batch_mb']:.1f} MB: input_ids int64, response_mask bool, logprobs float32, versions int32), "
         f"{report['shards']} shards, median of {report['repeats']} repeats.",
@@ -136,15 +123,7 @@ def write_docs(path: Path, report: dict) -> None:
         "flat array per field, instead of one Ray object per trajectory.",
         "",
     ]
-    text = path.read_text() if path.exists() else ""
-    start = text.find(SECTION)
-    if start < 0:
-        text = (text.rstrip() + "\n\n" if text.strip() else "# Benchmarks\n\n") + "\n".join(lines)
-    else:
-        end = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + "\n".join(lines) + (text[end + 1 :] if end >= 0 else "")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    write_section(SECTION, "\n".join(lines), path)
 
 
 def main() -> None:
@@ -200,7 +179,7 @@ def main() -> None:
     ratio = rows[2]["round_trip_gbps"] / rows[0]["round_trip_gbps"]
     report = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": machine(),
+        "machine": machine(ray=ray.__version__),
         "trajectories": args.trajectories,
         "tokens": args.tokens,
         "batch_mb": num_bytes / 1e6,

@@ -14,6 +14,7 @@ Benchmark: `python bench/bus.py` (docs/benchmarks.md, "Bus").
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import ssl
 from types import TracebackType
@@ -466,6 +467,36 @@ class Bus:
         finally:
             if not self.nc.is_closed:
                 await sub.unsubscribe()
+
+    async def snapshot(self, subject: str, typ: type[T] | Any, *, deliver: DeliverFrom = "all",
+                       timeout: float = 30.0) -> list[T]:
+        """What the stream holds for `subject` now (all of it, the last, or the last per subject), then stop.
+
+        Caught up is known exactly, not guessed from a quiet spell: every JetStream delivery says how many
+        messages remain for its consumer, and the read ends at the first one that says none. Messages published
+        meanwhile may be included (they are newer). Undecodable messages are skipped here (watch() reports them).
+        """
+        if deliver not in ("all", "last", "last_per_subject"):
+            raise BusError(f"snapshot deliver={deliver!r}; expected all, last or last_per_subject")
+        decoder = TypedDecoder(typ)
+        sub = await self.js.subscribe(
+            subject, stream=self.stream_of(subject), ordered_consumer=True, deliver_policy=_DELIVER[deliver]
+        )
+        out: list[T] = []
+        try:
+            info = await sub.consumer_info()
+            if info.num_pending == 0 and info.delivered.consumer_seq == 0:
+                return out
+            async with asyncio.timeout(timeout):
+                async for m in sub.messages:
+                    with contextlib.suppress(SchemaError):
+                        out.append(decoder.decode(m.data))
+                    if m.metadata.num_pending == 0:
+                        break
+        finally:
+            if not self.nc.is_closed:
+                await sub.unsubscribe()
+        return out
 
     async def exhausted(self, subject: str, durable: str) -> AsyncIterator[DeadLetter]:
         """Messages of a durable consumer that reached max_deliver without an ack, each moved to the dead letters.

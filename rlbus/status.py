@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -19,18 +19,11 @@ from schemas.config import RunConfig
 from schemas.wire import ProducerHeartbeat, StepCompleted, WeightsPublished
 
 
-async def drain_for(it: AsyncIterator[Any], quiet_s: float, limit: int = 10_000) -> list[Any]:
-    """Collect what an iterator yields until it stays quiet for `quiet_s` seconds."""
-    out: list[Any] = []
-    try:
-        while len(out) < limit:
-            try:
-                out.append(await asyncio.wait_for(it.__anext__(), quiet_s))
-            except (asyncio.TimeoutError, StopAsyncIteration):
-                break
-    finally:
-        await it.aclose()
-    return out
+def last_per_producer(beats: list[ProducerHeartbeat]) -> list[ProducerHeartbeat]:
+    latest: dict[str, ProducerHeartbeat] = {}
+    for hb in beats:  # in stream order: a later heartbeat of the same producer wins
+        latest[hb.producer_id] = hb
+    return list(latest.values())
 
 
 async def gather_status(cfg: RunConfig) -> dict[str, Any]:
@@ -38,12 +31,13 @@ async def gather_status(cfg: RunConfig) -> dict[str, Any]:
 
     async with await Bus.connect(cfg.bus, cfg.name, name="status") as bus:
         s = bus.subjects
-        steps = await drain_for(bus.watch(s.event("step"), StepCompleted, deliver="last"), 1.0, limit=1)
-        beats = await drain_for(bus.watch(s.event("heartbeat.*"), ProducerHeartbeat, deliver="last_per_subject"), 1.0)
+        steps = await bus.snapshot(s.event("step"), StepCompleted, deliver="last")
+        beats = last_per_producer(await bus.snapshot(s.event("heartbeat.*"), ProducerHeartbeat,
+                                                     deliver="last_per_subject"))
         latest = await bus.kv_get("latest", WeightsPublished)
         prompts = await bus.stream_msgs(s.prompts_stream)
         pending, held = await bus.consumer_pending(s.traj_stream, s.traj_consumer)
-    return {"step": steps[0] if steps else None, "heartbeats": beats, "weights": latest,
+    return {"step": steps[-1] if steps else None, "heartbeats": beats, "weights": latest,
             "prompts_queued": prompts, "groups_waiting": pending, "groups_held": held}
 
 

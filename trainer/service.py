@@ -237,10 +237,7 @@ class TrainerService:
 
     async def _groups_of_lost_steps(self) -> list[str]:
         """Group ids of steps a previous trainer completed after its last checkpoint (so they were never acked)."""
-        from rlbus.status import drain_for
-
-        events = await drain_for(self.bus.watch(self.bus.subjects.event("step"), StepCompleted, deliver="all"), 1.0,
-                                 limit=1 << 40)
+        events = await self.bus.snapshot(self.bus.subjects.event("step"), StepCompleted, deliver="all")
         last: dict[int, StepCompleted] = {}
         for e in events:
             if e.step > self.step:

@@ -249,3 +249,21 @@ async def test_a_task_never_acked_within_max_deliver_is_dead_lettered_and_leaves
         async with aclosing(bus.watch(s.dead_letter, DeadLetter, deliver="all")) as letters:
             stored = await asyncio.wait_for(letters.__anext__(), timeout=5)
         assert "max_deliver" in stored.reason
+
+
+async def test_snapshot_reads_what_is_there_and_stops(bus_config: BusConfig, run_name: str) -> None:
+    from schemas.wire import ProducerHeartbeat
+
+    async with await _bus(bus_config, run_name) as bus:
+        s = bus.subjects
+        assert await bus.snapshot(s.event("step"), StepCompleted) == []  # nothing yet: returns at once
+        for i in range(3):
+            await bus.publish(s.event("step"), StepCompleted(step=i + 1, version=i + 1, group_ids=[]))
+        for beat in range(3):
+            for pid in ("p0", "p1"):
+                await bus.publish(s.event(f"heartbeat.{pid}"),
+                                  ProducerHeartbeat(producer_id=pid, version=beat, groups_done=beat))
+        assert [e.step for e in await bus.snapshot(s.event("step"), StepCompleted)] == [1, 2, 3]
+        assert [e.step for e in await bus.snapshot(s.event("step"), StepCompleted, deliver="last")] == [3]
+        last = await bus.snapshot(s.event("heartbeat.*"), ProducerHeartbeat, deliver="last_per_subject")
+        assert sorted((b.producer_id, b.groups_done) for b in last) == [("p0", 2), ("p1", 2)]

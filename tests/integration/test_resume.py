@@ -13,7 +13,6 @@ import sys
 import pytest
 
 from bus.client import Bus
-from rlbus.status import drain_for
 from schemas.wire import StepCompleted
 from tests.support.runs import ROOT, small_run_config, start_role, stop, wait_exit, wait_for_steps, write_config
 from trainer.checkpoint import checkpoint_name, latest_checkpoint
@@ -24,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 async def _step_events(bus_cfg, run: str) -> list[StepCompleted]:
     async with await Bus.connect(bus_cfg, run, name="test") as bus:
-        return await drain_for(bus.watch(bus.subjects.event("step"), StepCompleted, deliver="all"), 1.5)
+        return await bus.snapshot(bus.subjects.event("step"), StepCompleted, deliver="all")
 
 
 def test_trainer_killed_between_step_and_checkpoint_trains_every_group_once(

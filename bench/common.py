@@ -1,0 +1,72 @@
+"""What the benchmark scripts share: the machine description, the docs/benchmarks.md section writer, a tiny model.
+
+Each script starts with
+
+    sys.path[0] = str(Path(__file__).resolve().parents[1])   # bench/bus.py would shadow the `bus` package
+
+so that the repository's packages, not the scripts' own file names, are what `import bus` / `import trainer` find.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+
+
+def machine(**extra: Any) -> dict[str, Any]:
+    """CPU model, cores, OS, Python, torch, the 1-minute load (a shared machine makes absolute numbers noisy)."""
+    import torch
+
+    model = platform.processor() or "unknown"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cpu_model": model,
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        **extra,
+    }
+
+
+def machine_line(m: dict[str, Any]) -> str:
+    return (f"Machine: {m['cpu_model']}, {m['cores']} cores, {m['platform']}, Python {m['python']}, torch "
+            f"{m['torch']}, 1-minute load {m['load_avg_1m']} while measured.")
+
+
+def write_section(heading: str, body: str, path: Path = DOCS) -> None:
+    """Replace (or append) the `heading` section of the benchmarks page, leaving the other sections alone."""
+    section = body if body.startswith(heading) else f"{heading}\n\n{body}"
+    section = section.rstrip("\n") + "\n"
+    text = path.read_text() if path.exists() else "# Benchmarks\n\nMeasured numbers, with the command and machine.\n"
+    start = text.find(heading + "\n")
+    if start < 0:
+        text = text.rstrip("\n") + "\n\n" + section
+    else:
+        end = text.find("\n## ", start + len(heading))
+        text = text[:start] + section + (text[end:] if end >= 0 else "")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def tiny_qwen2(path: Path, *, layers: int, hidden: int, vocab: int, seed: int = 0) -> Path:
+    """A random Qwen2-style causal LM saved as a Hugging Face directory."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 128),
+                      max_position_embeddings=4096, tie_word_embeddings=True)  # fmt: skip
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    return path

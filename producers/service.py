@@ -172,6 +172,7 @@ class Producer:
         ticker = asyncio.create_task(self._keep_alive(delivery))
         try:
             started = time.monotonic()
+            log.info("task %s: rolling out (delivery %d)", task.task_id, delivery.num_delivered)
             trajectories = await self.agent_loop.rollout_group(task, task.n or cfg.rollout.n)
             if self._too_stale(trajectories):
                 # The trainer would drop this group; give the task back so it is redone with fresh weights.
@@ -192,7 +193,7 @@ class Producer:
             await delivery.ack()
             self.groups_done += 1
             self.tokens_generated += sum(int(sum(t.response_mask)) for t in trajectories)
-            log.debug("group %s done in %.1fs", task.task_id, time.monotonic() - started)
+            log.info("task %s: done in %.2fs", task.task_id, time.monotonic() - started)
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await delivery.nak()

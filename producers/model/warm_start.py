@@ -37,6 +37,10 @@ class WarmStartConfig(msgspec.Struct, kw_only=True, frozen=True):
     log_every: int = 50
 
 
+#: Share of copy drills that copy a tool result into an answer (the harder copy; the rest copy a tool call).
+ANSWER_DRILL_FRACTION = 0.75
+
+
 def encode_demonstration(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> tuple[list[int], list[int]]:
     """(token ids, loss mask) of a conversation, segmented as the agent loop builds it; mask 1 on assistant output."""
     ids: list[int] = []
@@ -56,23 +60,26 @@ def encode_demonstration(tokenizer: PreTrainedTokenizerBase, messages: list[Mess
 
 
 def copy_drill(rng: random.Random) -> list[Message]:
-    """A short conversation whose only lesson is copying digits: a tool result into an answer, or a question's
-    expression into a tool call, with operands of 1-4 digits.
+    """A short conversation whose only lesson is copying digits: a tool result into an answer (most drills), or a
+    question's expression into a tool call.
 
-    Demonstrations alone teach the format quickly but the copy (an induction circuit) only after many steps; these
-    short, dense drills make it form within the warm start. They carry no system prompt and no tool *choice*, so
-    they leave the tool-use rate of the quickstart prompt alone.
+    Demonstrations alone teach the format quickly but the copy only after many steps; these short, dense drills make
+    it reliable within the warm start. Digits are only ten tokens and a result often repeats one ("3660"), so "copy
+    what followed this digit last time" is ambiguous: the copy must go by position. The drills keep the tokens
+    between tool result and answer exactly as at rollout time and the results 2-4 digits long, like the quickstart's
+    sums and products, so the distance to copy from is the one the model meets later. They carry no system prompt
+    and no tool *choice*, so they leave the tool-use rate of the quickstart prompt alone.
     """
-    def number() -> str:
-        return str(rng.randint(0, 10 ** rng.randint(1, 4) - 1))
+    def digits(lo: int, hi: int) -> str:
+        return "".join(rng.choice("0123456789") for _ in range(rng.randint(lo, hi))).lstrip("0") or "0"
 
-    if rng.random() < 0.5:
-        result = number() if rng.random() < 0.5 else number() + number()
+    if rng.random() < ANSWER_DRILL_FRACTION:
+        result = digits(2, 4)
         return [
             {"role": "tool", "content": result},
             {"role": "assistant", "content": answer_text(result)},
         ]
-    expression = f"{number()}{rng.choice('*+')}{number()}"
+    expression = f"{digits(1, 3)}{rng.choice('*+')}{digits(1, 3)}"
     return [
         {"role": "user", "content": f"What is {expression}?"},
         {"role": "assistant", "content": tool_call_text(expression)},

@@ -8,6 +8,7 @@ Real nats-server, real Ray, real trainer and producer processes (`python -m rlbu
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import time
 
@@ -16,7 +17,7 @@ import pytest
 
 from bus.client import Bus
 from schemas.config import BusConfig
-from schemas.wire import ProducerHeartbeat, StepCompleted
+from schemas.wire import ProducerHeartbeat, StepCompleted, TrajectoryGroup
 from tests.support.runs import (
     log_tail,
     small_run_config,
@@ -38,11 +39,9 @@ async def _collect(bus_cfg: BusConfig, run: str, subject_kind: str, typ, deliver
 async def _counts(bus_cfg: BusConfig, run: str) -> dict[str, int]:
     async with await Bus.connect(bus_cfg, run, name="test") as bus:
         s = bus.subjects
-        info = await bus.js.consumer_info(s.prompts_stream, s.prompts_consumer)
         return {
             "traj": await bus.stream_msgs(s.traj_stream),
             "prompts": await bus.stream_msgs(s.prompts_stream),
-            "redelivered": int(info.num_redelivered or 0),
             "dead_letters": len(await _drain_dead(bus)),
         }
 
@@ -51,6 +50,33 @@ async def _drain_dead(bus: Bus) -> list:
     from schemas.wire import DeadLetter
 
     return await bus.snapshot(bus.subjects.dead_letter, DeadLetter, deliver="all")
+
+
+def _kill_mid_rollout(proc) -> str:
+    """SIGKILL `proc` right after its log shows it began rolling out a task; return that task's id."""
+    path = proc.log_path
+    seen = len(path.read_text(errors="replace").splitlines())
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        lines = path.read_text(errors="replace").splitlines()
+        for line in lines[seen:]:
+            m = re.search(r"task (\S+): rolling out", line)
+            if m:
+                proc.kill()
+                proc.wait()
+                return m.group(1)
+        seen = len(lines)
+        time.sleep(0.01)
+    pytest.fail(f"{path} showed no new rollout within 120 s")
+
+
+def _group_by(bus_cfg: BusConfig, run: str, group_id: str):
+    async def read():
+        async with await Bus.connect(bus_cfg, run, name="test") as bus:
+            groups = await bus.snapshot(bus.subjects.traj, TrajectoryGroup)
+        return next((g for g in groups if g.group_id == group_id), None)
+
+    return asyncio.run(read())
 
 
 def _groups_published(bus_cfg: BusConfig, run: str) -> int:
@@ -90,17 +116,18 @@ def test_producers_join_and_die_while_the_run_goes_on(tmp_path, bus_config, ray_
     two = (_groups_published(bus_config, run_name) - before) / window
     assert two > one, f"groups/s with two producers {two:.3f} not above one producer's {one:.3f}"
 
-    # SIGKILL the first producer mid-rollout: its task comes back after ack_wait and the second one finishes it.
-    last = {b.producer_id: b for b in asyncio.run(
-        _collect(bus_config, run_name, "heartbeat.*", ProducerHeartbeat, "last_per_subject"))}
-    assert last["p0"].inflight >= 1, "p0 held no task when killed; the test would prove nothing"
-    stop(p0, signal.SIGKILL)
+    # SIGKILL the first producer mid-rollout: the moment its log says it started a task (a rollout takes far
+    # longer than this poll). Its task must come back after ack_wait and be finished by the second producer.
+    task_id = _kill_mid_rollout(p0)
     killed_at = read_metrics(run_dir)[-1]["step"]
     deadline = time.monotonic() + 180  # ack_wait is 8 s: the task comes back and p1 finishes it
-    while asyncio.run(_counts(bus_config, run_name))["redelivered"] < 1:
-        assert time.monotonic() < deadline, "the killed producer's task was never redelivered"
+    while not (done := _group_by(bus_config, run_name, task_id)):
+        assert time.monotonic() < deadline, f"the killed producer's task {task_id} was never finished"
         assert trainer.poll() is None, log_tail(trainer)
         time.sleep(1.0)
+    assert done.producer_id == "p1"
+    assert re.search(rf"task {re.escape(task_id)}: rolling out \(delivery [2-9]", p1.log_path.read_text()), \
+        "p1 finished the task without it being a redelivery"
     wait_for_steps(run_dir, killed_at + 4, [trainer, p1])  # and the run goes on with p1 alone
     assert stop(trainer, signal.SIGTERM) == 0  # a clean stop: checkpoint, then exit 0
     stop(p1, signal.SIGTERM)

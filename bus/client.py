@@ -430,8 +430,10 @@ class Bus:
     ) -> list[Delivery[Any]]:
         try:
             msgs = await sub.fetch(batch, timeout=timeout)
-        except nats.errors.TimeoutError:
-            return []  # idle: nothing to deliver within `timeout`
+        except asyncio.TimeoutError:
+            # Idle: nothing to deliver within `timeout`. nats-py raises its own TimeoutError (a subclass) or, from a
+            # batched fetch whose first probe outlasts the timeout on a loaded machine, asyncio's.
+            return []
         out: list[Delivery[Any]] = []
         for m in msgs:
             try:

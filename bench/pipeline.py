@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import shutil
 import signal
@@ -41,11 +40,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Run as a script, this file's folder comes first on sys.path, and bench/bus.py would shadow the `bus` package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+# Run as a script, bench/ is sys.path[0] and bench/bus.py would shadow the `bus` package.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
+
+from bench.common import machine, write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RLBUS = [sys.executable, "-m", "rlbus.cli"]
@@ -59,8 +60,8 @@ QUICKSTART_MODEL = ROOT / ".rlbus" / "models" / "tiny-calculator"
 #: The schedules compared: label -> trainer.max_staleness.
 MODES = {"sync": 0, "async-1": 1, "async-2": 2}
 SIM_PRODUCERS = (1, 4, 16)
-#: Attempts per run: a run that crashes (see the report on transient bus errors) is started again from scratch.
-ATTEMPTS = 2
+#: Default attempts per run: a run that crashes (e.g. a transient bus error) is started again from scratch.
+ATTEMPTS = 3
 
 
 @dataclass
@@ -194,10 +195,10 @@ class Infrastructure:
 
 
 def execute(spec: RunSpec, infra: Infrastructure, runs_dir: Path, warmup: int, timeout_s: float,
-            console: Console) -> RunResult:
-    """Run `rlbus up` for `spec` (again from scratch if it crashes) and measure it."""
+            console: Console, attempts: int = ATTEMPTS) -> RunResult:
+    """Run `rlbus up` for `spec` (again from scratch if it crashes, up to `attempts` times) and measure it."""
     errors: list[str] = []
-    for attempt in range(1, ATTEMPTS + 1):
+    for attempt in range(1, attempts + 1):
         name = f"pipe-{spec.label}-{os.getpid()}-{attempt}"
         run_dir = runs_dir / name
         load = os.getloadavg()[0]
@@ -213,7 +214,7 @@ def execute(spec: RunSpec, infra: Infrastructure, runs_dir: Path, warmup: int, t
         tail = last_error(run_dir)
         errors.append(f"attempt {attempt}: exit {rc} after {len(rows)} step(s): {tail}")
         console.print(f"[yellow]{spec.label}: attempt {attempt} failed (exit {rc}, {len(rows)} steps): {tail}")
-    return RunResult(spec.workload, spec.mode, spec.max_staleness, spec.num_producers, ok=False, attempts=ATTEMPTS,
+    return RunResult(spec.workload, spec.mode, spec.max_staleness, spec.num_producers, ok=False, attempts=attempts,
                      error="; ".join(errors))
 
 
@@ -348,20 +349,6 @@ def markdown_table(results: list[RunResult]) -> list[str]:
     return out
 
 
-def machine() -> dict[str, Any]:
-    model = platform.processor() or "unknown"
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    import torch
-
-    return {"cpu_model": model, "cores": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__}
-
-
 @dataclass
 class Bench:
     command: str
@@ -373,6 +360,7 @@ class Bench:
     results: list[RunResult] = field(default_factory=list)
     load_end: float = 0.0
     wall_s: float = 0.0
+    notes: list[str] = field(default_factory=list)  # anything a reader of the numbers must know
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -424,8 +412,10 @@ def docs_section(bench: Bench, table: list[str]) -> str:
         "",
         *table,
         "",
+        *[f"Note: {n}  " for n in bench.notes],
+        *([""] if bench.notes else []),
         "async/sync = steps/min of the row / steps/min of the sync row with the same workload and producers. "
-        "*regenerated* (below) = groups a producer finished on weights the bound no longer allowed and rolled out "
+        "*regenerated* (see below) = groups a producer finished on weights the bound no longer allowed and rolled out "
         "again; *dropped stale* = groups the trainer's batcher dropped for the same reason.",
         "",
         "### Is `max_staleness=0` synchronous?",
@@ -476,14 +466,19 @@ def docs_section(bench: Bench, table: list[str]) -> str:
         "use them: the feeder releases one step's prompts, so at most that many producers work, and each step "
         "waits for the slowest group of the step (the Pareto tail). With `max_staleness` 1 or 2 the feeder admits "
         "2 or 3 steps' prompts, every producer works, stragglers finish while the trainer trains on other groups, "
-        "and the trainer becomes the bottleneck (busy fraction near 100%). That, not raw overlap, is where most of "
+        "and the trainer becomes the bottleneck (see the busy column at 16 producers). That, not raw overlap, is where most of "
         "the gain comes from, as in AReaL.",
         "- `max_staleness` 2 over 1 matters when a step's slowest group is much slower than the rest: a deeper "
         "window lets producers run further ahead; it costs staleness (see the column), which the trainer "
         "corrects with decoupled PPO, and more groups dropped at the bound.",
-        "- The quickstart's generation is real CPU model math on the same 2 cores as the trainer: overlapping "
-        "them mostly shares the cores rather than adding compute, so its async gain is bounded by the cores, not "
-        "by the schedule.",
+        "- The quickstart's generation is real model math on the same CPU cores as the trainer, so overlapping "
+        "them gains only while a core is free: with one trainer and two producers on 2 cores, generation and "
+        "training of a step are of similar size here (see the wait and train columns) and async overlaps them. "
+        + ("Its model was the random-weights one (responses run to max_new_tokens, no tool calls), so these are "
+           "not the trained quickstart's step times. " if "bench-random" in bench.quickstart_model else ""),
+        "- Every synchronous row includes the wasted rollouts counted above (the *regenerated* column): against an "
+        "exact synchronous loop, the async/sync ratios would be lower, most for the rows with many regenerated "
+        "groups.",
         "- Caveats: 2 shared cores for the trainer, up to 16 producer processes, nats-server and Ray, and other "
         "people's work (see the load column); the trainer's time/train grows with that load. Few steps per run "
         "(the bench fits in about 20 minutes), so single runs swing by tens of percent; the simulated engine "
@@ -492,18 +487,6 @@ def docs_section(bench: Bench, table: list[str]) -> str:
         "",
     ]
     return "\n".join(lines)
-
-
-def write_section(path: Path, section: str) -> None:
-    """Replace (or add) the `## Pipeline` section of docs/benchmarks.md, leaving the other sections alone."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n\nMeasured numbers, with the command and machine.\n\n"
-    start = text.find("## Pipeline\n")
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = text.find("\n## ", start + 1)
-        text = text[:start] + section + (text[end + 1:] if end >= 0 else "")
-    path.write_text(text)
 
 
 # ---------------------------------------------------------------------------------------------------------- main
@@ -517,6 +500,7 @@ def main() -> int:
                     help="producer counts of the simulated workload")
     ap.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES))
     ap.add_argument("--warmup", type=int, default=2, help="step rows left out of the measurement")
+    ap.add_argument("--attempts", type=int, default=ATTEMPTS, help="starts of a run that keeps crashing")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one `rlbus up` may take")
     ap.add_argument("--quickstart-model", default="",
                     help=f"model of the quickstart workload (default {QUICKSTART_MODEL.relative_to(ROOT)} if built, "
@@ -534,7 +518,7 @@ def main() -> int:
         bench = Bench.from_json(json.loads(Path(args.from_json).read_text()))
         console.print(console_table(bench.results))
         if args.docs:
-            write_section(Path(args.docs), docs_section(bench, markdown_table(bench.results)))
+            write_section("## Pipeline", docs_section(bench, markdown_table(bench.results)), Path(args.docs))
             console.print(f"docs: {args.docs} (## Pipeline)")
         return 0
     ensure_bench_model(BENCH_MODEL, console)
@@ -556,7 +540,7 @@ def main() -> int:
         for spec in run_specs(args.workload, args.steps, qs_model, tuple(args.producers),
                                   tuple(args.modes)):
             console.print(f"[bold]{spec.label}[/bold] (load {os.getloadavg()[0]:.1f})")
-            res = execute(spec, infra, runs_dir, args.warmup, args.timeout, console)
+            res = execute(spec, infra, runs_dir, args.warmup, args.timeout, console, args.attempts)
             bench.results.append(res)
             if res.ok:
                 console.print(f"  {res.steps_per_min:.1f} steps/min, trainer busy {res.trainer_busy:.0%}, "
@@ -574,7 +558,7 @@ def main() -> int:
     Path(args.results).write_text(json.dumps(bench.to_json(), indent=2) + "\n")
     console.print(f"results: {args.results}")
     if args.docs:
-        write_section(Path(args.docs), docs_section(bench, markdown_table(bench.results)))
+        write_section("## Pipeline", docs_section(bench, markdown_table(bench.results)), Path(args.docs))
         console.print(f"docs: {args.docs} (## Pipeline)")
     return 0 if all(r.ok for r in bench.results) else 1
 

@@ -149,9 +149,12 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def stop_ray_head(head: RayHead | int, timeout_s: float = 30.0, remove_temp_dir: bool = True) -> None:
+def stop_ray_head(head: RayHead | int, timeout_s: float = 5.0, remove_temp_dir: bool = True) -> None:
     """Stop a head started by start_ray_head: SIGTERM its `ray start --block` process (which stops the Ray
-    processes it started), then SIGKILL whatever is left in its process group. Touches nothing else."""
+    processes it started), then SIGKILL whatever is left in its process group. Touches nothing else.
+
+    The grace is short: whoever stops the head is done with its objects, and `ray start --block` may take half
+    a minute to wind down on its own."""
     pid = head.pid if isinstance(head, RayHead) else head
     if _alive(pid):
         os.kill(pid, signal.SIGTERM)

@@ -37,6 +37,8 @@ from schemas.wire import (
 
 log = logging.getLogger("rlbus.producer")
 
+#: Longest wait for the weights a task was released for before rolling out on what the engine holds.
+WEIGHTS_WAIT_S = 30.0
 #: How long a stopping producer waits for the groups it holds before it naks them back to the queue.
 DRAIN_TIMEOUT_S = 30.0
 
@@ -71,6 +73,7 @@ class Producer:
     _stopping: asyncio.Event
     _started_at: float
     _load_lock: asyncio.Lock
+    _weights_changed: asyncio.Condition  # notified after every weight load (and rollback announcement)
     _loaded_checksum: str  # checksum of the weights the engine holds ("" = the model directory it was built from)
 
     def __init__(self, cfg: RunConfig, producer_id: str = ""):
@@ -84,6 +87,7 @@ class Producer:
         self._started_at = time.monotonic()
         self._load_lock = asyncio.Lock()
         self._loaded_checksum = ""
+        self._weights_changed = asyncio.Condition()
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -171,6 +175,7 @@ class Producer:
         max_deliver = cfg.bus.max_deliver
         ticker = asyncio.create_task(self._keep_alive(delivery))
         try:
+            await self._await_weights(task.released_version)
             started = time.monotonic()
             log.info("task %s: rolling out (delivery %d)", task.task_id, delivery.num_delivered)
             trajectories = await self.agent_loop.rollout_group(task, task.n or cfg.rollout.n)
@@ -209,6 +214,18 @@ class Producer:
         finally:
             ticker.cancel()
 
+    async def _await_weights(self, released_version: int) -> None:
+        """Do not start a task on weights older than those it was released for: the announcement of that version
+        may still be loading, and a rollout begun now would be stale on arrival. A trainer that rolled back (it
+        restarted from an older checkpoint) announces a lower version, which lowers the bar."""
+        async with self._weights_changed:
+            try:
+                await asyncio.wait_for(self._weights_changed.wait_for(
+                    lambda: self.engine.version >= min(released_version, self.trainer_version)), WEIGHTS_WAIT_S)
+            except asyncio.TimeoutError:
+                log.warning("weights v%d not loaded after %.0fs; rolling out on v%d", released_version,
+                            WEIGHTS_WAIT_S, self.engine.version)
+
     def _too_stale(self, trajectories) -> bool:
         tc = self.cfg.trainer
         if tc.staleness_policy != "drop":
@@ -239,11 +256,18 @@ class Producer:
             await self._load_version(published)
 
     async def _load_version(self, published: WeightsPublished) -> None:
-        from bus.transfer_queue import state_dict_checksum
-
         # The newest announcement wins, even when it is older than what we hold: a trainer that restarted from a
         # checkpoint republishes that checkpoint's version, and weights of the lost steps must not roll out again.
         self.trainer_version = published.version
+        try:
+            await self._load(published)
+        finally:
+            async with self._weights_changed:  # tasks waiting for a version re-check (also after a rollback)
+                self._weights_changed.notify_all()
+
+    async def _load(self, published: WeightsPublished) -> None:
+        from bus.transfer_queue import state_dict_checksum
+
         async with self._load_lock:
             if (published.version, published.checksum) == (self.engine.version, self._loaded_checksum):
                 return
@@ -280,10 +304,11 @@ class Producer:
 async def run_producer(cfg: RunConfig, producer_id: str = "") -> None:
     producer = Producer(cfg, producer_id)
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, producer.stop)
     try:
         await producer.start()
+        # After start(): ray.init installs its own SIGTERM handler, which would exit without draining.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, producer.stop)
         await producer.run()
     except BaseException as e:
         await producer.close(reason=f"{type(e).__name__}: {e}", clean=False)

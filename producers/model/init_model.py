@@ -5,7 +5,7 @@ The directory holds config.json, model.safetensors, generation_config.json, the 
 template) and warm_start.json (the settings, the final loss and the time it took), so that
 `AutoModelForCausalLM.from_pretrained(OUT_DIR)` / `AutoTokenizer.from_pretrained(OUT_DIR)` load it like any model.
 
-    rlbus init-model models/tiny-calc [--seed 0] [--steps 1200] [--force] [--eval]
+    rlbus init-model models/tiny-calc [--seed 0] [--steps 1200] [--threads 1] [--force] [--eval]
     .venv/bin/python -m producers.model.init_model models/tiny-calc
 """
 
@@ -26,7 +26,10 @@ from producers.model.tiny import TinyModelSpec, tiny_model
 from producers.model.tokenizer import build_tokenizer
 from producers.model.warm_start import WarmStartConfig, warm_start
 
-#: Optimizer steps of the default warm start (~3 min uncontended, ~6 min on a shared 2-core box; see warm_start.json).
+#: Torch CPU threads of the build: the model is so small that a second thread only adds synchronisation (and the
+#: result is the same on every run of one machine).
+BUILD_THREADS = 1
+#: Optimizer steps of the default warm start (~1.5 min on one free CPU core, longer on a busy box; see warm_start.json).
 DEFAULT_STEPS = WarmStartConfig().steps
 
 
@@ -38,7 +41,7 @@ def init_model(
     force: bool = False,
     spec: TinyModelSpec = TinyModelSpec(),
     warm: WarmStartConfig | None = None,
-    num_threads: int | None = None,
+    num_threads: int = BUILD_THREADS,
     log=print,
 ) -> Path:
     """Build tokenizer + model, warm-start it for `steps` steps (0 = random weights), save to `out_dir`.
@@ -50,14 +53,17 @@ def init_model(
         if not force:
             raise FileExistsError(f"{out} exists and is not empty (use --force to overwrite)")
         shutil.rmtree(out)
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
     warm_cfg = msgspec.structs.replace(warm or WarmStartConfig(), steps=steps, seed=seed)
 
     tokenizer = build_tokenizer()
     model = tiny_model(tokenizer, seed=seed, spec=spec)
+    caller_threads = torch.get_num_threads()  # the build may run inside a producer or the trainer: restore after
+    torch.set_num_threads(num_threads)
     started = time.perf_counter()
-    losses = warm_start(model, tokenizer, warm_cfg, log=log) if steps > 0 else []
+    try:
+        losses = warm_start(model, tokenizer, warm_cfg, log=log) if steps > 0 else []
+    finally:
+        torch.set_num_threads(caller_threads)
     seconds = time.perf_counter() - started
 
     out.mkdir(parents=True, exist_ok=True)
@@ -73,7 +79,7 @@ def init_model(
         "warm_start": msgspec.to_builtins(warm_cfg),
         "final_loss": sum(tail) / len(tail) if tail else None,
         "seconds": round(seconds, 2),
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": num_threads,
         "num_parameters": sum(p.numel() for p in model.parameters()),
     }
     (out / "warm_start.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -87,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the demonstrations")
     ap.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="warm-start optimizer steps (0 = random weights)")
     ap.add_argument("--force", action="store_true", help="overwrite OUT_DIR if it exists")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--threads", type=int, default=BUILD_THREADS, help=f"torch CPU threads (default {BUILD_THREADS})")
     ap.add_argument("--eval", action="store_true", help="then sample the model and print tool-use statistics")
     args = ap.parse_args(argv)
     try:

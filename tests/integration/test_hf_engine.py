@@ -22,10 +22,14 @@ from producers.engines.base import SamplingParams
 from producers.engines.hf import HFEngine
 from producers.model.demos import prompt_messages
 from producers.model.init_model import init_model
-from producers.model.tiny import tiny_model
+from producers.model.tiny import TinyModelSpec, tiny_model
 from producers.model.tokenizer import encode_chat
 from schemas.config import HFEngineConfig, from_dict
 from schemas.errors import WeightLoadError
+
+#: Wider and deeper than the quickstart's model: at random init the quickstart's tied-embedding 2-layer model greedily
+#: repeats the prompt's last token whatever its seed, and generates too fast to time the event loop against.
+ENGINE_SPEC = TinyModelSpec(hidden_size=128, intermediate_size=384, num_hidden_layers=4)
 
 QUESTIONS = ["What is 17*23?", "What is 5+38?", "What is 9*9? Please show the steps and be careful.", "Hi"]
 
@@ -40,7 +44,7 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return init_model(tmp_path_factory.mktemp("tiny") / "model", steps=0, log=lambda _: None)
+    return init_model(tmp_path_factory.mktemp("tiny") / "model", steps=0, spec=ENGINE_SPEC, log=lambda _: None)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +121,7 @@ async def test_load_weights_changes_generation_and_stamps_version(model_dir, pro
     before = await engine.generate(prompts, greedy)
     assert {g.version for g in before} == {0}
 
-    new_model = tiny_model(AutoTokenizer.from_pretrained(model_dir), seed=123)
+    new_model = tiny_model(AutoTokenizer.from_pretrained(model_dir), seed=123, spec=ENGINE_SPEC)
     await engine.load_weights(new_model.state_dict(), version=7)
     assert engine.version == 7
     after = await engine.generate(prompts, greedy)

@@ -169,8 +169,9 @@ class Batcher:
             await self._tq.delete(keys)
         return len(done)
 
-    def pending(self) -> int:
-        return len(self._held)
+    def trained_ids(self) -> set[str]:
+        """Groups trained so far: durable ones plus those of steps not yet checkpointed (what a checkpoint saves)."""
+        return self.trained | {gid for gid, h in self._held.items() if h.step >= 0}
 
     async def _keep_alive(self) -> None:
         period = max(1.0, self.cfg.bus.ack_wait_s / 3)

@@ -29,7 +29,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     ax = axes[0]
     ax.plot(steps, series("reward/mean"), marker="o", ms=3, label="reward/mean")
     mean, std = series("reward/mean"), series("reward/std")
-    ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
+    low = [max(m - s, 0.0) for m, s in zip(mean, std)]  # rewards live in [0, 1]: clip the +-std band there
+    high = [min(m + s, 1.0) for m, s in zip(mean, std)]
+    ax.fill_between(steps, low, high, alpha=0.2, label="+-1 std (clipped)")
     ax.set(title="reward", xlabel="step", ylim=(-0.05, 1.05))
     ax.legend(loc="lower right")
     ax = axes[1]

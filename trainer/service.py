@@ -358,7 +358,7 @@ class TrainerService:
         await self.bus.kv_put("latest", msg)
 
     async def _checkpoint(self) -> None:
-        trained = sorted(self.batcher.trained | {gid for gid, h in self.batcher._held.items() if h.step >= 0})
+        trained = sorted(self.batcher.trained_ids())
         extra = {"step": self.step, "version": self.version, "feeder": self.feeder.state_dict(), "trained": trained}
         await self._execute(StepPlan(step=self.step, shards=None, publish=False, checkpoint=extra))
         acked = await self.batcher.commit(self.step)  # the step is durable: now its groups may go

@@ -2,7 +2,9 @@
 
     .venv/bin/python -m pytest -q tests/integration/test_pipeline.py
 
-Real nats-server, real Ray, real trainer and producer processes (`python -m rlbus.cli ...`), a tiny real model.
+Real nats-server, real Ray, real trainer and producer processes (`python -m rlbus.cli ...`), a tiny real model in
+the trainer; the producers' engine is the simulated one (generation time without the compute), so that what is
+measured is the pipeline, not two cores shared by three processes.
 """
 
 from __future__ import annotations
@@ -86,12 +88,16 @@ def _groups_published(bus_cfg: BusConfig, run: str) -> int:
 def test_producers_join_and_die_while_the_run_goes_on(tmp_path, bus_config, ray_address, tiny_model_dir, run_name,
                                                       role_processes):
     run_dir = tmp_path / "run"
+    # The simulated engine sleeps for its generation time instead of computing: producers then scale the way
+    # GPU producers do, rather than fighting the trainer for this machine's two cores.
+    engine = {"type": "simulated", "mean_tokens": 24, "tail_alpha": 3.0, "seconds_per_token": 0.03}
     cfg = small_run_config(run_name, run_dir, tiny_model_dir, bus_config.url, bus_config.creds_file, ray_address,
                            # More steps than the test needs: it stops the trainer itself once the kill is
                            # recovered, so timing on a slow machine cannot end the run early.
                            trainer={"total_steps": 100_000, "groups_per_step": 2, "max_staleness": 2,
                                     "checkpoint_interval": 4},
-                           rollout={"n": 4, "max_new_tokens": 24, "max_response_tokens": 64})
+                           rollout={"n": 4, "max_new_tokens": 48, "max_response_tokens": 48,
+                                    "agent_loop": "single_turn", "engine": engine})
     cfg_path = write_config(tmp_path / "run.yaml", cfg)
     logs = tmp_path / "logs"
     trainer = start_role("trainer", cfg_path, logs)

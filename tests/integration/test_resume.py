@@ -38,9 +38,12 @@ def test_trainer_killed_between_step_and_checkpoint_trains_every_group_once(
     trainer = start_role("trainer", cfg_path, logs)
     producer = start_role("producer", cfg_path, logs, "--id", "p0", name="p0")
     role_processes += [trainer, producer]
-    wait_for_steps(run_dir, 4, [trainer, producer])  # checkpoint at 3; step 4 (maybe 5) is not durable yet
+    # Checkpoints at 3 and 6: kill the moment step 4 is logged (polled far faster than a step takes).
+    wait_for_steps(run_dir, 4, [trainer, producer], poll=0.01)
     stop(trainer, signal.SIGKILL)
-    assert latest_checkpoint(run_dir / "checkpoints").name == checkpoint_name(3)
+    lost_from = read_metrics(run_dir)[-1]["step"]
+    assert latest_checkpoint(run_dir / "checkpoints").name == checkpoint_name(3) and lost_from > 3, \
+        "the kill did not land between a step and its checkpoint"
     restarted = start_role("trainer", cfg_path, logs, name="trainer-2")
     role_processes.append(restarted)
     assert wait_exit(restarted, timeout=600) == 0

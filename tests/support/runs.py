@@ -28,9 +28,13 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from producers.model.init_model import init_model
+    from producers.model.tiny import TinyModelSpec
 
     out = tmp_path_factory.mktemp("models") / "tiny"
-    init_model(out, steps=30, num_threads=1, log=lambda *_: None)
+    # Wider and deeper than the quickstart's model, so that generation, not the trainer, bounds a test run's
+    # throughput (what adding a producer is supposed to raise) and steps are slow enough to land signals between.
+    spec = TinyModelSpec(hidden_size=128, intermediate_size=384, num_hidden_layers=4)
+    init_model(out, steps=30, num_threads=1, spec=spec, log=lambda *_: None)
     return out
 
 
@@ -75,7 +79,8 @@ def log_tail(proc: subprocess.Popen, lines: int = 60) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.is_file() else ""
 
 
-def wait_for_steps(run_dir: Path, steps: int, procs: list[subprocess.Popen], timeout: float = 300.0) -> list[dict]:
+def wait_for_steps(run_dir: Path, steps: int, procs: list[subprocess.Popen], timeout: float = 300.0,
+                   poll: float = 0.5) -> list[dict]:
     """Wait until metrics.jsonl reaches `steps`; fail early (with logs) if a watched process exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -85,7 +90,7 @@ def wait_for_steps(run_dir: Path, steps: int, procs: list[subprocess.Popen], tim
         for p in procs:
             if p.poll() is not None:
                 pytest.fail(f"{p.args[3]} exited with {p.returncode} before step {steps}:\n{log_tail(p)}")
-        time.sleep(0.5)
+        time.sleep(poll)
     pytest.fail(f"no step {steps} within {timeout}s; logs:\n" + "\n---\n".join(log_tail(p) for p in procs))
 
 

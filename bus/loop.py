@@ -31,3 +31,11 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
         # Only where uvloop is not installed (Windows, or a minimal install): behaviour is the same, just slower.
         return asyncio.run(coro)
     return uvloop.run(coro)
+
+
+def raise_if_failed(*tasks: "asyncio.Task | None") -> None:
+    """Re-raise the exception of a finished background task, so that its failure stops the service that owns it
+    instead of vanishing with the task."""
+    for t in tasks:
+        if t is not None and t.done() and not t.cancelled() and t.exception() is not None:
+            raise t.exception()

@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 
+from bus.loop import raise_if_failed
 from schemas.config import RunConfig
 from schemas.wire import TrajectoryGroup
 
@@ -69,8 +70,7 @@ class Batcher:
 
     async def next_batch(self, version: int, need: int | None = None) -> list[TrajectoryGroup]:
         """Wait for `need` (default groups_per_step) usable groups at trainer version `version`."""
-        if self._keepalive is not None and self._keepalive.done():
-            self._keepalive.result()  # re-raise a failed keep-alive instead of silently losing acks
+        raise_if_failed(self._keepalive)  # a failed keep-alive would silently let held groups be redelivered
         need = self.cfg.trainer.groups_per_step if need is None else need
         subjects = self._bus.subjects
         batch: list[TrajectoryGroup] = []

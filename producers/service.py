@@ -24,6 +24,7 @@ import socket
 import time
 from typing import Any
 
+from bus.loop import raise_if_failed
 from schemas.config import RunConfig
 from schemas.wire import (
     ErrorRaised,
@@ -129,7 +130,7 @@ class Producer:
         subjects = self.bus.subjects
         try:
             while not self._stopping.is_set():
-                self._raise_failed(background)
+                raise_if_failed(*background)
                 await slots.acquire()
                 if self._stopping.is_set():
                     slots.release()
@@ -294,11 +295,6 @@ class Producer:
                 groups_per_min=self.groups_done / minutes, inflight=len(self._inflight)))
             await asyncio.sleep(self.cfg.rollout.heartbeat_interval_s)
 
-    @staticmethod
-    def _raise_failed(tasks: list[asyncio.Task]) -> None:
-        for t in tasks:
-            if t.done() and not t.cancelled() and t.exception() is not None:
-                raise t.exception()
 
 
 async def run_producer(cfg: RunConfig, producer_id: str = "") -> None:

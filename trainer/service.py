@@ -29,6 +29,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from bus.loop import raise_if_failed
 from schemas.config import RunConfig, to_yaml
 from schemas.errors import PayloadMissing
 from schemas.wire import ErrorRaised, RoleStarted, RoleStopped, SampleMeta, StepCompleted, TrajectoryGroup, \
@@ -248,7 +249,7 @@ class TrainerService:
         total = self.cfg.trainer.total_steps
         last_ckpt = self.step
         while self.step < total and not self._stopping.is_set():
-            self._raise_if_failed(self._feeder_task)
+            raise_if_failed(self._feeder_task)
             row = await self._train_one_step()
             if row is None:  # stopped while waiting for data
                 break
@@ -371,11 +372,6 @@ class TrainerService:
             return self.worker.execute(self.worker.broadcast(plan))
 
         return await asyncio.to_thread(both)
-
-    @staticmethod
-    def _raise_if_failed(task: asyncio.Task | None) -> None:
-        if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
-            raise task.exception()
 
     async def close(self, reason: str, clean: bool) -> None:
         if self._feeder_task is not None:

@@ -77,6 +77,7 @@ class StepWorker:
     rank: int
     world: int
     pad_id: int
+    tokenizer: Any  # the model's tokenizer (prompt-length filtering of the data set)
     restored: dict  # the checkpoint's extra blob (step, version, feeder, trained ids); {} on a fresh start
 
     def __init__(self, cfg: RunConfig, model_path: str):
@@ -92,8 +93,8 @@ class StepWorker:
         torch.manual_seed(cfg.trainer.seed)
         ensure_ray(cfg.ray)
         self.tq = TransferQueue.connect(cfg.name, cfg.ray)
-        tok = AutoTokenizer.from_pretrained(model_path)
-        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.engine = TrainEngine(model_path, cfg.trainer, cfg.algorithm, temperature=cfg.rollout.temperature,
                                   dtype=cfg.model.dtype, gradient_checkpointing=cfg.model.gradient_checkpointing)
         from trainer.checkpoint import load_checkpoint
@@ -207,7 +208,8 @@ class TrainerService:
         self.version = int(extra.get("version", 0))
         self.recorder = Recorder(run_dir, cfg.logging.record, resume_step=self.step)
         await self.recorder.start(self.bus)
-        self.feeder = Feeder(cfg, load_dataset(cfg.data), self.bus, lambda: self.version,
+        dataset = load_dataset(cfg.data, self.worker.tokenizer)  # drops prompts over data.max_prompt_tokens
+        self.feeder = Feeder(cfg, dataset, self.bus, lambda: self.version,
                              on_release=self.recorder.prompt)
         if "feeder" in extra:
             self.feeder.load_state_dict(extra["feeder"])

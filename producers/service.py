@@ -188,14 +188,19 @@ class Producer:
                          self.trainer_version)
                 await delivery.nak()
                 return
-            items = {f"{task.task_id}/{i}": t.tensors() for i, t in enumerate(trajectories)}
+            # Keys name the delivery: if an earlier delivery's group was published before its producer died, that
+            # group's metadata must keep pointing at its own tensors, not at this redo's.
+            prefix = f"{task.task_id}/d{delivery.num_delivered}"
+            items = {f"{prefix}/{i}": t.tensors() for i, t in enumerate(trajectories)}
             await self.tq.put_many(items)
             group = TrajectoryGroup(
                 group_id=task.task_id, task_id=task.task_id, producer_id=self.producer_id,
                 samples=[t.sample_meta(key) for key, t in zip(items, trajectories)],
                 data_source=task.data_source, index=task.index, epoch=task.epoch, attempt=task.attempt,
             )
-            await self.bus.publish(self.bus.subjects.traj, group, msg_id=group.group_id)
+            ack = await self.bus.publish(self.bus.subjects.traj, group, msg_id=group.group_id)
+            if ack.duplicate:  # an earlier delivery's group is already on the bus: this redo is surplus
+                await self.tq.delete(list(items))
             await delivery.ack()
             self.groups_done += 1
             self.tokens_generated += sum(int(sum(t.response_mask)) for t in trajectories)

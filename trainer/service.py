@@ -275,7 +275,8 @@ class TrainerService:
             result = await self._execute(plan)
             if not result.missing:
                 break
-            lost = {k.rsplit("/", 1)[0] for k in result.missing}
+            owner = {key: g.group_id for g in groups for key in g.keys}
+            lost = {owner[k] for k in result.missing}
             log.warning("payload missing for %d group(s); re-issuing their prompts", len(lost))
             await self.batcher.payload_missing(sorted(lost))
             groups = [g for g in groups if g.group_id not in lost]

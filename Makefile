@@ -25,9 +25,13 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not slow"
 
+# The quick benchmarks (a few minutes); bench/pipeline.py (about 20 minutes) runs on its own.
 bench: $(STAMP)
 	$(PY) bench/bus.py
-	$(PY) bench/transfer_queue.py
+	$(PY) bench/transfer_queue.py --docs docs/benchmarks.md
+	$(PY) bench/trainer.py
+	$(PY) bench/rollout.py
+	$(PY) bench/recorder.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

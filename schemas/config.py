@@ -196,6 +196,7 @@ class AlgorithmConfig(_Section):
     off_policy: Literal["decoupled", "bypass", "none"] = "decoupled"  # decoupled / bypass / none
     is_cap: float = 2.0  # truncation C of the importance weight proximal / behaviour
     log_ratio_clamp: float = 20.0  # |log ratio| clamp before exp, for stability
+    loss_scale_factor: float = 0.0  # C of seq-mean-token-sum-norm (Dr.GRPO: a run-wide constant); 0 = step's longest
     kl_coef: float = 0.0  # > 0 loads a frozen reference model
     kl_type: Literal["k1", "k3"] = "k3"  # k1 (log ratio) or k3 (unbiased, non-negative) KL estimator
     use_kl_loss: bool = True  # True: KL added to the loss; False: KL subtracted from the reward
@@ -207,6 +208,7 @@ class AlgorithmConfig(_Section):
         _need(self.clip_ratio_c > 1, "clip_ratio_c", "must be > 1 (dual-clip bound)")
         _need(self.is_cap >= 1, "is_cap", "must be >= 1")
         _need(self.log_ratio_clamp > 0, "log_ratio_clamp", "must be > 0")
+        _need(self.loss_scale_factor >= 0, "loss_scale_factor", "must be >= 0 (0 = the step's longest response)")
         _need(self.kl_coef >= 0, "kl_coef", "must be >= 0")
 
 

@@ -220,8 +220,11 @@ class TrainEngine:
             cap=self.algo.is_cap, log_ratio_clamp=self.algo.log_ratio_clamp,
         )  # fmt: skip
         weights_BT = isw.weights_BT if isw is not None else None
-        # C of seq-mean-token-sum-norm: the longest response of the step over all ranks, fixed for the step.
-        (scale,) = all_reduce([float(mask_BT.sum(dim=-1).max().item()) if mask_BT.numel() else 1.0], "max")
+        # C of seq-mean-token-sum-norm: the configured constant (Dr.GRPO keeps one for the whole run), else the
+        # longest response of the step over all ranks, fixed for the step.
+        scale = self.algo.loss_scale_factor
+        if not scale:
+            (scale,) = all_reduce([float(mask_BT.sum(dim=-1).max().item()) if mask_BT.numel() else 1.0], "max")
 
         acc = _Accumulator()
         t_update = time.perf_counter()

@@ -9,6 +9,7 @@ import json
 import math
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from tensordict import TensorDict
@@ -260,6 +261,30 @@ def test_reference_kl_entropy_bonus_and_mini_batches(tiny_model: Path, use_kl_lo
     assert first["actor/lr"] == pytest.approx(0.75e-2)
     assert second["actor/lr"] == pytest.approx((1.0 + 0.5) / 2 * 1e-2)
     assert 0.0 < first["actor/entropy"] <= math.log(VOCAB) + 1e-6
+
+
+def _pg_loss_worker(model_dir: str, algo_cfg: AlgorithmConfig) -> float:
+    from trainer.dist import destroy_distributed, init_distributed
+    from trainer.engine import TrainEngine
+
+    torch.set_num_threads(1)
+    init_distributed("cpu")
+    engine = TrainEngine(model_dir, TrainerConfig(micro_batch_size=8, lr=1e-3), algo_cfg, temperature=1.0)
+    loss = engine.train_step(make_batch(seed=3))["actor/pg_loss"]
+    destroy_distributed()
+    return loss
+
+
+def test_seq_mean_token_sum_norm_takes_a_constant_scale(tiny_model: Path) -> None:
+    from trainer.dist import spawn_local
+
+    longest = float(make_batch(seed=3)["response_mask"].sum(dim=-1).max())
+    cfg = AlgorithmConfig(off_policy="bypass", loss_agg_mode="seq-mean-token-sum-norm")
+    auto = spawn_local(1, _pg_loss_worker, str(tiny_model), cfg)[0]
+    fixed = spawn_local(1, _pg_loss_worker, str(tiny_model),
+                        msgspec.structs.replace(cfg, loss_scale_factor=2 * longest))[0]
+    assert auto != 0.0
+    assert fixed == pytest.approx(auto / 2, rel=1e-5)  # the loss is sum / (N_seq * C): twice C, half the loss
 
 
 def test_load_from_an_empty_root_is_a_fresh_start(tmp_path: Path) -> None:

@@ -18,7 +18,8 @@ import msgspec
 import pytest
 
 from bus.client import Bus
-from schemas.config import BusConfig
+from rlbus.status import gather_status
+from schemas.config import BusConfig, load_config
 from schemas.wire import ProducerHeartbeat, StepCompleted, TrajectoryGroup
 from tests.support.runs import (
     log_tail,
@@ -117,6 +118,9 @@ def test_producers_join_and_die_while_the_run_goes_on(tmp_path, bus_config, ray_
     while time.monotonic() < deadline and not any(b.producer_id == "p1" and b.groups_done for b in beats):
         beats = asyncio.run(_collect(bus_config, run_name, "heartbeat.*", ProducerHeartbeat, "last_per_subject"))
         time.sleep(1.0)
+    status = asyncio.run(gather_status(load_config(cfg_path)))  # what `rlbus status` shows, read from the bus
+    assert {"p0", "p1"} <= {hb.producer_id for hb in status["heartbeats"]}
+    assert status["step"] is not None and status["weights"].version >= 1
     before = _groups_published(bus_config, run_name)
     time.sleep(window)
     two = (_groups_published(bus_config, run_name) - before) / window

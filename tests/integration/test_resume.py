@@ -72,7 +72,7 @@ def test_up_stopped_with_ctrl_c_resumes_to_the_end(tmp_path, tiny_model_dir, run
     cfg = small_run_config(run_name, run_dir, tiny_model_dir, "", "", "",
                            trainer={"total_steps": total, "checkpoint_interval": 4},
                            rollout={"num_producers": 1})
-    cfg["logging"]["plot"] = True
+    cfg["logging"].update(plot=True, tensorboard=True)
     cfg_path = write_config(tmp_path / "run.yaml", cfg)
     logs = tmp_path / "logs"
     first = start_role("up", cfg_path, logs, name="up-1")
@@ -93,7 +93,9 @@ def test_up_stopped_with_ctrl_c_resumes_to_the_end(tmp_path, tiny_model_dir, run
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, total + 1))
     assert [r["version"] for r in rows] == list(range(1, total + 1))
-    assert (run_dir / "curves.png").is_file()
+    for made in ("config.yaml", "metrics.jsonl", "curves.png", "feeder.json"):
+        assert (run_dir / made).is_file(), made
+    assert any((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     AutoModelForCausalLM.from_pretrained(run_dir / "final_model")

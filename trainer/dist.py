@@ -12,13 +12,14 @@ from __future__ import annotations
 import os
 import pickle
 import queue
-import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from bus.ray_cluster import free_port
 
 Device = Literal["cpu", "cuda"]
 
@@ -29,13 +30,6 @@ class DistInfo:
     world_size: int
     local_rank: int
     device: torch.device
-
-
-def free_loopback_port() -> int:
-    """A TCP port that is free on 127.0.0.1 right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _device_for(kind: Device, local_rank: int) -> torch.device:
@@ -122,7 +116,7 @@ def spawn_local(num_ranks: int, fn: Callable[..., Any], *args: Any) -> list[Any]
         raise ValueError("num_ranks: must be >= 1")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_loopback_port()
+    port = free_port()
     procs = mp.start_processes(
         _spawned_entry, args=(num_ranks, port, results, fn, args), nprocs=num_ranks, join=False, start_method="spawn"
     )

@@ -35,11 +35,11 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.common import machine, write_section
-from bus.client import Bus
-from bus.loop import run as run_loop
-from bus.server import EmbeddedServer, find_nats_server
-from schemas.config import BusConfig
-from schemas.wire import SampleMeta, TrajectoryGroup, encode
+from rlbus.bus.client import Bus
+from rlbus.bus.loop import run as run_loop
+from rlbus.bus.server import EmbeddedServer, find_nats_server
+from rlbus.schemas.config import BusConfig
+from rlbus.schemas.wire import SampleMeta, TrajectoryGroup, encode
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_RATIO = 0.8

@@ -11,7 +11,7 @@ warm-up:
     staleness      = mean of staleness/mean (trainer version - oldest token's version)
 
 `trainer.max_staleness=0` is the synchronous schedule: the feeder admits a step's prompts only once the previous
-step's weights are published (producers/feeder.py), so generation, training and weight sync never overlap (see the
+step's weights are published (trainer/feeder.py), so generation, training and weight sync never overlap (see the
 `## Pipeline` section of docs/benchmarks.md for the argument and the measured check). Workloads:
 
   simulated   configs/bench_simulated.yaml: the `simulated` engine sleeps for Pareto-distributed response lengths
@@ -134,7 +134,7 @@ def run_specs(workload: str, steps: int, quickstart_model: Path, producers: tupl
 
 
 def quickstart_producers() -> int:
-    from schemas.config import load_config
+    from rlbus.schemas.config import load_config
 
     return load_config(QUICKSTART_CONFIG).rollout.num_producers
 
@@ -159,9 +159,9 @@ class Infrastructure:
     head: Any  # bus.ray_cluster.RayHead
 
     def __init__(self, root: Path):
-        from bus.ray_cluster import ensure_ray, start_ray_head
-        from bus.server import EmbeddedServer
-        from schemas.config import RayConfig
+        from rlbus.bus.ray_cluster import ensure_ray, start_ray_head
+        from rlbus.bus.server import EmbeddedServer
+        from rlbus.schemas.config import RayConfig
 
         self.server = EmbeddedServer(root / "bus", port=0).start()
         self.head = start_ray_head(object_store_memory=1_000_000_000)
@@ -187,7 +187,7 @@ class Infrastructure:
     def close(self) -> None:
         import ray
 
-        from bus.ray_cluster import stop_ray_head
+        from rlbus.bus.ray_cluster import stop_ray_head
 
         ray.shutdown()
         stop_ray_head(self.head)
@@ -525,7 +525,7 @@ def main() -> int:
     qs_model = Path(args.quickstart_model) if args.quickstart_model else (
         QUICKSTART_MODEL if (QUICKSTART_MODEL / "config.json").is_file() else BENCH_MODEL)
 
-    from schemas.config import load_config
+    from rlbus.schemas.config import load_config
 
     sim = load_config(SIM_CONFIG, [f"model.path={BENCH_MODEL}"])
     bench = Bench(command=command, steps=args.steps, warmup=args.warmup, machine=machine(),

@@ -25,11 +25,11 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from consumers.collate import collate  # noqa: E402
-from consumers.recorder import Recorder, events_dir, write_shard  # noqa: E402
-from schemas.config import AlgorithmConfig, TrainerConfig  # noqa: E402
-from schemas.wire import SampleMeta, TrajectoryGroup  # noqa: E402
-from trainer.engine import TrainEngine  # noqa: E402
+from rlbus.consumers.collate import collate  # noqa: E402
+from rlbus.consumers.recorder import Recorder, events_dir, write_shard  # noqa: E402
+from rlbus.schemas.config import AlgorithmConfig, TrainerConfig  # noqa: E402
+from rlbus.schemas.wire import SampleMeta, TrajectoryGroup  # noqa: E402
+from rlbus.trainer.engine import TrainEngine  # noqa: E402
 
 from bench.common import machine, tiny_qwen2  # noqa: E402
 

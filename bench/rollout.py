@@ -46,11 +46,11 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from bench.common import machine, machine_line, write_section  # noqa: E402
-from bus.client import Bus  # noqa: E402
-from bus.loop import run as run_loop  # noqa: E402
-from bus.ray_cluster import start_ray_head, stop_ray_head  # noqa: E402
-from bus.server import EmbeddedServer  # noqa: E402
-from schemas.config import (  # noqa: E402
+from rlbus.bus.client import Bus  # noqa: E402
+from rlbus.bus.loop import run as run_loop  # noqa: E402
+from rlbus.bus.ray_cluster import start_ray_head, stop_ray_head  # noqa: E402
+from rlbus.bus.server import EmbeddedServer  # noqa: E402
+from rlbus.schemas.config import (  # noqa: E402
     BusConfig,
     DataConfig,
     HFEngineConfig,
@@ -60,7 +60,7 @@ from schemas.config import (  # noqa: E402
     RolloutConfig,
     RunConfig,
 )
-from schemas.wire import TrajectoryGroup  # noqa: E402
+from rlbus.schemas.wire import TrajectoryGroup  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## Rollout"
@@ -207,10 +207,10 @@ def profile_calls(fn, repeats: int) -> tuple[list[str], dict[str, float]]:
 async def bench(args: argparse.Namespace, model_dir: Path, work: Path) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from producers.data.datasets import example_to_task, load_dataset, prompt_token_ids
-    from producers.engines.base import SamplingParams
-    from producers.engines.hf import sample
-    from producers.service import Producer
+    from rlbus.common.data.datasets import example_to_task, load_dataset, prompt_token_ids
+    from rlbus.producers.engines.base import SamplingParams
+    from rlbus.producers.engines.hf import sample
+    from rlbus.producers.service import Producer
 
     server = EmbeddedServer(work / "bus").start()
     head = start_ray_head(num_cpus=1, object_store_memory=128 * 1024**2)  # main thread: dies with this process
@@ -279,7 +279,7 @@ async def bench(args: argparse.Namespace, model_dir: Path, work: Path) -> dict[s
             await bus.close()
         import ray
 
-        from bus.transfer_queue import teardown
+        from rlbus.bus.transfer_queue import teardown
 
         if ray.is_initialized():
             teardown(cfg.name, cfg.ray)
@@ -420,7 +420,7 @@ def main() -> int:
         if args.model:
             model_dir = Path(args.model)
         else:
-            from producers.model.init_model import init_model
+            from rlbus.common.model.init_model import init_model
 
             model_dir = init_model(work / "model", steps=args.warm_steps, log=lambda *a: None)
         res = run_loop(bench(args, model_dir, work))

@@ -25,10 +25,10 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
-from schemas.config import AlgorithmConfig, TrainerConfig  # noqa: E402
-from trainer import algorithms as A  # noqa: E402
-from trainer.dist import destroy_distributed  # noqa: E402
-from trainer.engine import TrainEngine, token_log_probs  # noqa: E402
+from rlbus.schemas.config import AlgorithmConfig, TrainerConfig  # noqa: E402
+from rlbus.trainer import algorithms as A  # noqa: E402
+from rlbus.trainer.dist import destroy_distributed  # noqa: E402
+from rlbus.trainer.engine import TrainEngine, token_log_probs  # noqa: E402
 
 from bench.common import machine, tiny_qwen2  # noqa: E402
 

@@ -31,9 +31,9 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from bench.common import machine, machine_line, write_section  # noqa: E402
-from bus.ray_cluster import ensure_ray  # noqa: E402
-from bus.transfer_queue import TransferQueue, pack_tensor, teardown  # noqa: E402
-from schemas.config import RayConfig  # noqa: E402
+from rlbus.bus.ray_cluster import ensure_ray  # noqa: E402
+from rlbus.bus.transfer_queue import TransferQueue, pack_tensor, teardown  # noqa: E402
+from rlbus.schemas.config import RayConfig  # noqa: E402
 
 SECTION = "## TransferQueue"
 

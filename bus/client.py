@@ -6,7 +6,7 @@
         async for d in bus.pull(bus.subjects.traj, bus.subjects.traj_consumer, TrajectoryGroup, batch=16):
             ...; await d.ack()
 
-Messages are msgspec-msgpack wire structs (schemas.wire). A message that cannot be decoded, or carries an unknown
+Messages are msgspec-msgpack wire structs (rlbus.schemas.wire). A message that cannot be decoded, or carries an unknown
 schema version, is terminated and republished as a `DeadLetter` on `events.dead_letter`; consumers keep going.
 Benchmark: `python bench/bus.py` (docs/benchmarks.md, "Bus").
 """
@@ -39,10 +39,10 @@ from nats.js.api import (
 )
 from nats.js.kv import KeyValue
 
-from schemas.config import BusConfig
-from schemas.errors import BusError, SchemaError
-from schemas.subjects import Subjects
-from schemas.wire import EVENT_SUBJECT_KIND, DeadLetter, TypedDecoder, encode
+from rlbus.schemas.config import BusConfig
+from rlbus.schemas.errors import BusError, SchemaError
+from rlbus.schemas.subjects import Subjects
+from rlbus.schemas.wire import EVENT_SUBJECT_KIND, DeadLetter, TypedDecoder, encode
 
 __all__ = ["Bus", "Delivery", "PubAck"]
 
@@ -156,7 +156,7 @@ def _auth(cfg: BusConfig) -> dict[str, str]:
     if cfg.user:
         return {"user": cfg.user, "password": cfg.password}
     if cfg.creds_file:
-        from bus.server import load_creds
+        from rlbus.bus.server import load_creds
 
         creds = load_creds(cfg.creds_file)
         if creds.get("token"):
@@ -203,7 +203,7 @@ class Bus:
         url = cfg.url
         if not url and cfg.creds_file:
             # The embedded server writes its URL into the creds file too; `bus.creds_file=...` alone is enough.
-            from bus.server import load_creds
+            from rlbus.bus.server import load_creds
 
             url = load_creds(cfg.creds_file).get("url", "")
         if not url:
@@ -369,7 +369,7 @@ class Bus:
         """Publish an Event on `events.<kind>`."""
         kind = EVENT_SUBJECT_KIND.get(type(event))
         if kind is None:
-            raise BusError(f"{type(event).__name__} is not an event type (see schemas.wire.EVENT_SUBJECT_KIND)")
+            raise BusError(f"{type(event).__name__} is not an event type (see rlbus.schemas.wire.EVENT_SUBJECT_KIND)")
         return await self.publish(self.subjects.event(kind), event)
 
     async def _dead_letter(self, msg: Msg, reason: str, consumer: str) -> None:

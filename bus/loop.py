@@ -1,6 +1,6 @@
 """The event loop of long-running services: uvloop where installed, asyncio otherwise.
 
-    from bus.loop import run
+    from rlbus.bus.loop import run
     sys.exit(run(run_role(cfg)))
 
 uvloop roughly halves the per-message cost of the NATS client (socket reads, callbacks, timers), which is most of a

@@ -1,6 +1,6 @@
 """Start, join and stop the Ray cluster that carries rlbus's data plane (TransferQueue, weight store).
 
-    from bus.ray_cluster import ensure_ray, start_ray_head, stop_ray_head
+    from rlbus.bus.ray_cluster import ensure_ray, start_ray_head, stop_ray_head
     head = start_ray_head(num_cpus=4)   # `rlbus up`: a loopback head that outlives any one role process
     ensure_ray(RayConfig(address=head.address))   # every role process, with os.environ updated by head.env
     stop_ray_head(head)
@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from schemas.config import RayConfig
+from rlbus.schemas.config import RayConfig
 
 log = logging.getLogger(__name__)
 

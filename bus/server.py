@@ -24,7 +24,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from schemas.errors import BusError
+from rlbus.schemas.errors import BusError
 
 CREDS_NAME = "creds.json"
 LOG_NAME = "nats-server.log"

@@ -45,9 +45,9 @@ import ray
 import torch
 from tensordict import TensorDict
 
-from bus.ray_cluster import ensure_ray
-from schemas.config import RayConfig
-from schemas.errors import PayloadMissing, TransferQueueError, TransferQueueFull, WeightsMissing
+from rlbus.bus.ray_cluster import ensure_ray
+from rlbus.schemas.config import RayConfig
+from rlbus.schemas.errors import PayloadMissing, TransferQueueError, TransferQueueFull, WeightsMissing
 
 T = TypeVar("T")
 # A plan yields the Ray calls (ObjectRefs) it must wait for and receives their results; its return value is the

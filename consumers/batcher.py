@@ -18,9 +18,9 @@ from typing import Any
 
 import msgspec
 
-from bus.loop import raise_if_failed
-from schemas.config import RunConfig
-from schemas.wire import TrajectoryGroup
+from rlbus.bus.loop import raise_if_failed
+from rlbus.schemas.config import RunConfig
+from rlbus.schemas.wire import TrajectoryGroup
 
 log = logging.getLogger("rlbus.batcher")
 

@@ -21,7 +21,7 @@ from typing import Mapping, Sequence
 import torch
 from tensordict import TensorDict
 
-from schemas.wire import SampleMeta
+from rlbus.schemas.wire import SampleMeta
 
 TRAJECTORY_FIELDS = ("prompt_ids", "response_ids", "response_mask", "rollout_log_probs", "versions")
 

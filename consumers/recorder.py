@@ -43,8 +43,8 @@ from typing import Any, Generic, Iterator, Literal, TypeVar, Union
 
 import msgspec
 
-from schemas.errors import RlbusError
-from schemas.wire import (
+from rlbus.schemas.errors import RlbusError
+from rlbus.schemas.wire import (
     DeadLetter,
     ErrorRaised,
     Event,
@@ -356,8 +356,8 @@ class Recorder:
                                                             opt_start_seq=self._last_seq[stream] + 1))
 
     async def _archive(self, bus: Any, sub: Any, stream: str, typ: Any, kind: str | None) -> None:
-        from schemas.errors import SchemaError
-        from schemas.wire import TypedDecoder
+        from rlbus.schemas.errors import SchemaError
+        from rlbus.schemas.wire import TypedDecoder
 
         decoder = TypedDecoder(typ)
         try:

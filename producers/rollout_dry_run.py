@@ -6,7 +6,7 @@ response mask over its tokens (generated tokens highlighted, environment-inserte
 way to check a new reward, tool or chat template before spending compute on a run.
 
     rlbus rollout configs/quickstart.yaml --num-prompts 2 rollout.n=2
-    .venv/bin/python -m producers.rollout_dry_run configs/quickstart.yaml --num-prompts 2
+    .venv/bin/python -m rlbus.producers.rollout_dry_run configs/quickstart.yaml --num-prompts 2
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from schemas.config import RunConfig, load_config
-from schemas.errors import ConfigError
+from rlbus.schemas.config import RunConfig, load_config
+from rlbus.schemas.errors import ConfigError
 
 _ROLE_STYLE = {"system": "magenta", "user": "cyan", "assistant": "bold green", "tool": "yellow"}
 _GENERATED = "bold black on green3"
@@ -96,12 +96,12 @@ async def run(cfg: RunConfig, *, num_prompts: int, seed: int, console: Console, 
     """Build everything the producer would, roll out `num_prompts` prompts, print them; returns (task, group)s."""
     from transformers import AutoTokenizer
 
-    from producers.agent_loops import make_agent_loop
-    from producers.data import example_to_task, load_dataset
-    from producers.engines import make_engine
-    from producers.model.ensure import ensure_model
-    from producers.rewards import load_reward
-    from producers.tools import load_tools
+    from rlbus.producers.agent_loops import make_agent_loop
+    from rlbus.common.data import example_to_task, load_dataset
+    from rlbus.producers.engines import make_engine
+    from rlbus.common.model.ensure import ensure_model
+    from rlbus.producers.rewards import load_reward
+    from rlbus.producers.tools import load_tools
 
     model_path = ensure_model(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None, *, console: Console | None = None) -> in
     if args.num_prompts < 1:
         print("rlbus rollout: --num-prompts must be >= 1", file=sys.stderr)
         return 2
-    from producers.data import DataError
+    from rlbus.common.data import DataError
 
     console = console or Console()
     try:

@@ -24,9 +24,9 @@ import socket
 import time
 from typing import Any
 
-from bus.loop import raise_if_failed
-from schemas.config import RunConfig
-from schemas.wire import (
+from rlbus.bus.loop import raise_if_failed
+from rlbus.schemas.config import RunConfig
+from rlbus.schemas.wire import (
     ErrorRaised,
     ProducerHeartbeat,
     PromptTask,
@@ -95,14 +95,14 @@ class Producer:
     async def start(self) -> None:
         from transformers import AutoTokenizer
 
-        from bus.client import Bus
-        from bus.ray_cluster import ensure_ray
-        from bus.transfer_queue import TransferQueue, WeightStore
-        from producers.agent_loops import make_agent_loop
-        from producers.engines import make_engine
-        from producers.model.ensure import ensure_model
-        from producers.rewards import load_reward
-        from producers.tools.registry import load_tools
+        from rlbus.bus.client import Bus
+        from rlbus.bus.ray_cluster import ensure_ray
+        from rlbus.bus.transfer_queue import TransferQueue, WeightStore
+        from rlbus.producers.agent_loops import make_agent_loop
+        from rlbus.producers.engines import make_engine
+        from rlbus.common.model.ensure import ensure_model
+        from rlbus.producers.rewards import load_reward
+        from rlbus.producers.tools.registry import load_tools
 
         cfg = self.cfg
         model_path = ensure_model(cfg.model)
@@ -272,7 +272,7 @@ class Producer:
                 self._weights_changed.notify_all()
 
     async def _load(self, published: WeightsPublished) -> None:
-        from bus.transfer_queue import state_dict_checksum
+        from rlbus.bus.transfer_queue import state_dict_checksum
 
         async with self._load_lock:
             if (published.version, published.checksum) == (self.engine.version, self._loaded_checksum):
@@ -318,8 +318,8 @@ async def run_producer(cfg: RunConfig, producer_id: str = "") -> None:
 
 
 def main(cfg: RunConfig, producer_id: str = "") -> int:
-    from bus.loop import run
-    from rlbus.logs import setup_logging
+    from rlbus.bus.loop import run
+    from rlbus.common.logs import setup_logging
 
     setup_logging(cfg.logging.level)
     run(run_producer(cfg, producer_id))

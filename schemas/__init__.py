@@ -1,6 +1,6 @@
 """Wire and config types shared by every role. Imports no torch, no ray, no nats."""
 
-from schemas.errors import (
+from rlbus.schemas.errors import (
     BusError,
     ConfigError,
     PayloadMissing,
@@ -10,8 +10,8 @@ from schemas.errors import (
     TransferQueueFull,
     WeightsMissing,
 )
-from schemas.subjects import Subjects
-from schemas.wire import (
+from rlbus.schemas.subjects import Subjects
+from rlbus.schemas.wire import (
     SCHEMA_VERSION,
     ChatMessage,
     DeadLetter,

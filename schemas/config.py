@@ -18,7 +18,7 @@ from typing import Any, Literal, Union
 import msgspec
 import yaml
 
-from schemas.errors import ConfigError
+from rlbus.schemas.errors import ConfigError
 
 
 def _need(ok: bool, field: str, reason: str) -> None:
@@ -283,7 +283,7 @@ class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
-        from schemas.subjects import check_run_name
+        from rlbus.schemas.subjects import check_run_name
 
         try:
             check_run_name(self.name)

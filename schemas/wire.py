@@ -198,7 +198,7 @@ EVENT_SUBJECT_KIND: dict[type, str] = {
 
 def check_version(msg: Any) -> None:
     """Raise SchemaError if `msg` carries a schema version this reader does not support."""
-    from schemas.errors import SchemaError
+    from rlbus.schemas.errors import SchemaError
 
     v = getattr(msg, "schema_version", SCHEMA_VERSION)
     if v not in SUPPORTED_VERSIONS:
@@ -222,7 +222,7 @@ class TypedDecoder:
         self._dec = msgspec.msgpack.Decoder(typ)
 
     def decode(self, data: bytes) -> Any:
-        from schemas.errors import SchemaError
+        from rlbus.schemas.errors import SchemaError
 
         try:
             msg = self._dec.decode(data)

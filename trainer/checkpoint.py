@@ -28,8 +28,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from schemas.errors import RlbusError
-from trainer.dist import barrier, rank
+from rlbus.schemas.errors import RlbusError
+from rlbus.trainer.dist import barrier, rank
 
 T = TypeVar("T")
 LATEST = "latest"

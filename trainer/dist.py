@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bus.ray_cluster import free_port
+from rlbus.bus.ray_cluster import free_port
 
 Device = Literal["cpu", "cuda"]
 

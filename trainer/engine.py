@@ -31,10 +31,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from schemas.config import AlgorithmConfig, TrainerConfig
-from trainer import algorithms as algo
-from trainer.dist import DistInfo, all_reduce, init_distributed
-from trainer.parallelize import parallelize
+from rlbus.schemas.config import AlgorithmConfig, TrainerConfig
+from rlbus.trainer import algorithms as algo
+from rlbus.trainer.dist import DistInfo, all_reduce, init_distributed
+from rlbus.trainer.parallelize import parallelize
 
 BATCH_KEYS = ("input_ids", "attention_mask", "position_ids", "response_mask", "rollout_log_probs",
               "token_level_rewards", "group_index")  # fmt: skip

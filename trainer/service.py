@@ -29,10 +29,10 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from bus.loop import raise_if_failed
-from schemas.config import RunConfig, to_yaml
-from schemas.errors import PayloadMissing
-from schemas.wire import ErrorRaised, RoleStarted, RoleStopped, SampleMeta, StepCompleted, TrajectoryGroup, \
+from rlbus.bus.loop import raise_if_failed
+from rlbus.schemas.config import RunConfig, to_yaml
+from rlbus.schemas.errors import PayloadMissing
+from rlbus.schemas.wire import ErrorRaised, RoleStarted, RoleStopped, SampleMeta, StepCompleted, TrajectoryGroup, \
     WeightsPublished
 
 log = logging.getLogger("rlbus.trainer")
@@ -83,10 +83,10 @@ class StepWorker:
     def __init__(self, cfg: RunConfig, model_path: str):
         from transformers import AutoTokenizer
 
-        from bus.ray_cluster import ensure_ray
-        from bus.transfer_queue import TransferQueue
-        from trainer.dist import init_distributed
-        from trainer.engine import TrainEngine
+        from rlbus.bus.ray_cluster import ensure_ray
+        from rlbus.bus.transfer_queue import TransferQueue
+        from rlbus.trainer.dist import init_distributed
+        from rlbus.trainer.engine import TrainEngine
 
         info = init_distributed(cfg.trainer.device)
         self.cfg, self.rank, self.world = cfg, info.rank, info.world_size
@@ -97,7 +97,7 @@ class StepWorker:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.engine = TrainEngine(model_path, cfg.trainer, cfg.algorithm, temperature=cfg.rollout.temperature,
                                   dtype=cfg.model.dtype, gradient_checkpointing=cfg.model.gradient_checkpointing)
-        from trainer.checkpoint import load_checkpoint
+        from rlbus.trainer.checkpoint import load_checkpoint
 
         # A collective: every rank restores its shards of model and optimizer from the same checkpoint.
         self.restored = load_checkpoint(self.engine, cfg.run_dir / "checkpoints") or {}
@@ -110,9 +110,9 @@ class StepWorker:
         return box[0]
 
     def execute(self, plan: StepPlan) -> StepResult:
-        from consumers.collate import collate
-        from consumers.recorder import write_shard
-        from trainer.checkpoint import save_checkpoint
+        from rlbus.consumers.collate import collate
+        from rlbus.consumers.recorder import write_shard
+        from rlbus.trainer.checkpoint import save_checkpoint
 
         timings: dict[str, float] = {}
         metrics: dict[str, float] = {}
@@ -159,7 +159,7 @@ class StepWorker:
             self.execute(plan)
 
     def close(self) -> None:
-        from trainer.dist import destroy_distributed
+        from rlbus.trainer.dist import destroy_distributed
 
         destroy_distributed()
 
@@ -188,13 +188,13 @@ class TrainerService:
         self._feeder_task = None
 
     async def start(self) -> None:
-        from bus.client import Bus
-        from bus.transfer_queue import WeightStore
-        from consumers.batcher import Batcher
-        from consumers.recorder import Recorder
-        from producers.data import load_dataset
-        from producers.feeder import Feeder
-        from trainer.metrics import MetricsLog
+        from rlbus.bus.client import Bus
+        from rlbus.bus.transfer_queue import WeightStore
+        from rlbus.consumers.batcher import Batcher
+        from rlbus.consumers.recorder import Recorder
+        from rlbus.common.data import load_dataset
+        from rlbus.trainer.feeder import Feeder
+        from rlbus.trainer.metrics import MetricsLog
 
         cfg = self.cfg
         run_dir = cfg.run_dir
@@ -414,8 +414,8 @@ async def run_controller(cfg: RunConfig, worker: StepWorker) -> None:
 
 def run_rank(cfg: RunConfig, model_path: str) -> int:
     """Entry of one rank (spawned locally, under torchrun, or the only one)."""
-    from bus.loop import run
-    from rlbus.logs import setup_logging
+    from rlbus.bus.loop import run
+    from rlbus.common.logs import setup_logging
 
     setup_logging(cfg.logging.level)
     worker = StepWorker(cfg, model_path)
@@ -434,10 +434,10 @@ def run_rank(cfg: RunConfig, model_path: str) -> int:
 
 
 def main(cfg: RunConfig) -> int:
-    from bus.ray_cluster import ensure_ray
-    from producers.model.ensure import ensure_model
-    from rlbus.logs import setup_logging
-    from trainer.dist import spawn_local
+    from rlbus.bus.ray_cluster import ensure_ray
+    from rlbus.common.model.ensure import ensure_model
+    from rlbus.common.logs import setup_logging
+    from rlbus.trainer.dist import spawn_local
 
     setup_logging(cfg.logging.level)
     model_path = ensure_model(cfg.model)

@@ -1,5 +1,5 @@
 """Agent loops: turn a PromptTask into a group of scored trajectories on a rollout engine."""
 
-from producers.agent_loops.base import AgentLoop, Trajectory, make_agent_loop
+from rlbus.producers.agent_loops.base import AgentLoop, Trajectory, make_agent_loop
 
 __all__ = ["AgentLoop", "Trajectory", "make_agent_loop"]

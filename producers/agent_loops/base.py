@@ -26,12 +26,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Mapping
 
-from producers.data.datasets import prompt_token_ids
-from producers.engines.base import Generation, RolloutEngine, SamplingParams
-from producers.rewards.registry import RewardFn
-from producers.tools.registry import Tool
-from schemas.config import RolloutConfig, RunConfig
-from schemas.wire import ChatMessage, PromptTask, SampleMeta
+from rlbus.common.data.datasets import prompt_token_ids
+from rlbus.producers.engines.base import Generation, RolloutEngine, SamplingParams
+from rlbus.producers.rewards.registry import RewardFn
+from rlbus.producers.tools.registry import Tool
+from rlbus.schemas.config import RolloutConfig, RunConfig
+from rlbus.schemas.wire import ChatMessage, PromptTask, SampleMeta
 
 if TYPE_CHECKING:
     import torch
@@ -210,9 +210,9 @@ def make_agent_loop(cfg: RunConfig, engine: RolloutEngine, tokenizer: Any, tools
                     reward_fn: RewardFn, *, seed: int | None = None) -> AgentLoop:
     """The agent loop `rollout.agent_loop` names."""
     if cfg.rollout.agent_loop == "single_turn":
-        from producers.agent_loops.single_turn import SingleTurnAgentLoop
+        from rlbus.producers.agent_loops.single_turn import SingleTurnAgentLoop
 
         return SingleTurnAgentLoop(cfg.rollout, engine, tokenizer, tools, reward_fn, seed=seed)
-    from producers.agent_loops.tool import ToolAgentLoop
+    from rlbus.producers.agent_loops.tool import ToolAgentLoop
 
     return ToolAgentLoop(cfg.rollout, engine, tokenizer, tools, reward_fn, seed=seed)

@@ -7,8 +7,8 @@
 
 from __future__ import annotations
 
-from producers.agent_loops.base import AgentLoop, Trajectory
-from schemas.wire import PromptTask
+from rlbus.producers.agent_loops.base import AgentLoop, Trajectory
+from rlbus.schemas.wire import PromptTask
 
 
 class SingleTurnAgentLoop(AgentLoop):

@@ -21,9 +21,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from producers.agent_loops.base import AgentLoop, Trajectory
-from schemas.errors import RlbusError
-from schemas.wire import ChatMessage, PromptTask
+from rlbus.producers.agent_loops.base import AgentLoop, Trajectory
+from rlbus.schemas.errors import RlbusError
+from rlbus.schemas.wire import ChatMessage, PromptTask
 
 TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 TOOL_CALL_START = "<tool_call>"

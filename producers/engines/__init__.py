@@ -6,9 +6,9 @@ that exists only on GPU machines.
 
 from __future__ import annotations
 
-from producers.engines.base import Generation, RolloutEngine, SamplingParams
-from schemas.config import HFEngineConfig, RunConfig, SimulatedEngineConfig, VLLMEngineConfig
-from schemas.errors import ConfigError
+from rlbus.producers.engines.base import Generation, RolloutEngine, SamplingParams
+from rlbus.schemas.config import HFEngineConfig, RunConfig, SimulatedEngineConfig, VLLMEngineConfig
+from rlbus.schemas.errors import ConfigError
 
 __all__ = ["Generation", "RolloutEngine", "SamplingParams", "make_engine"]
 
@@ -17,16 +17,16 @@ def make_engine(cfg: RunConfig, *, model_path: str | None = None, version: int =
     """The engine `cfg.rollout.engine` asks for, loaded from `model_path` (default `cfg.model.path`)."""
     engine_cfg = cfg.rollout.engine
     if isinstance(engine_cfg, SimulatedEngineConfig):
-        from producers.engines.simulated import SimulatedEngine
+        from rlbus.producers.engines.simulated import SimulatedEngine
 
         return SimulatedEngine(engine_cfg, version=version)
     path = model_path or cfg.model.path
     if isinstance(engine_cfg, HFEngineConfig):
-        from producers.engines.hf import HFEngine
+        from rlbus.producers.engines.hf import HFEngine
 
         return HFEngine(path, engine_cfg, version=version)
     if isinstance(engine_cfg, VLLMEngineConfig):
-        from producers.engines.vllm import VLLMEngine
+        from rlbus.producers.engines.vllm import VLLMEngine
 
         return VLLMEngine(path, engine_cfg, version=version, trust_remote_code=cfg.model.trust_remote_code)
     raise ConfigError("rollout.engine.type", f"unknown engine {type(engine_cfg).__name__}")

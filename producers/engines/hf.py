@@ -25,9 +25,9 @@ from typing import Mapping
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from producers.engines.base import Generation, RolloutEngine, SamplingParams
-from schemas.config import HFEngineConfig
-from schemas.errors import WeightLoadError
+from rlbus.producers.engines.base import Generation, RolloutEngine, SamplingParams
+from rlbus.schemas.config import HFEngineConfig
+from rlbus.schemas.errors import WeightLoadError
 
 
 def _cache_kwarg(model: PreTrainedModel) -> str:

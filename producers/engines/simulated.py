@@ -15,8 +15,8 @@ import asyncio
 import random
 from typing import TYPE_CHECKING, Mapping
 
-from producers.engines.base import Generation, RolloutEngine, SamplingParams
-from schemas.config import SimulatedEngineConfig
+from rlbus.producers.engines.base import Generation, RolloutEngine, SamplingParams
+from rlbus.schemas.config import SimulatedEngineConfig
 
 if TYPE_CHECKING:
     import torch

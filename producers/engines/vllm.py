@@ -29,9 +29,9 @@ import threading
 from pathlib import Path
 from typing import Any, Mapping
 
-from producers.engines.base import Generation, RolloutEngine, SamplingParams
-from schemas.config import VLLMEngineConfig
-from schemas.errors import ConfigError
+from rlbus.producers.engines.base import Generation, RolloutEngine, SamplingParams
+from rlbus.schemas.config import VLLMEngineConfig
+from rlbus.schemas.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ import inspect
 import math
 from typing import Any, Callable, Protocol
 
-from producers.rewards.math import compute_score
-from schemas.config import RolloutConfig
-from schemas.errors import RlbusError
-from schemas.wire import PromptTask
+from rlbus.producers.rewards.math import compute_score
+from rlbus.schemas.config import RolloutConfig
+from rlbus.schemas.errors import RlbusError
+from rlbus.schemas.wire import PromptTask
 
 
 class RewardFn(Protocol):
@@ -38,11 +38,11 @@ def _resolve(cfg: RolloutConfig) -> Callable[..., Any]:
     if cfg.reward == "math":
         return _math_reward(cfg.format_reward)
     # Imported here: producers.tools.registry owns the one import-path resolver and its error messages.
-    from producers.tools.registry import import_object
+    from rlbus.producers.tools.registry import import_object
 
     fn = import_object(cfg.reward, "rollout.reward")
     if not callable(fn):
-        from schemas.errors import ConfigError
+        from rlbus.schemas.errors import ConfigError
 
         raise ConfigError("rollout.reward", f"{cfg.reward!r} is not callable")
     return fn

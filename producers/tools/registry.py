@@ -13,8 +13,8 @@ import importlib
 import inspect
 from typing import Any, Callable, Protocol, runtime_checkable
 
-from producers.tools.calculator import CALCULATOR
-from schemas.errors import ConfigError
+from rlbus.producers.tools.calculator import CALCULATOR
+from rlbus.schemas.errors import ConfigError
 
 
 @runtime_checkable

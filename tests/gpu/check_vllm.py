@@ -62,12 +62,12 @@ async def run_checks(model_dir: Path, dtype: str) -> list[str]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from producers.engines.base import SamplingParams
-    from producers.engines.vllm import VLLMEngine
-    from producers.model.demos import prompt_messages
-    from producers.model.tiny import tiny_model
-    from producers.model.tokenizer import encode_chat
-    from schemas.config import VLLMEngineConfig
+    from rlbus.producers.engines.base import SamplingParams
+    from rlbus.producers.engines.vllm import VLLMEngine
+    from rlbus.common.model.demos import prompt_messages
+    from rlbus.common.model.tiny import tiny_model
+    from rlbus.common.model.tokenizer import encode_chat
+    from rlbus.schemas.config import VLLMEngineConfig
 
     failures: list[str] = []
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"SKIP: {reason}")
         return 0
-    from producers.model.init_model import init_model
+    from rlbus.common.model.init_model import init_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(args.keep) if args.keep else Path(tmp) / "tiny"

@@ -12,9 +12,9 @@ from contextlib import aclosing
 import msgspec
 from nats.js.api import AckPolicy, RetentionPolicy, StorageType
 
-from bus.client import Bus
-from schemas.config import BusConfig
-from schemas.wire import (
+from rlbus.bus.client import Bus
+from rlbus.schemas.config import BusConfig
+from rlbus.schemas.wire import (
     ChatMessage,
     DeadLetter,
     PromptTask,
@@ -252,7 +252,7 @@ async def test_a_task_never_acked_within_max_deliver_is_dead_lettered_and_leaves
 
 
 async def test_snapshot_reads_what_is_there_and_stops(bus_config: BusConfig, run_name: str) -> None:
-    from schemas.wire import ProducerHeartbeat
+    from rlbus.schemas.wire import ProducerHeartbeat
 
     async with await _bus(bus_config, run_name) as bus:
         s = bus.subjects

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from bus.client import Bus
-from bus.server import EmbeddedServer, load_creds
-from schemas.config import BusConfig
-from schemas.errors import BusError
-from schemas.wire import TrajectoryGroup
+from rlbus.bus.client import Bus
+from rlbus.bus.server import EmbeddedServer, load_creds
+from rlbus.schemas.config import BusConfig
+from rlbus.schemas.errors import BusError
+from rlbus.schemas.wire import TrajectoryGroup
 from tests.support.nats_server import unique_run_name
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from consumers.recorder import Recorder, read_entries, read_steps
-from schemas.config import BusConfig
-from schemas.wire import DeadLetter, ProducerHeartbeat, PromptTask, RoleStarted, SampleMeta, StepCompleted, \
+from rlbus.consumers.recorder import Recorder, read_entries, read_steps
+from rlbus.schemas.config import BusConfig
+from rlbus.schemas.wire import DeadLetter, ProducerHeartbeat, PromptTask, RoleStarted, SampleMeta, StepCompleted, \
     TrajectoryGroup, WeightsPublished
 from tests.integration.test_replay import GROUP_SIZE, NUM_STEPS, record_run
 
@@ -35,7 +35,7 @@ def _group(i: int, producer: str = "p0") -> TrajectoryGroup:
 
 async def test_recorder_archives_the_bus_and_resumes_after_restart(bus_config: BusConfig, run_name: str,
                                                                    tmp_path: Path) -> None:
-    from bus.client import Bus
+    from rlbus.bus.client import Bus
 
     async with await Bus.connect(bus_config, run_name, name="test") as bus:
         await bus.ensure_streams()
@@ -106,7 +106,7 @@ def _json_lines(text: str) -> list[dict]:
 
 
 def test_events_lists_and_filters(recorded: dict[str, Any], capsys) -> None:
-    from rlbus.events import main
+    from rlbus.cli.events import main
 
     run = str(recorded["run_dir"])
     assert main([run, "--kind", "steps", "--json"]) == 0
@@ -128,7 +128,7 @@ def test_events_lists_and_filters(recorded: dict[str, Any], capsys) -> None:
 
 
 def test_events_decodes_a_group(recorded: dict[str, Any], capsys) -> None:
-    from rlbus.events import main
+    from rlbus.cli.events import main
 
     run = str(recorded["run_dir"])
     assert main([run, "--group", "e0-i21-a0", "--decode", "--json"]) == 0
@@ -146,7 +146,7 @@ def test_events_decodes_a_group(recorded: dict[str, Any], capsys) -> None:
 def test_events_exports_parquet(recorded: dict[str, Any], tmp_path: Path) -> None:
     import pyarrow.parquet as pq
 
-    from rlbus.events import main
+    from rlbus.cli.events import main
 
     out = tmp_path / "trajectories.parquet"
     assert main([str(recorded["run_dir"]), "--export", str(out)]) == 0
@@ -167,8 +167,8 @@ async def test_events_follow_tails_a_live_run(bus_config: BusConfig, run_name: s
     import yaml
     from rich.console import Console
 
-    from bus.client import Bus
-    from rlbus.events import Filters, follow
+    from rlbus.bus.client import Bus
+    from rlbus.cli.events import Filters, follow
 
     (tmp_path / "launch.yaml").write_text(yaml.safe_dump({
         "name": run_name, "model": {"path": "unused"},

@@ -14,7 +14,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from schemas.config import AlgorithmConfig, TrainerConfig
+from rlbus.schemas.config import AlgorithmConfig, TrainerConfig
 
 VOCAB = 64
 
@@ -80,8 +80,8 @@ def rank_share(batch: TensorDict, rank: int, world: int) -> TensorDict:
 
 
 def _train_worker(model_dir: str, trainer_cfg: TrainerConfig, algo_cfg: AlgorithmConfig, steps: int) -> dict:
-    from trainer.dist import destroy_distributed, init_distributed
-    from trainer.engine import TrainEngine
+    from rlbus.trainer.dist import destroy_distributed, init_distributed
+    from rlbus.trainer.engine import TrainEngine
 
     torch.set_num_threads(1)
     info = init_distributed("cpu")
@@ -96,8 +96,8 @@ def reference_step(model_dir: str, trainer_cfg: TrainerConfig, algo_cfg: Algorit
     """The same step as a plain single-process PyTorch loop: one forward of the whole batch, no FSDP."""
     from transformers import AutoModelForCausalLM
 
-    from trainer import algorithms as A
-    from trainer.engine import token_log_probs
+    from rlbus.trainer import algorithms as A
+    from rlbus.trainer.engine import token_log_probs
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     opt = torch.optim.AdamW(model.parameters(), lr=trainer_cfg.lr, betas=trainer_cfg.betas,
@@ -137,7 +137,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_two_ranks_equal_one_process(tiny_model: Path, agg_mode: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    from trainer.dist import spawn_local
+    from rlbus.trainer.dist import spawn_local
 
     torch.set_num_threads(1)
     # Adam's first update is ~lr * sign(g), blind to the gradient's scale and noisy where g ~ 0. Clipping the
@@ -162,9 +162,9 @@ def test_two_ranks_equal_one_process(tiny_model: Path, agg_mode: str) -> None:
 
 
 def _ckpt_worker(model_dir: str, root: str) -> dict:
-    from trainer.checkpoint import load_checkpoint, save_checkpoint
-    from trainer.dist import destroy_distributed, init_distributed
-    from trainer.engine import TrainEngine
+    from rlbus.trainer.checkpoint import load_checkpoint, save_checkpoint
+    from rlbus.trainer.dist import destroy_distributed, init_distributed
+    from rlbus.trainer.engine import TrainEngine
 
     torch.set_num_threads(1)
     info = init_distributed("cpu")
@@ -195,8 +195,8 @@ def _ckpt_worker(model_dir: str, root: str) -> dict:
 def test_checkpoint_round_trip_and_hf_export(tiny_model: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainer.checkpoint import export_hf, latest_checkpoint, list_checkpoints
-    from trainer.dist import spawn_local
+    from rlbus.trainer.checkpoint import export_hf, latest_checkpoint, list_checkpoints
+    from rlbus.trainer.dist import spawn_local
 
     torch.set_num_threads(1)
     root = tmp_path / "ckpt"
@@ -229,8 +229,8 @@ def test_checkpoint_round_trip_and_hf_export(tiny_model: Path, tmp_path: Path) -
 
 
 def _options_worker(model_dir: str, algo_cfg: AlgorithmConfig) -> list[dict[str, float]]:
-    from trainer.dist import destroy_distributed, init_distributed
-    from trainer.engine import TrainEngine
+    from rlbus.trainer.dist import destroy_distributed, init_distributed
+    from rlbus.trainer.engine import TrainEngine
 
     torch.set_num_threads(1)
     init_distributed("cpu")
@@ -244,7 +244,7 @@ def _options_worker(model_dir: str, algo_cfg: AlgorithmConfig) -> list[dict[str,
 
 @pytest.mark.parametrize("use_kl_loss", [True, False])
 def test_reference_kl_entropy_bonus_and_mini_batches(tiny_model: Path, use_kl_loss: bool) -> None:
-    from trainer.dist import spawn_local
+    from rlbus.trainer.dist import spawn_local
 
     algo_cfg = AlgorithmConfig(kl_coef=0.1, kl_type="k3", use_kl_loss=use_kl_loss, entropy_coeff=0.01,
                                off_policy="bypass", loss_agg_mode="seq-mean-token-sum-norm")  # fmt: skip
@@ -264,8 +264,8 @@ def test_reference_kl_entropy_bonus_and_mini_batches(tiny_model: Path, use_kl_lo
 
 
 def _pg_loss_worker(model_dir: str, algo_cfg: AlgorithmConfig) -> float:
-    from trainer.dist import destroy_distributed, init_distributed
-    from trainer.engine import TrainEngine
+    from rlbus.trainer.dist import destroy_distributed, init_distributed
+    from rlbus.trainer.engine import TrainEngine
 
     torch.set_num_threads(1)
     init_distributed("cpu")
@@ -276,7 +276,7 @@ def _pg_loss_worker(model_dir: str, algo_cfg: AlgorithmConfig) -> float:
 
 
 def test_seq_mean_token_sum_norm_takes_a_constant_scale(tiny_model: Path) -> None:
-    from trainer.dist import spawn_local
+    from rlbus.trainer.dist import spawn_local
 
     longest = float(make_batch(seed=3)["response_mask"].sum(dim=-1).max())
     cfg = AlgorithmConfig(off_policy="bypass", loss_agg_mode="seq-mean-token-sum-norm")
@@ -288,7 +288,7 @@ def test_seq_mean_token_sum_norm_takes_a_constant_scale(tiny_model: Path) -> Non
 
 
 def test_load_from_an_empty_root_is_a_fresh_start(tmp_path: Path) -> None:
-    from trainer.checkpoint import CheckpointError, load_checkpoint
+    from rlbus.trainer.checkpoint import CheckpointError, load_checkpoint
 
     assert load_checkpoint(object(), tmp_path / "nothing-here") is None
     (tmp_path / "step_00000001").mkdir()

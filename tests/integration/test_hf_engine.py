@@ -17,15 +17,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from producers.engines import make_engine
-from producers.engines.base import SamplingParams
-from producers.engines.hf import HFEngine
-from producers.model.demos import prompt_messages
-from producers.model.init_model import init_model
-from producers.model.tiny import TinyModelSpec, tiny_model
-from producers.model.tokenizer import encode_chat
-from schemas.config import HFEngineConfig, from_dict
-from schemas.errors import WeightLoadError
+from rlbus.producers.engines import make_engine
+from rlbus.producers.engines.base import SamplingParams
+from rlbus.producers.engines.hf import HFEngine
+from rlbus.common.model.demos import prompt_messages
+from rlbus.common.model.init_model import init_model
+from rlbus.common.model.tiny import TinyModelSpec, tiny_model
+from rlbus.common.model.tokenizer import encode_chat
+from rlbus.schemas.config import HFEngineConfig, from_dict
+from rlbus.schemas.errors import WeightLoadError
 
 #: Wider and deeper than the quickstart's model: at random init the quickstart's tied-embedding 2-layer model greedily
 #: repeats the prompt's last token whatever its seed, and generates too fast to time the event loop against.

@@ -1,6 +1,6 @@
 """`rlbus init-model` writes a standard Hugging Face directory that AutoModelForCausalLM / AutoTokenizer load, and
 a few warm-start steps already lower the demonstration loss. (The full warm start and its tool-use evaluation are
-measured by `python -m producers.model.init_model DIR --eval`, not here: too slow for a test.)
+measured by `python -m rlbus.common.model.init_model DIR --eval`, not here: too slow for a test.)
 
     .venv/bin/python -m pytest -q tests/integration/test_init_model.py
 """
@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from producers.model.demos import demonstration
-from producers.model.init_model import init_model, main
-from producers.model.tokenizer import IM_END, encode_chat
-from producers.model.warm_start import WarmStartConfig, demo_batch, encode_demonstration, warm_start
+from rlbus.common.model.demos import demonstration
+from rlbus.common.model.init_model import init_model, main
+from rlbus.common.model.tokenizer import IM_END, encode_chat
+from rlbus.common.model.warm_start import WarmStartConfig, demo_batch, encode_demonstration, warm_start
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -63,7 +63,7 @@ def test_cli_refuses_to_overwrite_without_force(tmp_path, capsys):
 
 
 def test_loss_mask_covers_exactly_the_assistant_output():
-    from producers.model.tokenizer import build_tokenizer
+    from rlbus.common.model.tokenizer import build_tokenizer
 
     tok = build_tokenizer()
     conv = demonstration("What is 17*23?", "391", use_tool=True)
@@ -75,8 +75,8 @@ def test_loss_mask_covers_exactly_the_assistant_output():
 
 
 def test_a_few_warm_start_steps_lower_the_loss():
-    from producers.model.tiny import tiny_model
-    from producers.model.tokenizer import build_tokenizer
+    from rlbus.common.model.tiny import tiny_model
+    from rlbus.common.model.tokenizer import build_tokenizer
 
     tok = build_tokenizer()
     model = tiny_model(tok, seed=0)

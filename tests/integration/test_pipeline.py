@@ -17,10 +17,10 @@ import time
 import msgspec
 import pytest
 
-from bus.client import Bus
-from rlbus.status import gather_status
-from schemas.config import BusConfig, load_config
-from schemas.wire import ProducerHeartbeat, StepCompleted, TrajectoryGroup
+from rlbus.bus.client import Bus
+from rlbus.cli.status import gather_status
+from rlbus.schemas.config import BusConfig, load_config
+from rlbus.schemas.wire import ProducerHeartbeat, StepCompleted, TrajectoryGroup
 from tests.support.runs import (
     log_tail,
     small_run_config,
@@ -29,7 +29,7 @@ from tests.support.runs import (
     wait_for_steps,
     write_config,
 )
-from trainer.metrics import read_metrics
+from rlbus.trainer.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ async def _counts(bus_cfg: BusConfig, run: str) -> dict[str, int]:
 
 
 async def _drain_dead(bus: Bus) -> list:
-    from schemas.wire import DeadLetter
+    from rlbus.schemas.wire import DeadLetter
 
     return await bus.snapshot(bus.subjects.dead_letter, DeadLetter, deliver="all")
 

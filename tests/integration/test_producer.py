@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import msgspec
 
-from bus.client import Bus
-from bus.transfer_queue import TransferQueue
-from producers.service import Producer
-from schemas.config import from_dict
-from schemas.wire import ChatMessage, PromptTask, TrajectoryGroup
+from rlbus.bus.client import Bus
+from rlbus.bus.transfer_queue import TransferQueue
+from rlbus.producers.service import Producer
+from rlbus.schemas.config import from_dict
+from rlbus.schemas.wire import ChatMessage, PromptTask, TrajectoryGroup
 
 
 class DiesBeforeAck:

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from schemas.config import RunConfig, from_dict, to_yaml
-from schemas.wire import SampleMeta, TrajectoryGroup
+from rlbus.schemas.config import RunConfig, from_dict, to_yaml
+from rlbus.schemas.wire import SampleMeta, TrajectoryGroup
 from tests.integration.test_fsdp import VOCAB, build_tiny_qwen2
 
 NUM_STEPS = 4
@@ -64,12 +64,12 @@ def run_config(run_dir: Path, model_dir: Path, mode: str = "full") -> RunConfig:
 
 def record_run(root: Path, mode: str = "full") -> dict[str, Any]:
     """Train NUM_STEPS steps the way StepWorker / TrainerService do, with the recorder on; checkpoint at step 2."""
-    from consumers.collate import collate
-    from consumers.recorder import Recorder, write_shard
-    from trainer.checkpoint import save_checkpoint
-    from trainer.engine import TrainEngine
-    from trainer.metrics import MetricsLog
-    from trainer.service import plan_shards
+    from rlbus.consumers.collate import collate
+    from rlbus.consumers.recorder import Recorder, write_shard
+    from rlbus.trainer.checkpoint import save_checkpoint
+    from rlbus.trainer.engine import TrainEngine
+    from rlbus.trainer.metrics import MetricsLog
+    from rlbus.trainer.service import plan_shards
 
     torch.set_num_threads(1)
     model_dir = build_tiny_qwen2(root / "model")
@@ -106,7 +106,7 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def test_replay_reproduces_steps_bit_for_bit(recorded: dict[str, Any]) -> None:
-    from consumers.replay import replay
+    from rlbus.trainer.replay import replay
 
     result, engine = replay(recorded["run_dir"], from_step=3, num_steps=2)
     assert result.from_checkpoint == 2 and result.steps == [3, 4]
@@ -124,7 +124,7 @@ def test_replay_reproduces_steps_bit_for_bit(recorded: dict[str, Any]) -> None:
 
 
 def test_replay_from_the_base_model_when_no_checkpoint_precedes(recorded: dict[str, Any]) -> None:
-    from consumers.replay import replay
+    from rlbus.trainer.replay import replay
 
     result, _ = replay(recorded["run_dir"], from_step=1, num_steps=1)
     assert result.from_checkpoint == 0
@@ -133,7 +133,7 @@ def test_replay_from_the_base_model_when_no_checkpoint_precedes(recorded: dict[s
 
 
 def test_what_if_replay_reports_differences(recorded: dict[str, Any], tmp_path: Path, capsys) -> None:
-    from consumers.replay import main
+    from rlbus.trainer.replay import main
 
     out = tmp_path / "diff.json"
     code = main([str(recorded["run_dir"]), "--from-step", "3", "--steps", "2", "--json", str(out),
@@ -150,8 +150,8 @@ def test_what_if_replay_reports_differences(recorded: dict[str, Any], tmp_path: 
 
 
 def test_replay_refuses_steps_it_cannot_reproduce(recorded: dict[str, Any], tmp_path: Path) -> None:
-    from consumers.recorder import RecordError
-    from consumers.replay import replay
+    from rlbus.consumers.recorder import RecordError
+    from rlbus.trainer.replay import replay
 
     with pytest.raises(RecordError, match=r"steps \[5\] have no step record"):
         replay(recorded["run_dir"], from_step=4, num_steps=2)
@@ -164,11 +164,11 @@ def test_replay_refuses_steps_it_cannot_reproduce(recorded: dict[str, Any], tmp_
 @pytest.mark.slow
 def test_real_run_is_archived_and_replays_bit_for_bit(tmp_path: Path, bus_config, ray_address, tiny_model_dir,
                                                       run_name, role_processes, capsys) -> None:
-    from consumers.recorder import read_entries, read_steps
-    from consumers.replay import replay
-    from rlbus.events import main as events_main
+    from rlbus.consumers.recorder import read_entries, read_steps
+    from rlbus.trainer.replay import replay
+    from rlbus.cli.events import main as events_main
     from tests.support.runs import small_run_config, start_role, stop, wait_exit, write_config
-    from trainer.metrics import read_metrics
+    from rlbus.trainer.metrics import read_metrics
 
     torch.set_num_threads(1)  # as the trainer ran (OMP_NUM_THREADS=1): CPU GEMMs reduce in a thread-count order
     run_dir = tmp_path / "run"

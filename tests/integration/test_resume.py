@@ -12,11 +12,11 @@ import sys
 
 import pytest
 
-from bus.client import Bus
-from schemas.wire import StepCompleted
+from rlbus.bus.client import Bus
+from rlbus.schemas.wire import StepCompleted
 from tests.support.runs import ROOT, small_run_config, start_role, stop, wait_exit, wait_for_steps, write_config
-from trainer.checkpoint import checkpoint_name, latest_checkpoint
-from trainer.metrics import read_metrics
+from rlbus.trainer.checkpoint import checkpoint_name, latest_checkpoint
+from rlbus.trainer.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 

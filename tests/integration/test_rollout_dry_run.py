@@ -17,15 +17,15 @@ import pytest
 import torch
 from rich.console import Console
 
-from producers.rollout_dry_run import main, run
-from schemas.config import load_config
+from rlbus.producers.rollout_dry_run import main, run
+from rlbus.schemas.config import load_config
 
 QUICKSTART = str(Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml")
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    from producers.model.init_model import init_model
+    from rlbus.common.model.init_model import init_model
 
     torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("models") / "tiny-calculator"
@@ -38,7 +38,7 @@ def _overrides(model_dir: str) -> list[str]:
 
 
 def test_rollout_prints_trajectories_with_rewards(model_dir: str, capsys) -> None:
-    from rlbus.cli import main as rlbus_main
+    from rlbus.cli.main import main as rlbus_main
 
     # Through the `rlbus` entry point, flags after the overrides as a user would type them.
     rc = rlbus_main(["rollout", QUICKSTART, *_overrides(model_dir), "--num-prompts", "2", "--seed", "1"])

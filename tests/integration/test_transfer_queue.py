@@ -13,8 +13,8 @@ import textwrap
 import pytest
 import torch
 
-from bus.transfer_queue import TransferQueue, WeightStore, shard_of, state_dict_checksum
-from schemas.errors import PayloadMissing, TransferQueueFull, WeightsMissing
+from rlbus.bus.transfer_queue import TransferQueue, WeightStore, shard_of, state_dict_checksum
+from rlbus.schemas.errors import PayloadMissing, TransferQueueFull, WeightsMissing
 
 torch.set_num_threads(1)
 
@@ -68,8 +68,8 @@ async def test_reput_replaces_and_counts_once(ray_config, run_name):
 _PRODUCER = textwrap.dedent(
     """
     import os, sys, time, torch
-    from schemas.config import RayConfig
-    from bus.transfer_queue import TransferQueue, WeightStore
+    from rlbus.schemas.config import RayConfig
+    from rlbus.bus.transfer_queue import TransferQueue, WeightStore
     address, namespace, run, mode = sys.argv[1:5]
     cfg = RayConfig(address=address, namespace=namespace, num_storage_actors=2,
                     capacity_items=16, capacity_bytes=128 * 1024, weight_versions_kept=2)

@@ -14,8 +14,8 @@ from typing import Iterator
 
 import pytest
 
-from bus.server import EmbeddedServer
-from schemas.config import BusConfig
+from rlbus.bus.server import EmbeddedServer
+from rlbus.schemas.config import BusConfig
 
 
 @pytest.fixture(scope="module")

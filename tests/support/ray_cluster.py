@@ -15,12 +15,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from schemas.config import RayConfig
+from rlbus.schemas.config import RayConfig
 
 
 @pytest.fixture(scope="session")
 def ray_head():
-    from bus.ray_cluster import start_ray_head, stop_ray_head
+    from rlbus.bus.ray_cluster import start_ray_head, stop_ray_head
 
     head = start_ray_head(num_cpus=2, object_store_memory=1024**3)
     try:
@@ -35,7 +35,7 @@ def ray_head():
 @pytest.fixture(scope="session")
 def ray_address(ray_head) -> Iterator[str]:
     """GCS address of the session's Ray; Ray is initialised in the test process against it."""
-    from bus.ray_cluster import ensure_ray
+    from rlbus.bus.ray_cluster import ensure_ray
 
     os.environ.update(ray_head.env)
     ensure_ray(RayConfig(address=ray_head.address, namespace="rlbus-tests"))
@@ -64,7 +64,7 @@ def ray_config(ray_address) -> RayConfig:
 @pytest.fixture
 def run_name(ray_config) -> Iterator[str]:
     """A run name unique to the test; its named actors are killed afterwards."""
-    from bus.transfer_queue import teardown
+    from rlbus.bus.transfer_queue import teardown
 
     name = f"t-{uuid.uuid4().hex[:10]}"
     yield name

@@ -20,15 +20,15 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from trainer.metrics import read_metrics
+from rlbus.trainer.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from producers.model.init_model import init_model
-    from producers.model.tiny import TinyModelSpec
+    from rlbus.common.model.init_model import init_model
+    from rlbus.common.model.tiny import TinyModelSpec
 
     out = tmp_path_factory.mktemp("models") / "tiny"
     # Wider and deeper than the quickstart's model, so that generation, not the trainer, bounds a test run's

@@ -12,15 +12,15 @@ from typing import Mapping
 
 import pytest
 
-from producers.agent_loops import Trajectory, make_agent_loop
-from producers.agent_loops.tool import parse_tool_calls
-from producers.engines.base import Generation, RolloutEngine, SamplingParams
-from producers.model.demos import QUICKSTART_SYSTEM_PROMPT, answer_text, tool_call_text
-from producers.model.tokenizer import build_tokenizer
-from producers.rewards import load_reward
-from producers.tools import load_tools
-from schemas.config import ModelConfig, RolloutConfig, RunConfig
-from schemas.wire import ChatMessage, PromptTask
+from rlbus.producers.agent_loops import Trajectory, make_agent_loop
+from rlbus.producers.agent_loops.tool import parse_tool_calls
+from rlbus.producers.engines.base import Generation, RolloutEngine, SamplingParams
+from rlbus.common.model.demos import QUICKSTART_SYSTEM_PROMPT, answer_text, tool_call_text
+from rlbus.common.model.tokenizer import build_tokenizer
+from rlbus.producers.rewards import load_reward
+from rlbus.producers.tools import load_tools
+from rlbus.schemas.config import ModelConfig, RolloutConfig, RunConfig
+from rlbus.schemas.wire import ChatMessage, PromptTask
 
 LOGP = -0.5  # every scripted token's log-prob: non-zero, so a 0.0 can only come from the mask
 
@@ -303,7 +303,7 @@ async def test_single_turn_loop_generates_once(tok) -> None:
 
 
 def test_bad_tool_path_is_a_config_error() -> None:
-    from schemas.errors import ConfigError
+    from rlbus.schemas.errors import ConfigError
 
     with pytest.raises(ConfigError, match="rollout.tools.*cannot import module 'no_such_pkg.tools'"):
         load_tools(["calculator", "no_such_pkg.tools:SEARCH"])

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from trainer import algorithms as A
+from rlbus.trainer import algorithms as A
 
 torch.set_num_threads(1)
 

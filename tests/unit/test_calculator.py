@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from producers.tools.calculator import CALCULATOR, MAX_EXPRESSION_CHARS, evaluate
+from rlbus.producers.tools.calculator import CALCULATOR, MAX_EXPRESSION_CHARS, evaluate
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from schemas.config import RunConfig, load_config, to_yaml
-from schemas.errors import ConfigError
+from rlbus.schemas.config import RunConfig, load_config, to_yaml
+from rlbus.schemas.errors import ConfigError
 
 
 def write(tmp_path: Path, text: str) -> Path:

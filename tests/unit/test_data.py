@@ -9,10 +9,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from producers.data import DataError, example_to_task, load_dataset
-from producers.model.demos import QUICKSTART_SYSTEM_PROMPT
-from schemas.config import DataConfig
-from schemas.wire import ChatMessage, PromptTask, TypedDecoder, encode
+from rlbus.common.data import DataError, example_to_task, load_dataset
+from rlbus.common.model.demos import QUICKSTART_SYSTEM_PROMPT
+from rlbus.schemas.config import DataConfig
+from rlbus.schemas.wire import ChatMessage, PromptTask, TypedDecoder, encode
 
 
 def _write_jsonl(path: Path, rows: list) -> Path:
@@ -82,7 +82,7 @@ def test_example_to_task_round_trips_on_the_wire() -> None:
 
 
 def test_long_prompts_are_skipped_with_a_tokenizer(tmp_path: Path) -> None:
-    from producers.model.tokenizer import build_tokenizer
+    from rlbus.common.model.tokenizer import build_tokenizer
 
     tok = build_tokenizer(["What is 2+2? <answer>4</answer>"] * 4)
     path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "short", "a": 1}, {"prompt": "long " * 200, "a": 2}])

@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from rlbus.cli import PASSTHROUGH, build_parser
-from rlbus.config_doc import reference_markdown
+from rlbus.cli.main import PASSTHROUGH, build_parser
+from rlbus.cli.config_doc import reference_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()

@@ -7,11 +7,11 @@ import textwrap
 
 import pytest
 
-from producers.rewards import RewardError, compute_score, extract_answer, load_reward
-from producers.rewards.math import parse_number
-from schemas.config import RolloutConfig
-from schemas.errors import ConfigError
-from schemas.wire import ChatMessage, PromptTask
+from rlbus.producers.rewards import RewardError, compute_score, extract_answer, load_reward
+from rlbus.producers.rewards.math import parse_number
+from rlbus.schemas.config import RolloutConfig
+from rlbus.schemas.errors import ConfigError
+from rlbus.schemas.wire import ChatMessage, PromptTask
 
 TASK = PromptTask(task_id="t0", prompt=[ChatMessage(role="user", content="What is 17*23?")], ground_truth="391")
 

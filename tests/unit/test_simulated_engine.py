@@ -10,10 +10,10 @@ import random
 import statistics
 import time
 
-from producers.engines import make_engine
-from producers.engines.base import SamplingParams
-from producers.engines.simulated import SimulatedEngine
-from schemas.config import SimulatedEngineConfig, from_dict
+from rlbus.producers.engines import make_engine
+from rlbus.producers.engines.base import SamplingParams
+from rlbus.producers.engines.simulated import SimulatedEngine
+from rlbus.schemas.config import SimulatedEngineConfig, from_dict
 
 
 def test_lengths_are_long_tailed_around_the_median_and_capped():

@@ -8,8 +8,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from schemas.errors import SchemaError
-from schemas.wire import (
+from rlbus.schemas.errors import SchemaError
+from rlbus.schemas.wire import (
     EVENT_SUBJECT_KIND,
     ChatMessage,
     DeadLetter,

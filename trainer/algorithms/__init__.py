@@ -3,21 +3,21 @@
 No model, no process group here; `trainer/engine.py` composes these. Tests: `pytest tests/unit/test_algorithms.py`.
 """
 
-from trainer.algorithms.advantages import (
+from rlbus.trainer.algorithms.advantages import (
     compute_advantages,
     grpo_advantages,
     rloo_advantages,
     sequence_scores,
 )
-from trainer.algorithms.kl import apply_kl_reward_penalty, entropy_from_logits, kl_estimate
-from trainer.algorithms.off_policy import (
+from rlbus.trainer.algorithms.kl import apply_kl_reward_penalty, entropy_from_logits, kl_estimate
+from rlbus.trainer.algorithms.off_policy import (
     ImportanceWeights,
     importance_weights_for,
     needs_proximal,
     old_log_probs_for,
     truncated_importance_weights,
 )
-from trainer.algorithms.policy_loss import (
+from rlbus.trainer.algorithms.policy_loss import (
     LOSS_AGG_MODES,
     LossNormaliser,
     PolicyLossOutput,

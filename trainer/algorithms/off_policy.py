@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 
-from trainer.algorithms.policy_loss import masked_mean
+from rlbus.trainer.algorithms.policy_loss import masked_mean
 
 OffPolicyMode = Literal["decoupled", "bypass", "none"]
 

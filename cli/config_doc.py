@@ -12,7 +12,7 @@ import re
 
 import msgspec
 
-from schemas import config as C
+from rlbus.schemas import config as C
 
 _FIELD = re.compile(r"^    (\w+): [^=]+?(?: = (.+?))?\s*(?:#\s*(.*))?$")
 

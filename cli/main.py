@@ -11,76 +11,76 @@ import sys
 
 
 def _load(args: argparse.Namespace):
-    from schemas.config import load_config
+    from rlbus.schemas.config import load_config
 
     return load_config(args.config, args.overrides)
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    from schemas.config import to_yaml
+    from rlbus.schemas.config import to_yaml
 
     print(to_yaml(_load(args)), end="")
     return 0
 
 
 def cmd_config_reference(args: argparse.Namespace) -> int:
-    from rlbus.config_doc import reference_markdown
+    from rlbus.cli.config_doc import reference_markdown
 
     print(reference_markdown(), end="")
     return 0
 
 
 def cmd_bus_up(args: argparse.Namespace) -> int:
-    from bus.server import serve_forever
+    from rlbus.bus.server import serve_forever
 
     return serve_forever(store_dir=args.dir, port=args.port, host=args.host)
 
 
 def cmd_init_model(args: argparse.Namespace) -> int:
-    from producers.model.init_model import main as init_main
+    from rlbus.common.model.init_model import main as init_main
 
     return int(init_main(args.rest) or 0)
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
-    from producers.rollout_dry_run import main as rollout_main
+    from rlbus.producers.rollout_dry_run import main as rollout_main
 
     return int(rollout_main(args.rest) or 0)
 
 
 def cmd_producer(args: argparse.Namespace) -> int:
-    from producers.service import main as producer_main
+    from rlbus.producers.service import main as producer_main
 
     return producer_main(_load(args), producer_id=args.id)
 
 
 def cmd_trainer(args: argparse.Namespace) -> int:
-    from trainer.service import main as trainer_main
+    from rlbus.trainer.service import main as trainer_main
 
     return trainer_main(_load(args))
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from rlbus.launcher import main as up_main
+    from rlbus.cli.launcher import main as up_main
 
     return up_main(_load(args))
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from rlbus.status import main as status_main
+    from rlbus.cli.status import main as status_main
 
     return status_main(_load(args))
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from rlbus.plot import plot_run
+    from rlbus.cli.plot import plot_run
 
     print(plot_run(args.run_dir, args.out))
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from rlbus.export import export_checkpoint
+    from rlbus.cli.export import export_checkpoint
 
     print(export_checkpoint(args.checkpoint, args.out))
     return 0
@@ -144,13 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_events(args: argparse.Namespace) -> int:
-    from rlbus.events import main as events_main
+    from rlbus.cli.events import main as events_main
 
     return int(events_main(args.rest) or 0)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from consumers.replay import main as replay_main
+    from rlbus.trainer.replay import main as replay_main
 
     return int(replay_main(args.rest) or 0)
 
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         args = argparse.Namespace(rest=argv[1:], func=PASSTHROUGH[argv[0]])
     else:
         args = build_parser().parse_args(argv)
-    from schemas.errors import ConfigError
+    from rlbus.schemas.errors import ConfigError
 
     try:
         return int(args.func(args) or 0)

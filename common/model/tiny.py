@@ -6,7 +6,7 @@ minute or two on one CPU thread and keeps a GRPO step of the quickstart to a sec
 layers, six times the compute per token, the copy became reliable no sooner per step.)
 Being a stock Qwen2ForCausalLM, it loads anywhere a real model does (AutoModelForCausalLM, vLLM, FSDP2).
 
-Built by `rlbus init-model OUT_DIR` (producers/model/init_model.py).
+Built by `rlbus init-model OUT_DIR` (common/model/init_model.py).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def tiny_model(tokenizer: PreTrainedTokenizerBase, *, seed: int = 0, spec: TinyM
 
 
 if __name__ == "__main__":
-    from producers.model.tokenizer import build_tokenizer
+    from rlbus.common.model.tokenizer import build_tokenizer
 
     m = tiny_model(build_tokenizer())
     print(m.config)

@@ -8,7 +8,7 @@ the parsed operands, no eval) and reports:
 - direct_mul_acc / direct_add_acc: direct answers that are right (multiplication should be mostly wrong);
 - reward: share of questions answered right (the initial mean reward of RL, about 0.4-0.6).
 
-    .venv/bin/python -m producers.model.evaluate MODEL_DIR [--num 256]
+    .venv/bin/python -m rlbus.producers.evaluate MODEL_DIR [--num 256]
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import msgspec
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from producers.engines.base import SamplingParams
-from producers.engines.hf import sample
-from producers.model.demos import arithmetic_problem, evaluate_expression, prompt_messages, question_expression
-from producers.model.tokenizer import (
+from rlbus.producers.engines.base import SamplingParams
+from rlbus.producers.engines.hf import sample
+from rlbus.common.model.demos import arithmetic_problem, evaluate_expression, prompt_messages, question_expression
+from rlbus.common.model.tokenizer import (
     ANSWER_END,
     ANSWER_START,
     TOOL_CALL_END,
@@ -131,7 +131,7 @@ def evaluate_tool_use(
 def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    ap = argparse.ArgumentParser(prog="python -m producers.model.evaluate", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m rlbus.producers.evaluate", description=__doc__.splitlines()[0])
     ap.add_argument("model_dir")
     ap.add_argument("--num", type=int, default=256, help="questions to sample")
     ap.add_argument("--seed", type=int, default=1234)

@@ -5,8 +5,8 @@ markers and tool results are context. Sequences are laid out exactly as the agen
 prompt ids (with the generation prompt), then the assistant's ids, then the tool turn and the next generation
 prompt, ... so the warm-started model sees at rollout the token boundaries it was trained on.
 
-Run by `rlbus init-model OUT_DIR` (producers/model/init_model.py); on its own:
-`.venv/bin/python -m producers.model.warm_start` (trains a fresh model and prints the loss curve).
+Run by `rlbus init-model OUT_DIR` (common/model/init_model.py); on its own:
+`.venv/bin/python -m rlbus.common.model.warm_start` (trains a fresh model and prints the loss curve).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import msgspec
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from producers.model.demos import Message, answer_text, arithmetic_problem, demonstration, tool_call_text
-from producers.model.tokenizer import IM_END, generation_prompt, render_message
+from rlbus.common.model.demos import Message, answer_text, arithmetic_problem, demonstration, tool_call_text
+from rlbus.common.model.tokenizer import IM_END, generation_prompt, render_message
 
 
 class WarmStartConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -167,8 +167,8 @@ def warm_start(
 
 
 if __name__ == "__main__":
-    from producers.model.tiny import tiny_model
-    from producers.model.tokenizer import build_tokenizer
+    from rlbus.common.model.tiny import tiny_model
+    from rlbus.common.model.tokenizer import build_tokenizer
 
     torch.set_num_threads(2)
     tok = build_tokenizer()

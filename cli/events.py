@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 import msgspec
 
-from consumers.recorder import Entry, RecordError, StepRecord, iter_step_samples, load_rank_batch, read_entries, \
+from rlbus.consumers.recorder import Entry, RecordError, StepRecord, iter_step_samples, load_rank_batch, read_entries, \
     read_steps
 
 #: What `--kind` accepts: the archive kinds plus `steps` (the step records).
@@ -175,7 +175,7 @@ def print_json(rows: list[dict[str, Any]]) -> None:
 def _tokenizer(run_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
-    from schemas.config import load_config
+    from rlbus.schemas.config import load_config
 
     cfg_path = run_dir / "config.yaml"
     if not cfg_path.is_file():
@@ -294,7 +294,7 @@ def export_parquet(run_dir: Path, out: str | Path, f: Filters) -> int:
 
 
 def _live_config(run_dir: Path, config: str | None, overrides: list[str]) -> Any:
-    from schemas.config import load_config
+    from rlbus.schemas.config import load_config
 
     path = Path(config) if config else run_dir / "launch.yaml"
     if not path.is_file():
@@ -306,9 +306,9 @@ def _live_config(run_dir: Path, config: str | None, overrides: list[str]) -> Any
 async def follow(run_dir: Path, f: Filters, *, config: str | None, overrides: list[str], as_json: bool,
                  console: Any) -> None:
     """Print new traj / weights / events messages as they are published, until interrupted."""
-    from bus.client import Bus
-    from consumers.recorder import EVENT_KIND
-    from schemas.wire import Event, TrajectoryGroup, WeightsPublished
+    from rlbus.bus.client import Bus
+    from rlbus.consumers.recorder import EVENT_KIND
+    from rlbus.schemas.wire import Event, TrajectoryGroup, WeightsPublished
 
     cfg = _live_config(run_dir, config, overrides)
     queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()

@@ -6,8 +6,8 @@ correct number. A tiny model fed about half of each learns to copy a tool result
 two-digit numbers in its head, so at the start of RL it picks the tool about half the time and earns reward mostly
 when it does: the signal RL then amplifies into "always use the tool".
 
-The synthetic dataset (producers/data) reuses `arithmetic_problem`; the tokenizer trains its BPE on
-`demonstration_corpus`. See them: `.venv/bin/python -m producers.model.demos`.
+The synthetic dataset (common/data) reuses `arithmetic_problem`; the tokenizer trains its BPE on
+`demonstration_corpus`. See them: `.venv/bin/python -m rlbus.common.model.demos`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 import random
 from typing import Literal
 
-from producers.model.tokenizer import ANSWER_END, ANSWER_START, TOOL_CALL_END, TOOL_CALL_START, render_chat
+from rlbus.common.model.tokenizer import ANSWER_END, ANSWER_START, TOOL_CALL_END, TOOL_CALL_START, render_chat
 
 QUICKSTART_SYSTEM_PROMPT = "Solve the arithmetic problem. You may call the calculator tool."
 

@@ -6,7 +6,7 @@ template) and warm_start.json (the settings, the final loss and the time it took
 `AutoModelForCausalLM.from_pretrained(OUT_DIR)` / `AutoTokenizer.from_pretrained(OUT_DIR)` load it like any model.
 
     rlbus init-model models/tiny-calc [--seed 0] [--steps 1200] [--threads 1] [--force] [--eval]
-    .venv/bin/python -m producers.model.init_model models/tiny-calc
+    .venv/bin/python -m rlbus.common.model.init_model models/tiny-calc
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import msgspec
 import torch
 from transformers import GenerationConfig
 
-from producers.model.tiny import TinyModelSpec, tiny_model
-from producers.model.tokenizer import build_tokenizer
-from producers.model.warm_start import WarmStartConfig, warm_start
+from rlbus.common.model.tiny import TinyModelSpec, tiny_model
+from rlbus.common.model.tokenizer import build_tokenizer
+from rlbus.common.model.warm_start import WarmStartConfig, warm_start
 
 #: Torch CPU threads of the build: the model is so small that a second thread only adds synchronisation (and the
 #: result is the same on every run of one machine).
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.eval:
-        from producers.model.evaluate import main as evaluate_main
+        from rlbus.producers.evaluate import main as evaluate_main
 
         return evaluate_main([str(out)])
     return 0

@@ -22,8 +22,8 @@ from typing import Any
 
 import msgspec
 
-from consumers.recorder import RecordError, StepRecord, load_step_batch, read_steps
-from schemas.config import RunConfig, load_config
+from rlbus.consumers.recorder import RecordError, StepRecord, load_step_batch, read_steps
+from rlbus.schemas.config import RunConfig, load_config
 
 #: Replayed metrics that depend on wall-clock time, never compared.
 _TIMING_PREFIXES = ("timing/", "time/", "perf/tokens_per_s")
@@ -67,7 +67,7 @@ def replay_config(run_dir: str | Path, overrides: list[str] = ()) -> RunConfig:
 
 
 def _checkpoint_before(run_dir: Path, step: int) -> tuple[int, Path | None]:
-    from trainer.checkpoint import list_checkpoints
+    from rlbus.trainer.checkpoint import list_checkpoints
 
     best: tuple[int, Path | None] = (0, None)
     for p in list_checkpoints(run_dir / "checkpoints"):
@@ -78,7 +78,7 @@ def _checkpoint_before(run_dir: Path, step: int) -> tuple[int, Path | None]:
 
 
 def _recorded_metrics(run_dir: Path, records: dict[int, StepRecord]) -> dict[int, dict[str, Any]]:
-    from trainer.metrics import read_metrics
+    from rlbus.trainer.metrics import read_metrics
 
     rows = {int(r["step"]): r for r in read_metrics(run_dir) if "step" in r}
     return {s: rows.get(s, rec.metrics) for s, rec in records.items()}
@@ -128,8 +128,8 @@ def build_engine(cfg: RunConfig, ckpt: Path | None) -> Any:
     """A one-rank TrainEngine at the state of checkpoint `ckpt` (None: the base model, seeded as the trainer is)."""
     import torch
 
-    from trainer.checkpoint import load_checkpoint
-    from trainer.engine import TrainEngine
+    from rlbus.trainer.checkpoint import load_checkpoint
+    from rlbus.trainer.engine import TrainEngine
 
     torch.manual_seed(cfg.trainer.seed)  # as StepWorker does before building its engine
     engine = TrainEngine(cfg.model.path, cfg.trainer, cfg.algorithm, temperature=cfg.rollout.temperature,

@@ -14,7 +14,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     matplotlib.use("Agg")  # files only; no display here
     import matplotlib.pyplot as plt
 
-    from trainer.metrics import read_metrics
+    from rlbus.trainer.metrics import read_metrics
 
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)

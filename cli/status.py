@@ -15,8 +15,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from schemas.config import RunConfig
-from schemas.wire import ProducerHeartbeat, StepCompleted, WeightsPublished
+from rlbus.schemas.config import RunConfig
+from rlbus.schemas.wire import ProducerHeartbeat, StepCompleted, WeightsPublished
 
 
 def last_per_producer(beats: list[ProducerHeartbeat]) -> list[ProducerHeartbeat]:
@@ -27,7 +27,7 @@ def last_per_producer(beats: list[ProducerHeartbeat]) -> list[ProducerHeartbeat]
 
 
 async def gather_status(cfg: RunConfig) -> dict[str, Any]:
-    from bus.client import Bus
+    from rlbus.bus.client import Bus
 
     async with await Bus.connect(cfg.bus, cfg.name, name="status") as bus:
         s = bus.subjects

@@ -23,9 +23,9 @@ from typing import Any, Iterator, Sequence
 
 import msgspec
 
-from schemas.config import DataConfig
-from schemas.errors import RlbusError
-from schemas.wire import ChatMessage, JsonScalar, PromptTask
+from rlbus.schemas.config import DataConfig
+from rlbus.schemas.errors import RlbusError
+from rlbus.schemas.wire import ChatMessage, JsonScalar, PromptTask
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ def _read_parquet(path: Path) -> Iterator[tuple[int, Any]]:
 
 
 def _synthetic(cfg: DataConfig) -> list[Example]:
-    from producers.model.demos import QUICKSTART_SYSTEM_PROMPT, arithmetic_problem
+    from rlbus.common.model.demos import QUICKSTART_SYSTEM_PROMPT, arithmetic_problem
 
     rng = random.Random(cfg.seed)
     system = cfg.system_prompt or QUICKSTART_SYSTEM_PROMPT

@@ -13,8 +13,8 @@ No tokenizer can be downloaded here, so `rlbus init-model` builds one. Choices, 
   JSON cost few tokens;
 - the chat markers and tool tags are added (special) tokens: each is exactly one id and never merged into text.
 
-Built and saved by `rlbus init-model OUT_DIR` (producers/model/init_model.py); loaded with
-`AutoTokenizer.from_pretrained(OUT_DIR)`. Try it: `.venv/bin/python -m producers.model.tokenizer`.
+Built and saved by `rlbus init-model OUT_DIR` (common/model/init_model.py); loaded with
+`AutoTokenizer.from_pretrained(OUT_DIR)`. Try it: `.venv/bin/python -m rlbus.common.model.tokenizer`.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def encode_chat(tokenizer, messages: Sequence[Mapping[str, str]], *, add_generat
 
 
 def _default_corpus() -> list[str]:
-    from producers.model.demos import demonstration_corpus  # lazy: demos imports this module
+    from rlbus.common.model.demos import demonstration_corpus  # lazy: demos imports this module
 
     return demonstration_corpus(num_examples=512, seed=0)
 

@@ -11,8 +11,8 @@ import os
 import shutil
 from pathlib import Path
 
-from schemas.config import ModelConfig
-from schemas.errors import ConfigError
+from rlbus.schemas.config import ModelConfig
+from rlbus.schemas.errors import ConfigError
 
 
 def model_ready(path: Path) -> bool:
@@ -32,7 +32,7 @@ def ensure_model(cfg: ModelConfig) -> str:
     with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # whoever comes second finds the finished model
         if not model_ready(path):
-            from producers.model.init_model import init_model
+            from rlbus.common.model.init_model import init_model
 
             tmp = path.parent / f".{path.name}.building-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)

@@ -17,8 +17,8 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from schemas.config import RunConfig
-from schemas.wire import ProducerHeartbeat
+from rlbus.schemas.config import RunConfig
+from rlbus.schemas.wire import ProducerHeartbeat
 
 #: A producer whose last heartbeat is older than this many heartbeat intervals counts as offline.
 OFFLINE_AFTER_INTERVALS = 3
@@ -63,7 +63,7 @@ class RunMonitor:
         self._task_id = self._progress.add_task("train", total=cfg.trainer.total_steps)
 
     async def __aenter__(self) -> "RunMonitor":
-        from bus.client import Bus
+        from rlbus.bus.client import Bus
 
         self._bus = await Bus.connect(self.cfg.bus, self.cfg.name, name="monitor")
         await self._bus.ensure_streams()
@@ -126,7 +126,7 @@ class RunMonitor:
 
 def summary_table(run_dir: Path) -> Table:
     """First and last steps of a run side by side, plus what the run directory holds."""
-    from trainer.metrics import read_metrics
+    from rlbus.trainer.metrics import read_metrics
 
     rows = read_metrics(run_dir)
     table = Table(title=f"run {run_dir}", show_lines=False)

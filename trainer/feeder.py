@@ -26,8 +26,8 @@ from typing import Any, Callable
 
 import msgspec
 
-from schemas.config import RunConfig
-from schemas.wire import PromptTask
+from rlbus.schemas.config import RunConfig
+from rlbus.schemas.wire import PromptTask
 
 log = logging.getLogger("rlbus.feeder")
 
@@ -155,7 +155,7 @@ class Feeder:
         return index, s.epoch, 0
 
     def _task(self, index: int, epoch: int, attempt: int) -> PromptTask:
-        from producers.data import example_to_task
+        from rlbus.common.data import example_to_task
 
         return example_to_task(self._dataset[index], task_id=f"e{epoch}-i{index}-a{attempt}",
                                n=self.cfg.rollout.n, epoch=epoch, attempt=attempt,
@@ -163,7 +163,7 @@ class Feeder:
 
     async def reissue_exhausted(self) -> None:
         """Tasks that producers failed to finish `bus.max_deliver` times are dead-lettered; release them again."""
-        from schemas.wire import TypedDecoder
+        from rlbus.schemas.wire import TypedDecoder
 
         decoder = TypedDecoder(PromptTask)
         subjects = self._bus.subjects

@@ -1,6 +1,6 @@
 """Prompt data sets (JSONL, Parquet in verl's layout, synthetic arithmetic) and their conversion to PromptTasks."""
 
-from producers.data.datasets import (
+from rlbus.common.data.datasets import (
     DataError,
     Example,
     PromptDataset,

@@ -23,7 +23,7 @@ from typing import IO, Any
 
 import msgspec
 
-from schemas.config import RunConfig, to_yaml
+from rlbus.schemas.config import RunConfig, to_yaml
 
 #: Seconds a stopping child gets before SIGKILL.
 STOP_TIMEOUT_S = 60.0
@@ -108,8 +108,8 @@ class Launcher:
 
     def _start_infrastructure(self) -> RunConfig:
         """Start what the config does not point at; return the config the children get (addresses filled in)."""
-        from bus.ray_cluster import start_ray_head
-        from bus.server import EmbeddedServer
+        from rlbus.bus.ray_cluster import start_ray_head
+        from rlbus.bus.server import EmbeddedServer
 
         cfg = self.cfg
         bus_cfg, ray_cfg = cfg.bus, cfg.ray
@@ -126,7 +126,7 @@ class Launcher:
         return msgspec.structs.replace(cfg, bus=bus_cfg, ray=ray_cfg)
 
     def _stop_infrastructure(self) -> None:
-        from bus.ray_cluster import stop_ray_head
+        from rlbus.bus.ray_cluster import stop_ray_head
 
         if self.ray_head is not None:
             stop_ray_head(self.ray_head)
@@ -136,7 +136,7 @@ class Launcher:
     # -------------------------------------------------------------- supervision
 
     async def run(self) -> int:
-        from producers.model.ensure import ensure_model
+        from rlbus.common.model.ensure import ensure_model
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
@@ -159,7 +159,7 @@ class Launcher:
             self._stop_infrastructure()
 
     async def _supervise(self, child_cfg: RunConfig) -> int:
-        from rlbus.progress import RunMonitor
+        from rlbus.cli.progress import RunMonitor
 
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGINT, self._stop.set)
@@ -204,9 +204,9 @@ class Launcher:
         await asyncio.gather(*(c.stop() for c in children))
 
     def _finish(self) -> int:
-        from rlbus.plot import plot_run
-        from rlbus.progress import summary_table
-        from rlbus.export import export_checkpoint
+        from rlbus.cli.plot import plot_run
+        from rlbus.cli.progress import summary_table
+        from rlbus.cli.export import export_checkpoint
 
         cfg = self.cfg
         if cfg.logging.plot:
@@ -218,6 +218,6 @@ class Launcher:
 
 
 def main(cfg: RunConfig) -> int:
-    from bus.loop import run
+    from rlbus.bus.loop import run
 
     return run(Launcher(cfg).run())

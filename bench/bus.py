@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-# Run as a script, bench/ is sys.path[0] and this file (bench/bus.py) would shadow the `bus` package.
+# Run as a script, sys.path[0] is bench/: put the repository root there instead, so `bench.common` imports.
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig

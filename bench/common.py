@@ -2,9 +2,10 @@
 
 Each script starts with
 
-    sys.path[0] = str(Path(__file__).resolve().parents[1])   # bench/bus.py would shadow the `bus` package
+    sys.path[0] = str(Path(__file__).resolve().parents[1])   # so that `bench.common` imports
 
-so that the repository's packages, not the scripts' own file names, are what `import bus` / `import trainer` find.
+so that `bench.common` (this module) imports from the repository root; rlbus itself comes from the installed
+package (`rlbus.bus`, `rlbus.trainer`, ...), which no script name can shadow.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-# Run as a script, bench/ is sys.path[0] and bench/trainer.py would shadow the `trainer` package.
+# Run as a script, sys.path[0] is bench/: put the repository root there instead, so `bench.common` imports.
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch  # noqa: E402
@@ -26,7 +26,8 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from rlbus.consumers.collate import collate  # noqa: E402
-from rlbus.consumers.recorder import Recorder, events_dir, write_shard  # noqa: E402
+from rlbus.consumers.event_log import events_dir  # noqa: E402
+from rlbus.consumers.recorder import Recorder, write_shard  # noqa: E402
 from rlbus.schemas.config import AlgorithmConfig, TrainerConfig  # noqa: E402
 from rlbus.schemas.wire import SampleMeta, TrajectoryGroup  # noqa: E402
 from rlbus.trainer.engine import TrainEngine  # noqa: E402

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-# Run as a script, bench/ is sys.path[0] and bench/bus.py would shadow the `bus` package: use the repository root.
+# Run as a script, sys.path[0] is bench/: put the repository root there instead, so `bench.common` imports.
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch  # noqa: E402
@@ -207,7 +207,8 @@ def profile_calls(fn, repeats: int) -> tuple[list[str], dict[str, float]]:
 async def bench(args: argparse.Namespace, model_dir: Path, work: Path) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlbus.common.data.datasets import example_to_task, load_dataset, prompt_token_ids
+    from rlbus.common.chat import prompt_token_ids
+    from rlbus.common.data.datasets import example_to_task, load_dataset
     from rlbus.producers.engines.base import SamplingParams
     from rlbus.producers.engines.hf import sample
     from rlbus.producers.service import Producer
@@ -279,7 +280,7 @@ async def bench(args: argparse.Namespace, model_dir: Path, work: Path) -> dict[s
             await bus.close()
         import ray
 
-        from rlbus.bus.transfer_queue import teardown
+        from rlbus.bus.ray_store import teardown
 
         if ray.is_initialized():
             teardown(cfg.name, cfg.ray)

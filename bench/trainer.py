@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-# Run as a script, bench/ is sys.path[0] and bench/trainer.py would shadow the `trainer` package.
+# Run as a script, sys.path[0] is bench/: put the repository root there instead, so `bench.common` imports.
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch  # noqa: E402

@@ -5,8 +5,8 @@
 
 A trajectory is input_ids int64, response_mask bool, logprobs float32 and versions int32, all [tokens] long.
 Raw baselines: one ray.put per trajectory (a dict of numpy arrays: Ray's zero-copy path; and a dict of torch
-tensors: Ray's default pickling of tensors), then one ray.get of all refs. TransferQueue: put_many, then get
-(padded TensorDict) and get_list (unpadded). Throughput counts the tensors' bytes once per direction; the ratio
+tensors: Ray's default pickling of tensors), then one ray.get of all refs. TransferQueue: put_many, then get_list
+(each key's tensors, unpadded: what trainer ranks fetch before collating). Throughput counts the tensors' bytes once per direction; the ratio
 compares round trips (put + get) with the numpy baseline. Results go to bench/results/transfer_queue.json and,
 with --docs, to the `## TransferQueue` section of that markdown file.
 """
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-# Run as a script, sys.path[0] is bench/, whose bus.py would shadow the `bus` package: use the repository root.
+# Run as a script, sys.path[0] is bench/: put the repository root there instead, so `bench.common` imports.
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import ray  # noqa: E402
@@ -32,7 +32,8 @@ from rich.table import Table  # noqa: E402
 
 from bench.common import machine, machine_line, write_section  # noqa: E402
 from rlbus.bus.ray_cluster import ensure_ray  # noqa: E402
-from rlbus.bus.transfer_queue import TransferQueue, pack_tensor, teardown  # noqa: E402
+from rlbus.bus.ray_store import pack_tensor, teardown  # noqa: E402
+from rlbus.bus.transfer_queue import TransferQueue  # noqa: E402
 from rlbus.schemas.config import RayConfig  # noqa: E402
 
 SECTION = "## TransferQueue"
@@ -81,20 +82,17 @@ def bench_raw(items: dict, repeats: int, as_numpy: bool) -> dict[str, list[float
 
 async def bench_tq(tq: TransferQueue, items: dict, repeats: int) -> dict[str, list[float]]:
     keys = list(items)
-    res: dict[str, list[float]] = {"put": [], "get": [], "get_list": []}
+    res: dict[str, list[float]] = {"put": [], "get": []}
     for _ in range(repeats):
         t0 = time.perf_counter()
         await tq.put_many(items)
         t1 = time.perf_counter()
-        batch = await tq.get(keys)
-        t2 = time.perf_counter()
         listed = await tq.get_list(keys)
-        t3 = time.perf_counter()
-        assert batch.batch_size[0] == len(keys) and len(listed) == len(keys)
+        t2 = time.perf_counter()
+        assert len(listed) == len(keys)
         await tq.delete(keys)
         res["put"].append(t1 - t0)
         res["get"].append(t2 - t1)
-        res["get_list"].append(t3 - t2)
     return res
 
 
@@ -118,7 +116,7 @@ def write_docs(path: Path, report: dict) -> None:
             for r in rows
         ),
         "",
-        f"TransferQueue round trip (put_many + padded get) / raw numpy ray.put+ray.get: **{report['ratio']:.2f}** "
+        f"TransferQueue round trip (put_many + get_list) / raw numpy ray.put+ray.get: **{report['ratio']:.2f}** "
         "(target >= 0.7). Why it is faster: one actor call per shard carries the whole batch, and a get returns one "
         "flat array per field, instead of one Ray object per trajectory.",
         "",
@@ -157,8 +155,7 @@ def main() -> None:
         "raw ray.put/get (torch)": bench_raw(items, args.repeats, as_numpy=False),
     }
     tq_times = asyncio.run(bench_tq(tq, items, args.repeats))
-    results["TransferQueue put_many + get"] = {"put": tq_times["put"], "get": tq_times["get"]}
-    results["TransferQueue put_many + get_list"] = {"put": tq_times["put"], "get": tq_times["get_list"]}
+    results["TransferQueue put_many + get_list"] = tq_times
     teardown(run, cfg)
 
     rows = []

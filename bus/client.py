@@ -131,6 +131,13 @@ class Delivery(Generic[T]):
         return f"Delivery({type(self.data).__name__}, subject={self.subject!r}, seq={self.stream_seq}, n={self.num_delivered})"
 
 
+def dead_letter_of(msg: Msg, reason: str, *, consumer: str) -> DeadLetter:
+    """The DeadLetter of a delivered JetStream message: its bytes, subject, stream sequence and delivery count."""
+    meta = msg.metadata
+    return DeadLetter(reason=reason, original_subject=msg.subject, payload=bytes(msg.data),
+                      stream_seq=meta.sequence.stream, num_delivered=meta.num_delivered, consumer=consumer)
+
+
 def _msg_id(msg: Msg) -> str:
     h = msg.headers
     return h.get(MSG_ID_HEADER, "") if h else ""
@@ -373,15 +380,7 @@ class Bus:
         return await self.publish(self.subjects.event(kind), event)
 
     async def _dead_letter(self, msg: Msg, reason: str, consumer: str) -> None:
-        meta = msg.metadata
-        letter = DeadLetter(
-            reason=reason,
-            original_subject=msg.subject,
-            payload=bytes(msg.data),
-            stream_seq=meta.sequence.stream,
-            num_delivered=meta.num_delivered,
-            consumer=consumer,
-        )
+        letter = dead_letter_of(msg, reason, consumer=consumer)
         # Publish first: if that fails, the message is still unacked and comes back, rather than vanishing.
         await self.publish(self.subjects.dead_letter, letter)
         await self._settle(msg, b"+TERM", consumer)
@@ -458,14 +457,7 @@ class Bus:
                     yield decoder.decode(m.data)
                 except SchemaError as e:
                     # Nothing to terminate on an ordered consumer; record it so the bad message is seen, and go on.
-                    letter = DeadLetter(
-                        reason=str(e),
-                        original_subject=m.subject,
-                        payload=bytes(m.data),
-                        stream_seq=m.metadata.sequence.stream,
-                        consumer=f"watch:{self.name}",
-                    )
-                    await self.publish(self.subjects.dead_letter, letter)
+                    await self.publish(self.subjects.dead_letter, dead_letter_of(m, str(e), consumer=f"watch:{self.name}"))
         finally:
             if not self.nc.is_closed:
                 await sub.unsubscribe()

@@ -1,25 +1,20 @@
-"""The data plane: trajectory tensors and policy weights, stored by named, detached Ray actors of the run.
+"""The TransferQueue: trajectory tensors stored by the run's named, detached Ray shard actors.
 
     tq = TransferQueue.connect("quickstart", cfg.ray)           # creates or attaches to the run's shard actors
-    await tq.put_many({"g7/0": {"input_ids": ids_T, ...}, ...})   # producer; then publish the keys on NATS
-    batch = await tq.get(["g7/0", "g7/1"])                       # trainer: TensorDict, batch_size [2], padded
+    await tq.put_many({"g7/0": {"prompt_ids": ids_P, ...}, ...})  # producer; then publish the keys on NATS
+    tensors = await tq.get_list(["g7/0", "g7/1"])                # trainer ranks: each key's unpadded tensors
     await tq.delete(["g7/0", "g7/1"])                            # after the step that used them is durable
-    ws = WeightStore.connect("quickstart", cfg.ray); info = await ws.put(3, model.state_dict())
 
-Every async method has a `*_sync` twin with the same arguments for synchronous code (trainer ranks); both run
-the same plan (`_Plan` generators that yield the Ray calls to wait for), so they cannot drift apart.
+Every async method has a `*_sync` twin with the same arguments for synchronous code (trainer ranks); both run the
+same plan (bus/ray_store.py).
 
 Ownership. Ray frees an object when its owner -- the process that ray.put it -- dies. A producer may exit (or be
-SIGKILLed) right after `put`, so tensors must not be owned by it:
-- TransferQueue shards keep trajectory tensors in their own memory (copied out of the call's argument buffer).
-  A put is one actor call per shard carrying the whole batch, and a get returns, per field, one flat array of the
-  requested keys: a handful of large zero-copy buffers instead of thousands of small Ray objects (the benchmark,
-  bench/transfer_queue.py, measures this against raw ray.put/ray.get of one object per trajectory).
-- The WeightStore actor ray.put's each version itself and keeps the ref: the actor owns it, and every producer on
-  a node maps the same object-store copy (weights are large and read by many).
-Tensors travel as numpy arrays (zero-copy both ways); dtypes numpy lacks (bfloat16, ...) travel as a same-width
-integer view and are viewed back. Tensors handed out by get_list / WeightStore.get may share read-only
-shared memory: treat them as read-only (load_state_dict and torch ops that produce new tensors are fine).
+SIGKILLed) right after `put`, so the shards keep trajectory tensors in their own memory (copied out of the call's
+argument buffer). A put is one actor call per shard carrying the whole batch, and a get returns, per field, one
+flat array of the requested keys: a handful of large zero-copy buffers instead of thousands of small Ray objects
+(bench/transfer_queue.py measures this against raw ray.put/ray.get of one object per trajectory). Tensors handed
+out by get_list may share read-only shared memory: treat them as read-only. The trainer turns them into its batch
+with consumers/collate.py.
 
 Capacity (cfg.capacity_items / capacity_bytes) is split evenly over the shards; a put that would exceed its shard's
 share raises TransferQueueFull and stores nothing. A put_many spanning shards is staged on each shard first and
@@ -28,89 +23,37 @@ committed only when every shard accepted it, so a rejected batch leaves nothing 
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
 import math
 import time
 import uuid
-import warnings
 import zlib
-from collections.abc import Generator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
 
 import numpy as np
 import ray
 import torch
-from tensordict import TensorDict
 
 from rlbus.bus.ray_cluster import ensure_ray
+from rlbus.bus.ray_store import (
+    Packed,
+    Plan,
+    actor_name,
+    pack_tensor,
+    quiet_readonly,
+    run_async,
+    run_sync,
+    unpack_tensor,
+)
 from rlbus.schemas.config import RayConfig
-from rlbus.schemas.errors import PayloadMissing, TransferQueueError, TransferQueueFull, WeightsMissing
-
-T = TypeVar("T")
-# A plan yields the Ray calls (ObjectRefs) it must wait for and receives their results; its return value is the
-# operation's result. `_run_async` and `_run_sync` drive it.
-_Plan = Generator[list[ray.ObjectRef], list[Any], T]
-Packed = tuple[str, np.ndarray]  # (torch dtype name, array); the array may be an integer view of that dtype
+from rlbus.schemas.errors import PayloadMissing, TransferQueueFull
 
 STAGE_EXPIRY_S = 300.0  # staged (uncommitted) puts older than this belong to a crashed client and are dropped
-
-# ---------------------------------------------------------------------------------------------------------------
-# tensors <-> numpy
-
-_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_NUMPY_OK: dict[torch.dtype, bool] = {}
-
-
-def _numpy_ok(dtype: torch.dtype) -> bool:
-    ok = _NUMPY_OK.get(dtype)
-    if ok is None:
-        try:  # the only way to learn whether this torch build maps a dtype to numpy; asked once per dtype
-            torch.empty(0, dtype=dtype).numpy()
-            ok = True
-        except TypeError:
-            ok = False
-        _NUMPY_OK[dtype] = ok
-    return ok
-
-
-def pack_tensor(t: torch.Tensor) -> Packed:
-    """A CPU tensor as (dtype name, numpy array sharing its memory); GPU tensors are copied to CPU first."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    name = str(t.dtype).removeprefix("torch.")
-    if not _numpy_ok(t.dtype):
-        t = t.view(_INT_OF_WIDTH[t.element_size()])
-    return name, t.numpy()
-
-
-def unpack_tensor(packed: Packed) -> torch.Tensor:
-    """Inverse of pack_tensor, zero-copy. Call inside `_quiet_readonly()` when the array may be read-only."""
-    name, arr = packed
-    t = torch.from_numpy(arr)
-    dtype = getattr(torch, name)
-    return t if t.dtype == dtype else t.view(dtype)
-
-
-class _quiet_readonly(warnings.catch_warnings):
-    # Arrays from the object store are read-only; torch warns on each from_numpy of one. We hand them out as
-    # documented read-only tensors, so the warning is noise here (and only here).
-    def __enter__(self) -> None:
-        super().__enter__()
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
 
 def shard_of(key: str, num_shards: int) -> int:
     """Stable across processes and machines (Python's hash() is salted per process)."""
     return zlib.crc32(key.encode()) % num_shards
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the storage actor
 
 
 @dataclass
@@ -229,33 +172,6 @@ class _Shard:
 _ShardActor = ray.remote(num_cpus=0, max_restarts=-1)(_Shard)
 
 
-def _run_sync(plan: _Plan[T]) -> T:
-    try:
-        refs = next(plan)
-        while True:
-            refs = plan.send(ray.get(refs))
-    except StopIteration as done:
-        return done.value
-
-
-async def _run_async(plan: _Plan[T]) -> T:
-    try:
-        refs = next(plan)
-        while True:
-            results = list(await asyncio.gather(*refs))
-            refs = plan.send(results)
-    except StopIteration as done:
-        return done.value
-
-
-def _actor_name(run: str, what: str) -> str:
-    return f"rlbus-{run}-{what}"
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# TransferQueue
-
-
 class TransferQueue:
     """Client of one run's shard actors. Cheap to create; any number of processes may hold one."""
 
@@ -277,7 +193,7 @@ class TransferQueue:
         # The shard count is part of the name: a client with another count would map keys to other shards.
         shards = [
             _ShardActor.options(
-                name=_actor_name(run, f"tq-{i}-of-{n}"),
+                name=actor_name(run, f"tq-{i}-of-{n}"),
                 namespace=cfg.namespace,
                 lifetime="detached",
                 get_if_exists=True,
@@ -292,7 +208,7 @@ class TransferQueue:
 
     # -- plans -----------------------------------------------------------------------------------------------
 
-    def _put_plan(self, items: Mapping[str, Mapping[str, torch.Tensor]]) -> _Plan[None]:
+    def _put_plan(self, items: Mapping[str, Mapping[str, torch.Tensor]]) -> Plan[None]:
         by_shard: dict[int, dict[str, dict[str, Packed]]] = {}
         for key, fields in items.items():
             by_shard.setdefault(self.shard_of(key), {})[key] = {f: pack_tensor(t) for f, t in fields.items()}
@@ -320,7 +236,7 @@ class TransferQueue:
             "Delete consumed keys, or raise ray.capacity_items / ray.capacity_bytes."
         )
 
-    def _fetch_plan(self, keys: Sequence[str]) -> _Plan[tuple[list[dict], list[list[int]]]]:
+    def _fetch_plan(self, keys: Sequence[str]) -> Plan[tuple[list[dict], list[list[int]]]]:
         by_shard: dict[int, list[int]] = {}  # shard -> positions in `keys`
         for pos, key in enumerate(keys):
             by_shard.setdefault(self.shard_of(key), []).append(pos)
@@ -331,14 +247,10 @@ class TransferQueue:
             raise PayloadMissing([k for k in dict.fromkeys(keys) if k in missing])
         return [r["fields"] for r in replies], [by_shard[i] for i in order]
 
-    def _get_plan(self, keys: Sequence[str]) -> _Plan[TensorDict]:
-        replies, positions = yield from self._fetch_plan(keys)
-        return _stack_padded(replies, positions, len(keys))
-
-    def _get_list_plan(self, keys: Sequence[str]) -> _Plan[list[dict[str, torch.Tensor]]]:
+    def _get_list_plan(self, keys: Sequence[str]) -> Plan[list[dict[str, torch.Tensor]]]:
         replies, positions = yield from self._fetch_plan(keys)
         out: list[dict[str, torch.Tensor]] = [{} for _ in keys]
-        with _quiet_readonly():
+        with quiet_readonly():
             for fields, shard_positions in zip(replies, positions):
                 for (name, dtype), (local, shapes, flat) in fields.items():
                     offset = 0
@@ -349,14 +261,14 @@ class TransferQueue:
                         offset += size
         return out
 
-    def _delete_plan(self, keys: Sequence[str]) -> _Plan[int]:
+    def _delete_plan(self, keys: Sequence[str]) -> Plan[int]:
         by_shard: dict[int, list[str]] = {}
         for key in keys:
             by_shard.setdefault(self.shard_of(key), []).append(key)
         counts = yield [self.shards[i].delete.remote(ks) for i, ks in by_shard.items()]
         return sum(counts)
 
-    def _stats_plan(self) -> _Plan[dict]:
+    def _stats_plan(self) -> Plan[dict]:
         shards = yield [s.stats.remote() for s in self.shards]
         total = {k: sum(s[k] for s in shards) for k in ("items", "bytes", "capacity_items", "capacity_bytes")}
         return {**total, "shards": shards}
@@ -365,261 +277,37 @@ class TransferQueue:
 
     async def put(self, key: str, tensors: Mapping[str, torch.Tensor]) -> None:
         """Store one trajectory's tensors under key (replacing what the key held). Raises TransferQueueFull."""
-        await _run_async(self._put_plan({key: tensors}))
+        await run_async(self._put_plan({key: tensors}))
 
     async def put_many(self, items: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         """Store several keys with one call per shard; all or nothing. Raises TransferQueueFull."""
-        await _run_async(self._put_plan(items))
-
-    async def get(self, keys: Sequence[str]) -> TensorDict:
-        """TensorDict of batch_size [len(keys)] in the order of keys; each field stacked, right-padded with 0
-        along its last dim. Raises PayloadMissing naming the keys that are not stored."""
-        return await _run_async(self._get_plan(keys))
+        await run_async(self._put_plan(items))
 
     async def get_list(self, keys: Sequence[str]) -> list[dict[str, torch.Tensor]]:
         """The stored tensors of each key, unpadded, in the order of keys (read-only views). Raises PayloadMissing."""
-        return await _run_async(self._get_list_plan(keys))
+        return await run_async(self._get_list_plan(keys))
 
     async def delete(self, keys: Sequence[str]) -> int:
         """Drop keys and free their memory; returns how many were stored. Unknown keys are ignored."""
-        return await _run_async(self._delete_plan(keys))
+        return await run_async(self._delete_plan(keys))
 
     async def stats(self) -> dict:
         """items, bytes, capacity_items, capacity_bytes over all shards, and `shards`: each shard's counters."""
-        return await _run_async(self._stats_plan())
+        return await run_async(self._stats_plan())
 
     # -- sync twins (same plans, driven with ray.get) --------------------------------------------------------
 
     def put_sync(self, key: str, tensors: Mapping[str, torch.Tensor]) -> None:
-        _run_sync(self._put_plan({key: tensors}))
+        run_sync(self._put_plan({key: tensors}))
 
     def put_many_sync(self, items: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
-        _run_sync(self._put_plan(items))
-
-    def get_sync(self, keys: Sequence[str]) -> TensorDict:
-        return _run_sync(self._get_plan(keys))
+        run_sync(self._put_plan(items))
 
     def get_list_sync(self, keys: Sequence[str]) -> list[dict[str, torch.Tensor]]:
-        return _run_sync(self._get_list_plan(keys))
+        return run_sync(self._get_list_plan(keys))
 
     def delete_sync(self, keys: Sequence[str]) -> int:
-        return _run_sync(self._delete_plan(keys))
+        return run_sync(self._delete_plan(keys))
 
     def stats_sync(self) -> dict:
-        return _run_sync(self._stats_plan())
-
-
-def _stack_padded(replies: list[dict], positions: list[list[int]], num_keys: int) -> TensorDict:
-    """Assemble the shards' flat per-field arrays into [num_keys, *lead, max_len] tensors, zero right-padded."""
-    fields: dict[str, list[tuple[list[int], torch.Tensor, list[tuple[int, ...]]]]] = {}
-    dtypes: dict[str, str] = {}
-    with _quiet_readonly():
-        for shard_fields, shard_positions in zip(replies, positions):
-            for (name, dtype), (local, shapes, flat) in shard_fields.items():
-                if dtypes.setdefault(name, dtype) != dtype:
-                    raise TransferQueueError(f"field {name!r} has dtypes {dtypes[name]} and {dtype} across keys")
-                global_pos = [shard_positions[p] for p in local]
-                fields.setdefault(name, []).append((global_pos, torch.from_numpy(flat), shapes))
-    out: dict[str, torch.Tensor] = {}
-    for name, parts in fields.items():
-        shapes = [s for _, _, ss in parts for s in ss]
-        if len(shapes) != num_keys:
-            raise TransferQueueError(f"field {name!r} is stored for {len(shapes)} of the {num_keys} keys")
-        scalar = shapes[0] == ()
-        lead = shapes[0][:-1]
-        if any((s == ()) != scalar or s[:-1] != lead for s in shapes):
-            raise TransferQueueError(f"field {name!r}: shapes {sorted(set(shapes))} differ before the last dim")
-        if len(parts) == 1 and all(s == shapes[0] for s in shapes) and parts[0][0] == list(range(num_keys)):
-            # One shard, equal shapes, in order: a plain copy. Always a copy: the reply lives in (read-only) shared
-            # memory, and a training batch gets modified in place.
-            stacked = parts[0][1].view(num_keys, *shapes[0]).clone()
-        elif scalar:
-            stacked = torch.empty(num_keys, dtype=parts[0][1].dtype)
-            for global_pos, flat, _ in parts:
-                stacked[torch.tensor(global_pos)] = flat
-        else:
-            max_len = max(s[-1] for s in shapes)
-            stacked = torch.zeros((num_keys, *lead, max_len), dtype=parts[0][1].dtype)
-            for global_pos, flat, ss in parts:
-                idx = torch.tensor(global_pos)
-                if all(s == ss[0] for s in ss):
-                    stacked[idx, ..., : ss[0][-1]] = flat.view(len(ss), *ss[0])
-                    continue
-                lengths = torch.tensor([s[-1] for s in ss]).repeat_interleave(math.prod(lead))  # one per row
-                width = int(lengths.max())
-                rows = torch.zeros((len(lengths), width), dtype=flat.dtype)
-                rows[torch.arange(width) < lengths[:, None]] = flat  # rows are key-major, like flat
-                stacked[idx, ..., :width] = rows.view(len(ss), *lead, width)
-        want = getattr(torch, dtypes[name])
-        out[name] = stacked if stacked.dtype == want else stacked.view(want)
-    return TensorDict(out, batch_size=[num_keys])
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# weights
-
-
-@dataclass(frozen=True)
-class WeightsInfo:
-    """What the weight store holds for one version; mirrors the fields of wire.WeightsPublished."""
-
-    version: int
-    num_bytes: int
-    checksum: str
-    num_tensors: int
-    dtype: str  # dtype holding most of the bytes
-    store: str  # name of the weight-store actor
-
-
-def _digest(item: tuple[str, Packed]) -> bytes:
-    name, (dtype, arr) = item
-    h = hashlib.blake2b(digest_size=16)
-    h.update(f"{name}\0{dtype}\0{tuple(arr.shape)}\0".encode())
-    h.update(memoryview(np.ascontiguousarray(arr)).cast("B"))
-    return h.digest()
-
-
-def _checksum_packed(packed: Mapping[str, Packed]) -> str:
-    items = sorted(packed.items())
-    total = sum(a.nbytes for _, a in packed.values())
-    # Per-tensor digests in name order, combined: deterministic, and parallel (hashlib drops the GIL) when large.
-    if total > 64 * 1024**2:
-        with ThreadPoolExecutor(max_workers=4) as pool:
-            digests = list(pool.map(_digest, items))
-    else:
-        digests = [_digest(i) for i in items]
-    return hashlib.blake2b(b"".join(digests), digest_size=16).hexdigest()
-
-
-def state_dict_checksum(sd: Mapping[str, torch.Tensor]) -> str:
-    """blake2b over names, dtypes, shapes and bytes in name order; equal state dicts give equal checksums."""
-    return _checksum_packed({k: pack_tensor(v) for k, v in sd.items()})
-
-
-class _WeightStore:
-    """Keeps the newest `keep` versions; each is one object the actor ray.put itself, so the actor owns it."""
-
-    def __init__(self, keep: int, name: str):
-        self.keep = keep
-        self.name = name
-        self.versions: dict[int, tuple[list[ray.ObjectRef], WeightsInfo]] = {}
-
-    def put(self, version: int, packed: dict[str, Packed], info: WeightsInfo) -> list[int]:
-        # ray.put copies out of the call's argument buffer (owned by the trainer) into an object this actor owns.
-        self.versions[version] = ([ray.put(packed)], info)
-        evicted = sorted(self.versions)[: -self.keep]
-        for v in evicted:
-            del self.versions[v]
-        return evicted
-
-    def get(self, version: int | None) -> tuple[list[ray.ObjectRef], WeightsInfo] | list[int]:
-        """([ref], info), or the versions held when `version` is not. The ref travels inside a list so that Ray
-        hands the caller the reference (to fetch zero-copy) instead of resolving it here."""
-        if version is None and self.versions:
-            version = max(self.versions)
-        held = self.versions.get(version) if version is not None else None
-        return held if held is not None else sorted(self.versions)
-
-    def list_versions(self) -> list[int]:
-        return sorted(self.versions)
-
-
-_WeightStoreActor = ray.remote(num_cpus=0, max_restarts=-1)(_WeightStore)
-
-
-class WeightStore:
-    """Client of a run's weight-store actor: the trainer puts versions, producers get them."""
-
-    def __init__(self, run: str, actor: ray.actor.ActorHandle, name: str):
-        self.run = run
-        self.actor = actor
-        self.name = name
-
-    @classmethod
-    def connect(cls, run: str, cfg: RayConfig) -> WeightStore:
-        ensure_ray(cfg)
-        name = _actor_name(run, "weights")
-        actor = _WeightStoreActor.options(
-            name=name, namespace=cfg.namespace, lifetime="detached", get_if_exists=True
-        ).remote(cfg.weight_versions_kept, name)
-        ray.get(actor.list_versions.remote())
-        return cls(run, actor, name)
-
-    def _put_plan(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> _Plan[WeightsInfo]:
-        packed = {k: pack_tensor(v) for k, v in state_dict.items()}
-        by_dtype: dict[str, int] = {}
-        for dtype, arr in packed.values():
-            by_dtype[dtype] = by_dtype.get(dtype, 0) + arr.nbytes
-        info = WeightsInfo(
-            version=version,
-            num_bytes=sum(by_dtype.values()),
-            checksum=_checksum_packed(packed),
-            num_tensors=len(packed),
-            dtype=max(by_dtype, key=by_dtype.__getitem__) if by_dtype else "float32",
-            store=self.name,
-        )
-        yield [self.actor.put.remote(version, packed, info)]
-        return info
-
-    def _get_plan(self, version: int | None, verify: bool) -> _Plan[dict[str, torch.Tensor]]:
-        (reply,) = yield [self.actor.get.remote(version)]
-        if isinstance(reply, list):
-            want = "any version" if version is None else f"version {version}"
-            raise WeightsMissing(f"weight store {self.name!r} does not hold {want}; it holds {reply}")
-        (ref,), info = reply
-        (packed,) = yield [ref]
-        if verify and _checksum_packed(packed) != info.checksum:
-            raise TransferQueueError(f"weights version {info.version} do not match their checksum {info.checksum}")
-        with _quiet_readonly():
-            return {k: unpack_tensor(p) for k, p in packed.items()}
-
-    def _info_plan(self, version: int | None) -> _Plan[WeightsInfo]:
-        (reply,) = yield [self.actor.get.remote(version)]
-        if isinstance(reply, list):
-            raise WeightsMissing(f"weight store {self.name!r} does not hold version {version}; it holds {reply}")
-        return reply[1]
-
-    def _versions_plan(self) -> _Plan[list[int]]:
-        (versions,) = yield [self.actor.list_versions.remote()]
-        return versions
-
-    async def put(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> WeightsInfo:
-        """Store a full state dict as `version` (evicting versions beyond weight_versions_kept)."""
-        return await _run_async(self._put_plan(version, state_dict))
-
-    async def get(self, version: int | None = None, verify: bool = False) -> dict[str, torch.Tensor]:
-        """The state dict of `version` (None = newest) as read-only tensors; verify=True re-checks the checksum.
-        Raises WeightsMissing."""
-        return await _run_async(self._get_plan(version, verify))
-
-    async def info(self, version: int | None = None) -> WeightsInfo:
-        return await _run_async(self._info_plan(version))
-
-    async def versions(self) -> list[int]:
-        return await _run_async(self._versions_plan())
-
-    def put_sync(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> WeightsInfo:
-        return _run_sync(self._put_plan(version, state_dict))
-
-    def get_sync(self, version: int | None = None, verify: bool = False) -> dict[str, torch.Tensor]:
-        return _run_sync(self._get_plan(version, verify))
-
-    def info_sync(self, version: int | None = None) -> WeightsInfo:
-        return _run_sync(self._info_plan(version))
-
-    def versions_sync(self) -> list[int]:
-        return _run_sync(self._versions_plan())
-
-
-def teardown(run: str, cfg: RayConfig) -> list[str]:
-    """Kill the run's named actors (TransferQueue shards of any count, weight store); returns their names."""
-    ensure_ray(cfg)
-    names = [
-        a["name"]
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["namespace"] == cfg.namespace
-        and (a["name"] == _actor_name(run, "weights") or a["name"].startswith(_actor_name(run, "tq-")))
-    ]
-    for name in names:
-        ray.kill(ray.get_actor(name, namespace=cfg.namespace), no_restart=True)
-    return names
+        return run_sync(self._stats_plan())

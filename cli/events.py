@@ -20,9 +20,27 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import msgspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+from transformers import AutoTokenizer
 
-from rlbus.consumers.recorder import Entry, RecordError, StepRecord, iter_step_samples, load_rank_batch, read_entries, \
-    read_steps
+from rlbus.bus.client import Bus
+from rlbus.consumers.event_log import (
+    EVENT_KIND,
+    Entry,
+    RecordError,
+    StepRecord,
+    iter_step_samples,
+    load_rank_batch,
+    read_entries,
+    read_steps,
+)
+from rlbus.schemas.config import load_config
+from rlbus.schemas.wire import Event, TrajectoryGroup, WeightsPublished
 
 #: What `--kind` accepts: the archive kinds plus `steps` (the step records).
 ALL_KINDS = ("prompts", "traj", "weights", "steps", "completed", "heartbeats", "lifecycle", "errors", "dead-letter")
@@ -148,8 +166,6 @@ def _cell(v: Any) -> str:
 
 
 def print_table(rows: list[dict[str, Any]], console: Any) -> None:
-    from rich.table import Table
-
     for kind in ALL_KINDS:
         mine = [r for r in rows if r["kind"] == kind]
         if not mine:
@@ -173,10 +189,6 @@ def print_json(rows: list[dict[str, Any]]) -> None:
 
 
 def _tokenizer(run_dir: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    from rlbus.schemas.config import load_config
-
     cfg_path = run_dir / "config.yaml"
     if not cfg_path.is_file():
         raise RecordError(run_dir, f"{cfg_path} not found: cannot tell which tokenizer the run used")
@@ -234,9 +246,6 @@ def decode_group(run_dir: Path, group_id: str) -> list[dict[str, Any]]:
 
 
 def print_decoded(samples: list[dict[str, Any]], console: Any) -> None:
-    from rich.panel import Panel
-    from rich.text import Text
-
     for i, s in enumerate(samples):
         body = Text()
         body.append("prompt: ", style="bold")
@@ -255,8 +264,6 @@ def print_decoded(samples: list[dict[str, Any]], console: Any) -> None:
 
 def export_parquet(run_dir: Path, out: str | Path, f: Filters) -> int:
     """One row per trained trajectory (text when its step was recorded in full); returns the row count."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
 
     tok = None
     rows: list[dict[str, Any]] = []
@@ -294,8 +301,6 @@ def export_parquet(run_dir: Path, out: str | Path, f: Filters) -> int:
 
 
 def _live_config(run_dir: Path, config: str | None, overrides: list[str]) -> Any:
-    from rlbus.schemas.config import load_config
-
     path = Path(config) if config else run_dir / "launch.yaml"
     if not path.is_file():
         raise RecordError(run_dir, f"{path} not found: pass --config CONFIG bus.url=... bus.creds_file=... to "
@@ -306,9 +311,6 @@ def _live_config(run_dir: Path, config: str | None, overrides: list[str]) -> Any
 async def follow(run_dir: Path, f: Filters, *, config: str | None, overrides: list[str], as_json: bool,
                  console: Any) -> None:
     """Print new traj / weights / events messages as they are published, until interrupted."""
-    from rlbus.bus.client import Bus
-    from rlbus.consumers.recorder import EVENT_KIND
-    from rlbus.schemas.wire import Event, TrajectoryGroup, WeightsPublished
 
     cfg = _live_config(run_dir, config, overrides)
     queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
@@ -353,8 +355,6 @@ async def follow(run_dir: Path, f: Filters, *, config: str | None, overrides: li
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rich.console import Console
-
     p = argparse.ArgumentParser(prog="rlbus events", description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir")
     p.add_argument("--kind", action="append", choices=ALL_KINDS, help="only these kinds (repeatable)")

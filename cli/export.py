@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlbus.schemas.config import load_config
+from rlbus.trainer.checkpoint import export_hf, latest_checkpoint
 
 
 def _run_dir_of(ckpt_dir: Path) -> Path:
@@ -17,8 +18,6 @@ def _run_dir_of(ckpt_dir: Path) -> Path:
 
 
 def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, tokenizer_src: str | None = None) -> Path:
-    from rlbus.trainer.checkpoint import export_hf, latest_checkpoint
-
     ckpt = Path(ckpt_dir)
     if not ckpt.name.startswith("step_"):  # a checkpoints root: take its latest
         found = latest_checkpoint(ckpt)

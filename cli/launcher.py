@@ -22,7 +22,15 @@ from pathlib import Path
 from typing import IO, Any
 
 import msgspec
+from rich.console import Console
 
+from rlbus.bus.loop import run
+from rlbus.bus.ray_cluster import start_ray_head, stop_ray_head
+from rlbus.bus.server import EmbeddedServer
+from rlbus.cli.export import export_checkpoint
+from rlbus.cli.plot import plot_run
+from rlbus.cli.progress import RunMonitor, summary_table
+from rlbus.common.model.ensure import ensure_model
 from rlbus.schemas.config import RunConfig, to_yaml
 
 #: Seconds a stopping child gets before SIGKILL.
@@ -95,8 +103,6 @@ class Launcher:
     _console: Any
 
     def __init__(self, cfg: RunConfig):
-        from rich.console import Console
-
         self.cfg = cfg
         self.run_dir = cfg.run_dir
         self.server = self.ray_head = self.trainer = None
@@ -108,8 +114,6 @@ class Launcher:
 
     def _start_infrastructure(self) -> RunConfig:
         """Start what the config does not point at; return the config the children get (addresses filled in)."""
-        from rlbus.bus.ray_cluster import start_ray_head
-        from rlbus.bus.server import EmbeddedServer
 
         cfg = self.cfg
         bus_cfg, ray_cfg = cfg.bus, cfg.ray
@@ -126,8 +130,6 @@ class Launcher:
         return msgspec.structs.replace(cfg, bus=bus_cfg, ray=ray_cfg)
 
     def _stop_infrastructure(self) -> None:
-        from rlbus.bus.ray_cluster import stop_ray_head
-
         if self.ray_head is not None:
             stop_ray_head(self.ray_head)
         if self.server is not None:
@@ -136,8 +138,6 @@ class Launcher:
     # -------------------------------------------------------------- supervision
 
     async def run(self) -> int:
-        from rlbus.common.model.ensure import ensure_model
-
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
         self._console.print(f"[bold]rlbus up[/bold] run [cyan]{self.cfg.name}[/cyan] in {self.run_dir}")
@@ -159,8 +159,6 @@ class Launcher:
             self._stop_infrastructure()
 
     async def _supervise(self, child_cfg: RunConfig) -> int:
-        from rlbus.cli.progress import RunMonitor
-
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGINT, self._stop.set)
         loop.add_signal_handler(signal.SIGTERM, self._stop.set)
@@ -204,10 +202,6 @@ class Launcher:
         await asyncio.gather(*(c.stop() for c in children))
 
     def _finish(self) -> int:
-        from rlbus.cli.plot import plot_run
-        from rlbus.cli.progress import summary_table
-        from rlbus.cli.export import export_checkpoint
-
         cfg = self.cfg
         if cfg.logging.plot:
             self._console.print(f"curves: {plot_run(self.run_dir)}")
@@ -218,6 +212,4 @@ class Launcher:
 
 
 def main(cfg: RunConfig) -> int:
-    from rlbus.bus.loop import run
-
     return run(Launcher(cfg).run())

@@ -38,8 +38,9 @@ def cmd_bus_up(args: argparse.Namespace) -> int:
 
 def cmd_init_model(args: argparse.Namespace) -> int:
     from rlbus.common.model.init_model import main as init_main
+    from rlbus.producers.evaluate import main as evaluate_main
 
-    return int(init_main(args.rest) or 0)
+    return int(init_main(args.rest, evaluate=evaluate_main) or 0)
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:

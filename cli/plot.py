@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rlbus.trainer.metrics import read_metrics
+
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     import matplotlib
@@ -14,7 +16,6 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     matplotlib.use("Agg")  # files only; no display here
     import matplotlib.pyplot as plt
 
-    from rlbus.trainer.metrics import read_metrics
 
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)

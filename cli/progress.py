@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,10 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from rlbus.bus.client import Bus
 from rlbus.schemas.config import RunConfig
 from rlbus.schemas.wire import ProducerHeartbeat
+from rlbus.trainer.metrics import read_metrics
 
 #: A producer whose last heartbeat is older than this many heartbeat intervals counts as offline.
 OFFLINE_AFTER_INTERVALS = 3
@@ -32,7 +35,6 @@ def last_metrics(run_dir: Path) -> dict[str, Any]:
         f.seek(0, 2)
         f.seek(max(0, f.tell() - 65536))
         lines = f.read().decode(errors="replace").strip().splitlines()
-    import json
 
     for line in reversed(lines):
         with contextlib.suppress(json.JSONDecodeError):
@@ -63,8 +65,6 @@ class RunMonitor:
         self._task_id = self._progress.add_task("train", total=cfg.trainer.total_steps)
 
     async def __aenter__(self) -> "RunMonitor":
-        from rlbus.bus.client import Bus
-
         self._bus = await Bus.connect(self.cfg.bus, self.cfg.name, name="monitor")
         await self._bus.ensure_streams()
         self._live = Live(self._render(), console=self._console, refresh_per_second=2, transient=False)
@@ -126,7 +126,6 @@ class RunMonitor:
 
 def summary_table(run_dir: Path) -> Table:
     """First and last steps of a run side by side, plus what the run directory holds."""
-    from rlbus.trainer.metrics import read_metrics
 
     rows = read_metrics(run_dir)
     table = Table(title=f"run {run_dir}", show_lines=False)

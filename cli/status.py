@@ -15,6 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from rlbus.bus.client import Bus
 from rlbus.schemas.config import RunConfig
 from rlbus.schemas.wire import ProducerHeartbeat, StepCompleted, WeightsPublished
 
@@ -27,8 +28,6 @@ def last_per_producer(beats: list[ProducerHeartbeat]) -> list[ProducerHeartbeat]
 
 
 async def gather_status(cfg: RunConfig) -> dict[str, Any]:
-    from rlbus.bus.client import Bus
-
     async with await Bus.connect(cfg.bus, cfg.name, name="status") as bus:
         s = bus.subjects
         steps = await bus.snapshot(s.event("step"), StepCompleted, deliver="last")

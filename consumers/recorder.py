@@ -1,25 +1,8 @@
-"""The run's event log: archives the bus's metadata, every step's composition and (record=full) its tensors.
+"""The event log's writer: archives the bus's metadata, every step's composition and (record=full) its tensors.
 
-A run directory must replay alone -- no bus, no Ray -- so the trainer's controller copies what JetStream holds into
-`<run_dir>/events/` as it happens, and every FSDP rank writes the batch it trained on. The format (stable, documented
-in docs/event-log.md):
-
-    events/
-        prompts.jsonl       PromptTask, handed over by the feeder as it releases them (the prompts stream is a
-                            work queue: a second consumer there is not allowed)
-        traj.jsonl          TrajectoryGroup      <- ordered consumer on `traj`
-        weights.jsonl       WeightsPublished     <- ordered consumer on `weights`
-        completed.jsonl     StepCompleted        <- ordered consumer on `events.>`, routed by type
-        heartbeats.jsonl    ProducerHeartbeat
-        lifecycle.jsonl     RoleStarted / RoleStopped
-        errors.jsonl        ErrorRaised
-        dead_letters.jsonl  DeadLetter
-        steps.jsonl         StepRecord: which groups, in which order, which rows on which rank, metrics
-        steps/step_00000012/rank_0.safetensors   the collated TensorDict rank 0 trained on at step 12 (full only)
-
-Every archive line is `{"seq", "subject", "recorded_at", "msg"}` with `msg` the wire struct as JSON (its `kind` tag
-included); `steps.jsonl` lines are bare StepRecords. On restart each watcher resumes after the last stream sequence
-on disk, and step records (with their tensor folders) after the resumed step are cut back, as metrics.jsonl is.
+The format and its readers are in consumers/event_log.py (and docs/event-log.md). On restart each watcher resumes
+after the last stream sequence on disk, and step records (with their tensor folders) after the resumed step are cut
+back, as metrics.jsonl is.
 
     recorder = Recorder(cfg.run_dir, cfg.logging.record, resume_step=step)     # rank 0
     await recorder.start(bus)                                                  # traj, weights, events.> watchers
@@ -39,113 +22,34 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Generic, Iterator, Literal, TypeVar, Union
+from typing import Any
 
 import msgspec
+from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.client import JetStreamContext
+from safetensors.torch import save_file
+from tensordict import TensorDict
 
-from rlbus.schemas.errors import RlbusError
-from rlbus.schemas.wire import (
-    DeadLetter,
-    ErrorRaised,
-    Event,
-    ProducerHeartbeat,
-    PromptTask,
-    RoleStarted,
-    RoleStopped,
-    SampleMeta,
-    StepCompleted,
-    TrajectoryGroup,
-    WeightsPublished,
+from rlbus.bus.client import Bus, dead_letter_of
+from rlbus.consumers.event_log import (
+    EVENT_KIND,
+    KINDS,
+    RECORD_FORMAT,
+    STEPS_FILE,
+    Entry,
+    RecordError,
+    RecordMode,
+    ShardRow,
+    StepRecord,
+    events_dir,
+    shard_path,
 )
+from rlbus.schemas.errors import SchemaError
+from rlbus.schemas.wire import Event, PromptTask, SampleMeta, TrajectoryGroup, TypedDecoder, WeightsPublished
 
 log = logging.getLogger("rlbus.recorder")
 
-#: Version of the on-disk layout; bumped only by a breaking change (fields are appended with defaults otherwise).
-RECORD_FORMAT = 1
-EVENTS_DIR = "events"
-STEPS_FILE = "steps.jsonl"
-
-M = TypeVar("M")
-RecordMode = Literal["off", "metadata", "full"]
-
-
-class RecordError(RlbusError):
-    """The event log of a run directory is missing what was asked of it."""
-
-    def __init__(self, run_dir: str | os.PathLike, reason: str):
-        self.run_dir = str(run_dir)
-        self.reason = reason
-        super().__init__(f"event log of {self.run_dir}: {reason}")
-
-
-class Entry(msgspec.Struct, Generic[M], kw_only=True):
-    """One archived bus message."""
-
-    seq: int  # JetStream stream sequence (0 for prompts: they come from the feeder, not a stream)
-    subject: str
-    recorded_at: float
-    msg: M
-
-
-class ShardRow(msgspec.Struct, array_like=True):
-    """One row of a rank's batch: sample `sample` of group `group` (indices into StepRecord.groups)."""
-
-    group: int
-    sample: int
-
-
-class StepRecord(msgspec.Struct, kw_only=True, tag="step_record", tag_field="kind"):
-    """The exact composition of one optimizer step. `groups[i]` has `group_index == i` in the batch."""
-
-    step: int
-    trained_version: int  # the policy version the step started from
-    version: int  # the version it produced
-    world_size: int
-    groups: list[TrajectoryGroup]  # in step order
-    shards: list[list[ShardRow]]  # per rank, the rows of its batch in order (rank r's file holds len(shards[r]))
-    metrics: dict[str, Union[float, int, None]] = {}  # the step's row of metrics.jsonl (non-finite -> null)
-    payload: Literal["metadata", "full"] = "metadata"  # full: steps/step_N/rank_R.safetensors exist
-    payload_bytes: int = 0  # all ranks' tensor files together
-    record_format: int = RECORD_FORMAT
-    created_at: float = msgspec.field(default_factory=time.time)
-
-
-#: kind name -> (file name, message type). The CLI's `--kind` takes these names.
-KINDS: dict[str, tuple[str, Any]] = {
-    "prompts": ("prompts.jsonl", PromptTask),
-    "traj": ("traj.jsonl", TrajectoryGroup),
-    "weights": ("weights.jsonl", WeightsPublished),
-    "completed": ("completed.jsonl", StepCompleted),
-    "heartbeats": ("heartbeats.jsonl", ProducerHeartbeat),
-    "lifecycle": ("lifecycle.jsonl", Union[RoleStarted, RoleStopped]),
-    "errors": ("errors.jsonl", ErrorRaised),
-    "dead-letter": ("dead_letters.jsonl", DeadLetter),
-}
-EVENT_KIND: dict[type, str] = {
-    StepCompleted: "completed",
-    ProducerHeartbeat: "heartbeats",
-    RoleStarted: "lifecycle",
-    RoleStopped: "lifecycle",
-    ErrorRaised: "errors",
-    DeadLetter: "dead-letter",
-}
 _ENC = msgspec.json.Encoder()
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# paths and file helpers
-
-
-def events_dir(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / EVENTS_DIR
-
-
-def step_dir(run_dir: str | os.PathLike, step: int) -> Path:
-    return events_dir(run_dir) / "steps" / f"step_{step:08d}"
-
-
-def shard_path(run_dir: str | os.PathLike, step: int, rank: int) -> Path:
-    return step_dir(run_dir, step) / f"rank_{rank}.safetensors"
 
 
 def _repair_tail(path: Path) -> None:
@@ -194,7 +98,7 @@ class _SeqSubject(msgspec.Struct):
 # writing: every rank
 
 
-def write_shard(run_dir: str | os.PathLike, mode: RecordMode, step: int, rank: int, batch: Any) -> int:
+def write_shard(run_dir: str | os.PathLike, mode: RecordMode, step: int, rank: int, batch: TensorDict) -> int:
     """Save the collated TensorDict `batch` that `rank` trains on at `step`; returns its bytes (0 unless full).
 
     Written to a temporary name and renamed, so a step redone after a crash (or a retry after a missing payload)
@@ -202,8 +106,6 @@ def write_shard(run_dir: str | os.PathLike, mode: RecordMode, step: int, rank: i
     """
     if mode != "full":
         return 0
-    from safetensors.torch import save_file
-
     path = shard_path(run_dir, step, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: batch.get(k).detach().cpu().contiguous() for k in batch.keys()}
@@ -306,7 +208,7 @@ class Recorder:
 
     # -- bus watchers ------------------------------------------------------------------------------------------------
 
-    async def start(self, bus: Any) -> None:
+    async def start(self, bus: Bus) -> None:
         """Watch `traj`, `weights` and `events.>` from the stream position after what is already on disk.
 
         Returns once the three ordered consumers exist; their messages are archived by background tasks.
@@ -346,19 +248,15 @@ class Recorder:
                     out[e.subject] = max(out.get(e.subject, 0), e.seq)
         return out
 
-    async def _subscribe(self, bus: Any, subject: str, stream: str) -> Any:
-        from nats.js.api import ConsumerConfig, DeliverPolicy
-
+    async def _subscribe(self, bus: Bus, subject: str, stream: str) -> JetStreamContext.PushSubscription:
         # An ordered consumer from a stream sequence: nothing to ack, no durable state on the server; the position
         # lives in our own files, so what is on disk and where we resume can never disagree.
         return await bus.js.subscribe(subject, stream=stream, ordered_consumer=True,
                                       config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
                                                             opt_start_seq=self._last_seq[stream] + 1))
 
-    async def _archive(self, bus: Any, sub: Any, stream: str, typ: Any, kind: str | None) -> None:
-        from rlbus.schemas.errors import SchemaError
-        from rlbus.schemas.wire import TypedDecoder
-
+    async def _archive(self, bus: Bus, sub: JetStreamContext.PushSubscription, stream: str, typ: Any,
+                       kind: str | None) -> None:
         decoder = TypedDecoder(typ)
         try:
             async for m in sub.messages:
@@ -369,8 +267,7 @@ class Recorder:
                     msg = decoder.decode(m.data)
                     file = KINDS[kind or EVENT_KIND[type(msg)]][0]
                 except SchemaError as e:  # kept in the archive as a dead letter; the watch goes on
-                    msg = DeadLetter(reason=str(e), original_subject=m.subject, payload=bytes(m.data),
-                                     stream_seq=seq, consumer="recorder")
+                    msg = dead_letter_of(m, str(e), consumer="recorder")
                     file = KINDS["dead-letter"][0]
                     log.warning("recorder: %s seq %d does not decode; archived as a dead letter: %s", m.subject, seq, e)
                 self._append(file, _ENC.encode(Entry(seq=seq, subject=m.subject, recorded_at=time.time(), msg=msg)))
@@ -416,71 +313,3 @@ class _StepOnly(msgspec.Struct):
 
 def _finite_or_none(v: float | int) -> float | int | None:
     return None if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf"))) else v
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# reading (rlbus events, rlbus replay)
-
-
-def read_entries(run_dir: str | os.PathLike, kind: str) -> list[Entry[Any]]:
-    """Every archived message of one kind, in archive order."""
-    name, typ = KINDS[kind]
-    path = events_dir(run_dir) / name
-    if not path.is_file():
-        return []
-    dec = msgspec.json.Decoder(Entry[typ])
-    return [dec.decode(ln) for ln in path.read_bytes().splitlines() if ln.strip()]
-
-
-def read_steps(run_dir: str | os.PathLike) -> list[StepRecord]:
-    """Step records in step order (the last record of a step wins, should a file hold two)."""
-    path = events_dir(run_dir) / STEPS_FILE
-    if not path.is_file():
-        return []
-    dec = msgspec.json.Decoder(StepRecord)
-    by_step = {r.step: r for r in (dec.decode(ln) for ln in path.read_bytes().splitlines() if ln.strip())}
-    return [by_step[s] for s in sorted(by_step)]
-
-
-def load_rank_batch(run_dir: str | os.PathLike, step: int, rank: int) -> Any:
-    """The TensorDict rank `rank` trained on at `step`."""
-    from safetensors.torch import load_file
-    from tensordict import TensorDict
-
-    path = shard_path(run_dir, step, rank)
-    if not path.is_file():
-        raise RecordError(run_dir, f"no tensors for step {step} rank {rank} ({path}); was the run recorded with "
-                                   "logging.record=full?")
-    tensors = load_file(str(path))
-    return TensorDict(tensors, batch_size=[tensors["input_ids"].shape[0]])
-
-
-def load_step_batch(run_dir: str | os.PathLike, record: StepRecord) -> Any:
-    """The whole step's batch: every rank's shard concatenated in rank order, padded to the longest T."""
-    import torch
-    from tensordict import TensorDict
-
-    parts = [load_rank_batch(run_dir, record.step, r) for r, rows in enumerate(record.shards) if rows]
-    if len(parts) == 1:
-        return parts[0]
-    T = max(p["input_ids"].shape[1] for p in parts)
-    fill = {"versions": -1}  # collate's padding value of each [B, T] field; every other field pads with 0
-    out: dict[str, torch.Tensor] = {}
-    for k in parts[0].keys():
-        pieces = []
-        for p in parts:
-            t = p.get(k)
-            if t.dim() == 2 and t.shape[1] < T:
-                # input_ids pad with the pad id; attention_mask marks it as padding, so any value would do.
-                t = torch.nn.functional.pad(t, (0, T - t.shape[1]), value=fill.get(k, 0))
-            pieces.append(t)
-        out[k] = torch.cat(pieces)
-    return TensorDict(out, batch_size=[sum(p.batch_size[0] for p in parts)])
-
-
-def iter_step_samples(record: StepRecord) -> Iterator[tuple[int, int, TrajectoryGroup, SampleMeta]]:
-    """(rank, row, group, sample) for every row of the step."""
-    for r, rows in enumerate(record.shards):
-        for i, row in enumerate(rows):
-            g = record.groups[row.group]
-            yield r, i, g, g.samples[row.sample]

@@ -20,20 +20,13 @@ import sys
 
 import msgspec
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from rlbus.common.chat import ANSWER_END, ANSWER_START, TOOL_CALL_END, TOOL_CALL_START, encode_chat
+from rlbus.common.model.demos import arithmetic_problem, evaluate_expression, prompt_messages, question_expression
+from rlbus.common.model.tokenizer import generation_prompt, render_message
 from rlbus.producers.engines.base import SamplingParams
 from rlbus.producers.engines.hf import sample
-from rlbus.common.model.demos import arithmetic_problem, evaluate_expression, prompt_messages, question_expression
-from rlbus.common.model.tokenizer import (
-    ANSWER_END,
-    ANSWER_START,
-    TOOL_CALL_END,
-    TOOL_CALL_START,
-    encode_chat,
-    generation_prompt,
-    render_message,
-)
 
 
 class WarmStartEval(msgspec.Struct, kw_only=True):
@@ -129,8 +122,6 @@ def evaluate_tool_use(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     ap = argparse.ArgumentParser(prog="python -m rlbus.producers.evaluate", description=__doc__.splitlines()[0])
     ap.add_argument("model_dir")
     ap.add_argument("--num", type=int, default=256, help="questions to sample")

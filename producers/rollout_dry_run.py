@@ -23,6 +23,9 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from rlbus.common.data import DataError, example_to_task, load_dataset
+from rlbus.producers.agent_loops import Trajectory
+from rlbus.producers.build import build_rollout
 from rlbus.schemas.config import RunConfig, load_config
 from rlbus.schemas.errors import ConfigError
 
@@ -42,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _token_view(tokenizer: Any, traj: Any) -> Text:
+def _token_view(tokenizer: Any, traj: Trajectory) -> Text:
     """The response tokens, each styled by its mask bit; newlines shown as ⏎ so turn boundaries stay visible."""
     out = Text()
     for tid, m in zip(traj.response_ids, traj.response_mask):
@@ -60,7 +63,7 @@ def _messages_text(messages: list[Any]) -> Text:
     return out
 
 
-def render_trajectory(tokenizer: Any, traj: Any, *, title: str, num_prompt_messages: int, tokens: bool) -> Panel:
+def render_trajectory(tokenizer: Any, traj: Trajectory, *, title: str, num_prompt_messages: int, tokens: bool) -> Panel:
     mask = traj.response_mask
     generated = [v for v, m in zip(traj.versions, mask) if m]
     stats = Text.assemble(
@@ -94,22 +97,10 @@ def _summary(results: list[tuple[Any, list[Any]]], seconds: float) -> Table:
 
 async def run(cfg: RunConfig, *, num_prompts: int, seed: int, console: Console, tokens: bool = True) -> list:
     """Build everything the producer would, roll out `num_prompts` prompts, print them; returns (task, group)s."""
-    from transformers import AutoTokenizer
-
-    from rlbus.producers.agent_loops import make_agent_loop
-    from rlbus.common.data import example_to_task, load_dataset
-    from rlbus.producers.engines import make_engine
-    from rlbus.common.model.ensure import ensure_model
-    from rlbus.producers.rewards import load_reward
-    from rlbus.producers.tools import load_tools
-
-    model_path = ensure_model(cfg.model)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    tools = load_tools(cfg.rollout.tools)
-    reward_fn = load_reward(cfg.rollout)
+    stack = build_rollout(cfg, seed=seed)
+    model_path, tokenizer, tools, engine, loop = (stack.model_path, stack.tokenizer, stack.tools, stack.engine,
+                                                  stack.agent_loop)
     dataset = load_dataset(cfg.data, tokenizer=tokenizer)
-    engine = make_engine(cfg, model_path=model_path)
-    loop = make_agent_loop(cfg, engine, tokenizer, tools, reward_fn, seed=seed)
     indices = random.Random(seed).sample(range(len(dataset)), min(num_prompts, len(dataset)))
     # Text, not markup: paths and tool lists hold square brackets that rich would read as style tags.
     console.print(Text.assemble(("rlbus rollout", "bold"),
@@ -141,8 +132,6 @@ def main(argv: list[str] | None = None, *, console: Console | None = None) -> in
     if args.num_prompts < 1:
         print("rlbus rollout: --num-prompts must be >= 1", file=sys.stderr)
         return 2
-    from rlbus.common.data import DataError
-
     console = console or Console()
     try:
         cfg = load_config(args.config, args.overrides)

@@ -22,10 +22,19 @@ import os
 import signal
 import socket
 import time
-from typing import Any
 
-from rlbus.bus.loop import raise_if_failed
+from rlbus.bus.client import Bus, Delivery
+from rlbus.bus.loop import raise_if_failed, run
+from rlbus.bus.ray_cluster import ensure_ray
+from rlbus.bus.transfer_queue import TransferQueue
+from rlbus.bus.weight_store import WeightStore
+from rlbus.common.logs import setup_logging
+from rlbus.producers.agent_loops import AgentLoop
+from rlbus.producers.build import build_rollout
+from rlbus.producers.engines import RolloutEngine
+from rlbus.schemas import staleness
 from rlbus.schemas.config import RunConfig
+from rlbus.schemas.staleness import generated_span
 from rlbus.schemas.wire import (
     ErrorRaised,
     ProducerHeartbeat,
@@ -61,11 +70,12 @@ class Producer:
 
     cfg: RunConfig
     producer_id: str
-    bus: Any  # bus.client.Bus
-    tq: Any  # bus.transfer_queue.TransferQueue
-    weight_store: Any  # bus.transfer_queue.WeightStore
-    engine: Any  # producers.engines.base.RolloutEngine
-    agent_loop: Any  # producers.agent_loops.base.AgentLoop
+    # Set by start(); None before (close() releases whatever start() got to).
+    bus: Bus | None
+    tq: TransferQueue | None
+    weight_store: WeightStore | None
+    engine: RolloutEngine | None
+    agent_loop: AgentLoop | None
     trainer_version: int  # newest version the trainer announced
     groups_done: int
     groups_abandoned: int
@@ -93,28 +103,14 @@ class Producer:
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        from transformers import AutoTokenizer
-
-        from rlbus.bus.client import Bus
-        from rlbus.bus.ray_cluster import ensure_ray
-        from rlbus.bus.transfer_queue import TransferQueue, WeightStore
-        from rlbus.producers.agent_loops import make_agent_loop
-        from rlbus.producers.engines import make_engine
-        from rlbus.common.model.ensure import ensure_model
-        from rlbus.producers.rewards import load_reward
-        from rlbus.producers.tools.registry import load_tools
-
         cfg = self.cfg
-        model_path = ensure_model(cfg.model)
         self.bus = await Bus.connect(cfg.bus, cfg.name, name=f"producer-{self.producer_id}")
         await self.bus.ensure_streams()
         ensure_ray(cfg.ray)  # from the main thread: a head it starts lives as long as this process
         self.tq = TransferQueue.connect(cfg.name, cfg.ray)
         self.weight_store = WeightStore.connect(cfg.name, cfg.ray)
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.engine = make_engine(cfg, model_path=model_path)
-        self.agent_loop = make_agent_loop(cfg, self.engine, tokenizer, load_tools(cfg.rollout.tools),
-                                          load_reward(cfg.rollout))
+        stack = build_rollout(cfg)
+        self.engine, self.agent_loop = stack.engine, stack.agent_loop
         latest = await self.bus.kv_get("latest", WeightsPublished)  # a late joiner starts from the newest weights
         if latest is not None:
             await self._load_version(latest)
@@ -170,7 +166,7 @@ class Producer:
 
     # ---------------------------------------------------------------- one task
 
-    async def _handle(self, delivery) -> None:
+    async def _handle(self, delivery: Delivery[PromptTask]) -> None:
         task: PromptTask = delivery.data
         cfg = self.cfg
         max_deliver = cfg.bus.max_deliver
@@ -180,11 +176,11 @@ class Producer:
             started = time.monotonic()
             log.info("task %s: rolling out (delivery %d)", task.task_id, delivery.num_delivered)
             trajectories = await self.agent_loop.rollout_group(task, task.n or cfg.rollout.n)
-            if self._too_stale(trajectories):
+            oldest = staleness.oldest(generated_span(t.versions, t.response_mask)[0] for t in trajectories)
+            if staleness.too_stale(self.trainer_version, oldest, cfg.trainer):
                 # The trainer would drop this group; give the task back so it is redone with fresh weights.
                 self.groups_abandoned += 1
-                log.info("task %s abandoned: generated at v%d, trainer at v%d", task.task_id,
-                         min(min((v for v in t.versions if v >= 0), default=0) for t in trajectories),
+                log.info("task %s abandoned: generated at v%d, trainer at v%d", task.task_id, oldest,
                          self.trainer_version)
                 await delivery.nak()
                 return
@@ -232,14 +228,7 @@ class Producer:
                 log.warning("weights v%d not loaded after %.0fs; rolling out on v%d", released_version,
                             WEIGHTS_WAIT_S, self.engine.version)
 
-    def _too_stale(self, trajectories) -> bool:
-        tc = self.cfg.trainer
-        if tc.staleness_policy != "drop":
-            return False
-        oldest = min((v for t in trajectories for v, m in zip(t.versions, t.response_mask) if m), default=None)
-        return oldest is not None and self.trainer_version - oldest > tc.max_staleness
-
-    async def _keep_alive(self, delivery) -> None:
+    async def _keep_alive(self, delivery: Delivery[PromptTask]) -> None:
         """Tell JetStream the task is still being worked on, so ack_wait does not redeliver it meanwhile."""
         while True:
             await asyncio.sleep(self.cfg.rollout.in_progress_interval_s)
@@ -272,21 +261,16 @@ class Producer:
                 self._weights_changed.notify_all()
 
     async def _load(self, published: WeightsPublished) -> None:
-        from rlbus.bus.transfer_queue import state_dict_checksum
-
         async with self._load_lock:
             if (published.version, published.checksum) == (self.engine.version, self._loaded_checksum):
                 return
             if published.version == self.engine.version == 0 and not self._loaded_checksum:
                 self._loaded_checksum = published.checksum  # the base model the engine was built from
                 return
-            state_dict = await self.weight_store.get(published.version)
-            checksum = await asyncio.to_thread(state_dict_checksum, state_dict)
-            if checksum != published.checksum:
-                raise RuntimeError(f"weights v{published.version}: checksum {checksum} != published "
-                                   f"{published.checksum}")
+            # Raises WeightsChecksumMismatch unless the store's bytes are the ones announced.
+            state_dict = await self.weight_store.get(published.version, expect=published.checksum)
             await self.engine.load_weights(state_dict, published.version)  # waits for the chunk in flight
-            self._loaded_checksum = checksum
+            self._loaded_checksum = published.checksum
             log.info("loaded weights v%d", published.version)
 
     async def _heartbeats(self) -> None:
@@ -318,9 +302,6 @@ async def run_producer(cfg: RunConfig, producer_id: str = "") -> None:
 
 
 def main(cfg: RunConfig, producer_id: str = "") -> int:
-    from rlbus.bus.loop import run
-    from rlbus.common.logs import setup_logging
-
     setup_logging(cfg.logging.level)
     run(run_producer(cfg, producer_id))
     return 0

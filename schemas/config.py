@@ -19,6 +19,7 @@ import msgspec
 import yaml
 
 from rlbus.schemas.errors import ConfigError
+from rlbus.schemas.subjects import check_run_name
 
 
 def _need(ok: bool, field: str, reason: str) -> None:
@@ -283,8 +284,6 @@ class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
-        from rlbus.schemas.subjects import check_run_name
-
         try:
             check_run_name(self.name)
         except ValueError as e:

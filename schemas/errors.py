@@ -45,6 +45,14 @@ class WeightsMissing(TransferQueueError):
     """A weight version is not (or no longer) held by the weight store."""
 
 
+class WeightsChecksumMismatch(TransferQueueError):
+    """Weights fetched for a version do not have the digest they were announced (or stored) with."""
+
+    def __init__(self, version: int, *, expected: str, actual: str):
+        self.version, self.expected, self.actual = version, expected, actual
+        super().__init__(f"weights of version {version} have checksum {actual}, expected {expected}")
+
+
 class WeightLoadError(RlbusError):
     """A rollout engine was handed a state dict that does not fit its model (names or shapes differ)."""
 

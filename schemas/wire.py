@@ -15,6 +15,9 @@ from typing import Any, Union
 
 import msgspec
 
+from rlbus.schemas import staleness
+from rlbus.schemas.errors import SchemaError
+
 #: Major version of the wire contract. Readers accept messages whose `schema_version` is in SUPPORTED_VERSIONS.
 SCHEMA_VERSION = 1
 SUPPORTED_VERSIONS = frozenset({1})
@@ -67,8 +70,8 @@ class SampleMeta(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     num_tool_calls: int = 0
     num_turns: int = 1
     finish_reason: str = "stop"  # "stop" | "length" | "max_turns" | "error"
-    min_version: int = 0  # oldest policy version among its generated tokens
-    max_version: int = 0  # newest policy version among its generated tokens
+    min_version: int = 0  # oldest policy version among its generated tokens (-1: it has none)
+    max_version: int = 0  # newest policy version among its generated tokens (-1: it has none)
     gen_time_s: float = 0.0
     tool_time_s: float = 0.0
     reward_time_s: float = 0.0
@@ -89,11 +92,13 @@ class TrajectoryGroup(Wire, tag="trajectory_group"):
 
     @property
     def min_version(self) -> int:
-        return min((s.min_version for s in self.samples), default=0)
+        """Oldest token version of the group; samples without a generated token are left out (-1 if all are)."""
+        return staleness.oldest(s.min_version for s in self.samples)
 
     @property
     def max_version(self) -> int:
-        return max((s.max_version for s in self.samples), default=0)
+        """Newest token version of the group (-1 if no sample has a generated token)."""
+        return staleness.newest(s.max_version for s in self.samples)
 
     @property
     def keys(self) -> list[str]:
@@ -198,8 +203,6 @@ EVENT_SUBJECT_KIND: dict[type, str] = {
 
 def check_version(msg: Any) -> None:
     """Raise SchemaError if `msg` carries a schema version this reader does not support."""
-    from rlbus.schemas.errors import SchemaError
-
     v = getattr(msg, "schema_version", SCHEMA_VERSION)
     if v not in SUPPORTED_VERSIONS:
         raise SchemaError(
@@ -222,8 +225,6 @@ class TypedDecoder:
         self._dec = msgspec.msgpack.Decoder(typ)
 
     def decode(self, data: bytes) -> Any:
-        from rlbus.schemas.errors import SchemaError
-
         try:
             msg = self._dec.decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:

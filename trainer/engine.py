@@ -2,7 +2,7 @@
 
 The trainer service (`trainer/service.py`) owns the loop; this module owns the math of one step on one rank:
 
-    engine = TrainEngine(model_path, cfg.trainer, cfg.algorithm, temperature=cfg.rollout.temperature)
+    engine = TrainEngine.from_config(cfg, model_path)   # seeded with trainer.seed
     metrics = engine.train_step(batch)       # batch: this rank's share (whole GRPO groups) as a TensorDict [B]
     weights = engine.full_state_dict()       # rank 0: HF-named full tensors on CPU; others: {}
 
@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from rlbus.schemas.config import AlgorithmConfig, TrainerConfig
+from rlbus.schemas.config import AlgorithmConfig, RunConfig, TrainerConfig
 from rlbus.trainer import algorithms as algo
 from rlbus.trainer.dist import DistInfo, all_reduce, init_distributed
 from rlbus.trainer.parallelize import parallelize
@@ -106,6 +106,15 @@ class TrainEngine:
                                 min_ratio=trainer_cfg.min_lr_ratio),
         )  # fmt: skip
         self.num_updates = 0
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, model_path: str | None = None) -> TrainEngine:
+        """The engine of a run: the trainer builds it this way on every rank, and `rlbus replay` rebuilds it so.
+
+        Weights from `model_path` (default `cfg.model.path`); torch is seeded with `trainer.seed` first.
+        """
+        return cls(model_path or cfg.model.path, cfg.trainer, cfg.algorithm, temperature=cfg.rollout.temperature,
+                   dtype=cfg.model.dtype, gradient_checkpointing=cfg.model.gradient_checkpointing)
 
     def _load(self, path: str, dtype: str, gradient_checkpointing: bool) -> nn.Module:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype])

@@ -22,12 +22,15 @@ import logging
 import os
 import random
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import msgspec
 
+from rlbus.bus.client import Bus
+from rlbus.common.data import PromptDataset, example_to_task
+from rlbus.schemas import staleness
 from rlbus.schemas.config import RunConfig
-from rlbus.schemas.wire import PromptTask
+from rlbus.schemas.wire import PromptTask, TypedDecoder
 
 log = logging.getLogger("rlbus.feeder")
 
@@ -60,15 +63,15 @@ class Feeder:
 
     cfg: RunConfig
     state: FeederState
-    _dataset: Any
-    _bus: Any
+    _dataset: PromptDataset
+    _bus: Bus
     _version_fn: Callable[[], int]
     _wake: asyncio.Event
     _path: Path
     _order: list[int]
     _on_release: Callable[[PromptTask, str], None] | None  # the event recorder (the work queue allows no 2nd reader)
 
-    def __init__(self, cfg: RunConfig, dataset, bus, version_fn: Callable[[], int], state: FeederState | None = None,
+    def __init__(self, cfg: RunConfig, dataset: PromptDataset, bus: Bus, version_fn: Callable[[], int], state: FeederState | None = None,
                  on_release: Callable[[PromptTask, str], None] | None = None):
         self.cfg = cfg
         self._on_release = on_release
@@ -87,8 +90,7 @@ class Feeder:
 
     def allowance(self) -> int:
         """How many more tasks admission allows right now."""
-        t = self.cfg.trainer
-        return (self._version_fn() + t.max_staleness + 1) * t.groups_per_step - self.admitted()
+        return staleness.allowance(self._version_fn(), self.state.released, self.state.abandoned, self.cfg.trainer)
 
     def notify(self) -> None:
         """The version moved or a release was abandoned: re-check admission."""
@@ -155,16 +157,12 @@ class Feeder:
         return index, s.epoch, 0
 
     def _task(self, index: int, epoch: int, attempt: int) -> PromptTask:
-        from rlbus.common.data import example_to_task
-
         return example_to_task(self._dataset[index], task_id=f"e{epoch}-i{index}-a{attempt}",
                                n=self.cfg.rollout.n, epoch=epoch, attempt=attempt,
                                released_version=self._version_fn())
 
     async def reissue_exhausted(self) -> None:
         """Tasks that producers failed to finish `bus.max_deliver` times are dead-lettered; release them again."""
-        from rlbus.schemas.wire import TypedDecoder
-
         decoder = TypedDecoder(PromptTask)
         subjects = self._bus.subjects
         async for letter in self._bus.exhausted(subjects.prompts, subjects.prompts_consumer):

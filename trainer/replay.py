@@ -21,9 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from rich.console import Console
+from rich.table import Table
 
-from rlbus.consumers.recorder import RecordError, StepRecord, load_step_batch, read_steps
+from rlbus.consumers.event_log import RecordError, StepRecord, load_step_batch, read_steps
 from rlbus.schemas.config import RunConfig, load_config
+from rlbus.trainer.checkpoint import list_checkpoints, load_checkpoint
+from rlbus.trainer.engine import TrainEngine
+from rlbus.trainer.metrics import read_metrics
 
 #: Replayed metrics that depend on wall-clock time, never compared.
 _TIMING_PREFIXES = ("timing/", "time/", "perf/tokens_per_s")
@@ -67,8 +72,6 @@ def replay_config(run_dir: str | Path, overrides: list[str] = ()) -> RunConfig:
 
 
 def _checkpoint_before(run_dir: Path, step: int) -> tuple[int, Path | None]:
-    from rlbus.trainer.checkpoint import list_checkpoints
-
     best: tuple[int, Path | None] = (0, None)
     for p in list_checkpoints(run_dir / "checkpoints"):
         s = int(p.name.split("_", 1)[1])
@@ -78,14 +81,12 @@ def _checkpoint_before(run_dir: Path, step: int) -> tuple[int, Path | None]:
 
 
 def _recorded_metrics(run_dir: Path, records: dict[int, StepRecord]) -> dict[int, dict[str, Any]]:
-    from rlbus.trainer.metrics import read_metrics
-
     rows = {int(r["step"]): r for r in read_metrics(run_dir) if "step" in r}
     return {s: rows.get(s, rec.metrics) for s, rec in records.items()}
 
 
 def replay(run_dir: str | Path, from_step: int, num_steps: int = 1, overrides: list[str] = (),
-           *, engine: Any = None) -> tuple[ReplayResult, Any]:
+           *, engine: TrainEngine | None = None) -> tuple[ReplayResult, TrainEngine]:
     """Replay steps `from_step` .. `from_step + num_steps - 1`; returns the comparison and the engine after them.
 
     `engine`, when given, is used as is (already built, nothing restored): for callers that set it up themselves.
@@ -124,23 +125,16 @@ def replay(run_dir: str | Path, from_step: int, num_steps: int = 1, overrides: l
                         diffs=diffs), engine
 
 
-def build_engine(cfg: RunConfig, ckpt: Path | None) -> Any:
+def build_engine(cfg: RunConfig, ckpt: Path | None) -> TrainEngine:
     """A one-rank TrainEngine at the state of checkpoint `ckpt` (None: the base model, seeded as the trainer is)."""
-    import torch
-
-    from rlbus.trainer.checkpoint import load_checkpoint
-    from rlbus.trainer.engine import TrainEngine
-
-    torch.manual_seed(cfg.trainer.seed)  # as StepWorker does before building its engine
-    engine = TrainEngine(cfg.model.path, cfg.trainer, cfg.algorithm, temperature=cfg.rollout.temperature,
-                         dtype=cfg.model.dtype, gradient_checkpointing=cfg.model.gradient_checkpointing)
+    engine = TrainEngine.from_config(cfg)
     if ckpt is not None:
         load_checkpoint(engine, ckpt)  # model, optimizer, LR schedule, update count and RNG
         _apply_optimizer_overrides(engine, cfg)
     return engine
 
 
-def _apply_optimizer_overrides(engine: Any, cfg: RunConfig) -> None:
+def _apply_optimizer_overrides(engine: TrainEngine, cfg: RunConfig) -> None:
     """A checkpoint restores the optimizer's hyper-parameters with its state; a what-if's own values win.
 
     Touched only where they differ from the restored ones, so a plain replay keeps the restored floats bit for bit.
@@ -157,9 +151,7 @@ def _apply_optimizer_overrides(engine: Any, cfg: RunConfig) -> None:
             group["betas"] = tuple(t.betas)
 
 
-def render(result: ReplayResult, console: Any, *, show_all: bool = False) -> None:
-    from rich.table import Table
-
+def render(result: ReplayResult, console: Console, *, show_all: bool = False) -> None:
     title = (f"replay of steps {result.steps[0]}..{result.steps[-1]} from "
              f"{'checkpoint step ' + str(result.from_checkpoint) if result.from_checkpoint else 'the base model'}")
     table = Table(title=title)
@@ -179,8 +171,6 @@ def render(result: ReplayResult, console: Any, *, show_all: bool = False) -> Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rich.console import Console
-
     p = argparse.ArgumentParser(prog="rlbus replay", description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir", help="a run directory recorded with logging.record=full")
     p.add_argument("--from-step", type=int, required=True, help="first step to compare (K)")

@@ -1,12 +1,13 @@
-"""The trainer: consumes trajectory groups, trains, publishes weights, checkpoints; runs the prompt feeder.
+"""The trainer's controller (rank 0) and the trainer's entry points: consumes groups, trains, publishes weights,
+checkpoints, and runs the prompt feeder.
 
     rlbus trainer configs/quickstart.yaml bus.url=... bus.creds_file=... ray.address=...
     rlbus trainer configs/quickstart.yaml trainer.num_ranks=2          # two local FSDP ranks
     torchrun --nproc-per-node 2 -m rlbus.cli trainer CONFIG            # multi-node
 
 Rank 0 is the controller: it alone talks to NATS (batcher, feeder, events) and holds only metadata. Every step it
-broadcasts a plan -- which TransferQueue keys each rank fetches -- and every rank fetches its own tensors, so no
-tensor passes through the controller. The train loop:
+broadcasts a plan -- which TransferQueue keys each rank fetches -- and every rank fetches its own tensors
+(trainer/worker.py), so no tensor passes through the controller. The train loop:
 
     while step < total_steps:
         groups = await batcher.next_batch(version)       # whole groups, staleness policy applied
@@ -27,141 +28,25 @@ from typing import Any
 
 import msgspec
 import torch
-import torch.distributed as dist
 
-from rlbus.bus.loop import raise_if_failed
+from rlbus.bus.client import Bus
+from rlbus.bus.loop import raise_if_failed, run
+from rlbus.bus.ray_cluster import ensure_ray
+from rlbus.bus.weight_store import WeightStore
+from rlbus.common.data import load_dataset
+from rlbus.common.logs import setup_logging
+from rlbus.common.model.ensure import ensure_model
+from rlbus.consumers.batcher import Batcher
+from rlbus.consumers.recorder import Recorder
+from rlbus.schemas import staleness
 from rlbus.schemas.config import RunConfig, to_yaml
-from rlbus.schemas.errors import PayloadMissing
-from rlbus.schemas.wire import ErrorRaised, RoleStarted, RoleStopped, SampleMeta, StepCompleted, TrajectoryGroup, \
-    WeightsPublished
+from rlbus.schemas.wire import ErrorRaised, RoleStarted, RoleStopped, StepCompleted, TrajectoryGroup, WeightsPublished
+from rlbus.trainer.dist import spawn_local
+from rlbus.trainer.feeder import Feeder
+from rlbus.trainer.metrics import MetricsLog
+from rlbus.trainer.worker import StepPlan, StepResult, StepWorker, plan_shards
 
 log = logging.getLogger("rlbus.trainer")
-
-
-class StepPlan(msgspec.Struct, kw_only=True):
-    """What every rank does this round. Broadcast by rank 0; None ends the ranks' loop."""
-
-    step: int  # the step this round produces (0 = publish-only round at start)
-    shards: list[list[tuple[SampleMeta, int]]] | None  # per rank: (sample, group index in the step); None = no train
-    publish: bool  # gather the full state dict on rank 0
-    checkpoint: dict | None  # extra state to save with a checkpoint at this step, or None
-
-
-class StepResult(msgspec.Struct, kw_only=True):
-    missing: list[str] = []
-    metrics: dict[str, float] = {}
-    state_dict: Any = None  # rank 0 only, when publish
-    timings: dict[str, float] = {}
-
-
-def plan_shards(groups: list[TrajectoryGroup], num_ranks: int) -> list[list[tuple[SampleMeta, int]]]:
-    """Whole groups per rank (GRPO needs a whole group on one rank), balanced by tokens (largest first)."""
-    if len(groups) < num_ranks:
-        raise ValueError(f"{len(groups)} groups cannot feed {num_ranks} ranks (trainer.groups_per_step too small)")
-    order = sorted(range(len(groups)), key=lambda i: -sum(s.prompt_len + s.response_len for s in groups[i].samples))
-    shards: list[list[tuple[SampleMeta, int]]] = [[] for _ in range(num_ranks)]
-    load = [0] * num_ranks
-    for gi in order:
-        r = min(range(num_ranks), key=lambda k: (load[k], len(shards[k])))
-        shards[r].extend((s, gi) for s in groups[gi].samples)
-        load[r] += sum(s.prompt_len + s.response_len for s in groups[gi].samples)
-    return shards
-
-
-class StepWorker:
-    """The part of a step every rank runs: fetch own tensors, train, gather weights, checkpoint."""
-
-    cfg: RunConfig
-    engine: Any  # trainer.engine.TrainEngine
-    tq: Any  # bus.transfer_queue.TransferQueue
-    rank: int
-    world: int
-    pad_id: int
-    tokenizer: Any  # the model's tokenizer (prompt-length filtering of the data set)
-    restored: dict  # the checkpoint's extra blob (step, version, feeder, trained ids); {} on a fresh start
-
-    def __init__(self, cfg: RunConfig, model_path: str):
-        from transformers import AutoTokenizer
-
-        from rlbus.bus.ray_cluster import ensure_ray
-        from rlbus.bus.transfer_queue import TransferQueue
-        from rlbus.trainer.dist import init_distributed
-        from rlbus.trainer.engine import TrainEngine
-
-        info = init_distributed(cfg.trainer.device)
-        self.cfg, self.rank, self.world = cfg, info.rank, info.world_size
-        torch.manual_seed(cfg.trainer.seed)
-        ensure_ray(cfg.ray)
-        self.tq = TransferQueue.connect(cfg.name, cfg.ray)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.engine = TrainEngine(model_path, cfg.trainer, cfg.algorithm, temperature=cfg.rollout.temperature,
-                                  dtype=cfg.model.dtype, gradient_checkpointing=cfg.model.gradient_checkpointing)
-        from rlbus.trainer.checkpoint import load_checkpoint
-
-        # A collective: every rank restores its shards of model and optimizer from the same checkpoint.
-        self.restored = load_checkpoint(self.engine, cfg.run_dir / "checkpoints") or {}
-
-    def broadcast(self, plan: StepPlan | None) -> StepPlan | None:
-        if self.world == 1:
-            return plan
-        box = [plan]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def execute(self, plan: StepPlan) -> StepResult:
-        from rlbus.consumers.collate import collate
-        from rlbus.consumers.recorder import write_shard
-        from rlbus.trainer.checkpoint import save_checkpoint
-
-        timings: dict[str, float] = {}
-        metrics: dict[str, float] = {}
-        if plan.shards is not None:
-            t0 = time.perf_counter()
-            shard = plan.shards[self.rank]
-            keys = [meta.key for meta, _ in shard]
-            missing: list[str] = []
-            stored: list[dict] = []
-            try:
-                stored = self.tq.get_list_sync(keys)
-            except PayloadMissing as e:
-                missing = e.keys
-            if self.world > 1:
-                everyone: list[list[str]] = [[] for _ in range(self.world)]
-                dist.all_gather_object(everyone, missing)
-                missing = [k for ks in everyone for k in ks]
-            if missing:
-                return StepResult(missing=missing)
-            batch = collate([(m, t) for (m, _), t in zip(shard, stored)], [gi for _, gi in shard], pad_id=self.pad_id)
-            timings["time/fetch"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            # logging.record=full: this rank's exact batch, for `rlbus replay` (consumers/recorder.py)
-            write_shard(self.cfg.run_dir, self.cfg.logging.record, plan.step, self.rank, batch)
-            timings["time/record"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            metrics = self.engine.train_step(batch)
-            timings["time/train"] = time.perf_counter() - t0
-        state_dict = None
-        if plan.publish:
-            t0 = time.perf_counter()
-            state_dict = self.engine.full_state_dict()
-            timings["time/gather_weights"] = time.perf_counter() - t0
-        if plan.checkpoint is not None:
-            t0 = time.perf_counter()
-            save_checkpoint(self.engine, self.cfg.run_dir / "checkpoints", plan.step, plan.checkpoint,
-                            keep=self.cfg.trainer.keep_checkpoints)
-            timings["time/checkpoint"] = time.perf_counter() - t0
-        return StepResult(metrics=metrics, state_dict=state_dict if self.rank == 0 else None, timings=timings)
-
-    def serve(self) -> None:
-        """Ranks > 0: follow rank 0's plans until it sends None."""
-        while (plan := self.broadcast(None)) is not None:
-            self.execute(plan)
-
-    def close(self) -> None:
-        from rlbus.trainer.dist import destroy_distributed
-
-        destroy_distributed()
 
 
 class TrainerService:
@@ -171,12 +56,13 @@ class TrainerService:
     worker: StepWorker
     step: int
     version: int
-    bus: Any
-    weight_store: Any
-    feeder: Any
-    batcher: Any
-    metrics: Any
-    recorder: Any  # consumers.recorder.Recorder
+    # Set by start(); None before (close() releases whatever start() got to).
+    bus: Bus | None
+    weight_store: WeightStore | None
+    feeder: Feeder | None
+    batcher: Batcher | None
+    metrics: MetricsLog | None
+    recorder: Recorder | None
     _stopping: asyncio.Event
     _feeder_task: asyncio.Task | None
 
@@ -188,14 +74,6 @@ class TrainerService:
         self._feeder_task = None
 
     async def start(self) -> None:
-        from rlbus.bus.client import Bus
-        from rlbus.bus.transfer_queue import WeightStore
-        from rlbus.consumers.batcher import Batcher
-        from rlbus.consumers.recorder import Recorder
-        from rlbus.common.data import load_dataset
-        from rlbus.trainer.feeder import Feeder
-        from rlbus.trainer.metrics import MetricsLog
-
         cfg = self.cfg
         run_dir = cfg.run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -325,7 +203,8 @@ class TrainerService:
     def _metrics_row(self, groups: list[TrajectoryGroup], result: StepResult, wait_s: float) -> dict[str, Any]:
         samples = [s for g in groups for s in g.samples]
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
-        stale = torch.tensor([self.version - s.min_version for s in samples], dtype=torch.float64)
+        lags = [lag for s in samples if (lag := staleness.lag(self.version, s.min_version)) is not None]
+        stale = torch.tensor(lags or [0], dtype=torch.float64)
         resp = torch.tensor([s.response_len for s in samples], dtype=torch.float64)
         counts = self.batcher.counts
         row: dict[str, Any] = {
@@ -346,8 +225,8 @@ class TrainerService:
             "time/wait_data": wait_s,
             "_tokens": sum(s.prompt_len + s.response_len for s in samples),
         }
-        for v in range(int(stale.max().item()) + 1):  # the staleness histogram, one bucket per version lag
-            row[f"staleness/hist_{v}"] = int((stale == v).sum().item())
+        for v, count in staleness.histogram(lags).items():  # one bucket per version lag
+            row[f"staleness/hist_{v}"] = count
         row.update(result.metrics)
         row.update(result.timings)
         row.pop("time/gather_weights", None)
@@ -414,9 +293,6 @@ async def run_controller(cfg: RunConfig, worker: StepWorker) -> None:
 
 def run_rank(cfg: RunConfig, model_path: str) -> int:
     """Entry of one rank (spawned locally, under torchrun, or the only one)."""
-    from rlbus.bus.loop import run
-    from rlbus.common.logs import setup_logging
-
     setup_logging(cfg.logging.level)
     worker = StepWorker(cfg, model_path)
     try:
@@ -434,11 +310,6 @@ def run_rank(cfg: RunConfig, model_path: str) -> int:
 
 
 def main(cfg: RunConfig) -> int:
-    from rlbus.bus.ray_cluster import ensure_ray
-    from rlbus.common.model.ensure import ensure_model
-    from rlbus.common.logs import setup_logging
-    from rlbus.trainer.dist import spawn_local
-
     setup_logging(cfg.logging.level)
     model_path = ensure_model(cfg.model)
     n = cfg.trainer.num_ranks

@@ -6,7 +6,6 @@ from rlbus.common.data.datasets import (
     PromptDataset,
     example_to_task,
     load_dataset,
-    prompt_token_ids,
 )
 
-__all__ = ["DataError", "Example", "PromptDataset", "example_to_task", "load_dataset", "prompt_token_ids"]
+__all__ = ["DataError", "Example", "PromptDataset", "example_to_task", "load_dataset"]

@@ -23,6 +23,7 @@ from typing import Any, Iterator, Sequence
 
 import msgspec
 
+from rlbus.common.chat import prompt_token_ids
 from rlbus.schemas.config import DataConfig
 from rlbus.schemas.errors import RlbusError
 from rlbus.schemas.wire import ChatMessage, JsonScalar, PromptTask
@@ -208,16 +209,6 @@ def _drop_long(examples: list[Example], max_tokens: int, tokenizer: Any, name: s
     if not kept:
         raise DataError(name, None, f"every prompt is longer than data.max_prompt_tokens={max_tokens}")
     return kept
-
-
-def prompt_token_ids(tokenizer: Any, prompt: list[ChatMessage]) -> list[int]:
-    """The prompt rendered by the chat template, with the assistant generation header, as token ids."""
-    messages = [{"role": m.role, "content": m.content} for m in prompt]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    # transformers 5 returns a BatchEncoding (a mapping); 4.x returns a plain list.
-    if hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return list(ids)
 
 
 def example_to_task(

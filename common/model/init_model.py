@@ -17,6 +17,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import msgspec
 import torch
@@ -87,7 +88,9 @@ def init_model(
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, evaluate: Callable[[list[str]], int] | None = None) -> int:
+    """`evaluate(argv)` runs `--eval` (the CLI hands in the producers' tool-use evaluation: common/ imports no
+    role, and sampling a model is the producers' business)."""
     ap = argparse.ArgumentParser(prog="rlbus init-model", description=__doc__.splitlines()[0])
     ap.add_argument("out_dir", metavar="OUT_DIR", help="directory to write the model to")
     ap.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the demonstrations")
@@ -102,9 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.eval:
-        from rlbus.producers.evaluate import main as evaluate_main
-
-        return evaluate_main([str(out)])
+        if evaluate is None:
+            print("error: --eval samples the model with the producers' engine: run `rlbus init-model ... --eval`, "
+                  f"or `python -m rlbus.producers.evaluate {out}`", file=sys.stderr)
+            return 2
+        return evaluate([str(out)])
     return 0
 
 

@@ -24,12 +24,18 @@ from typing import Iterable, Mapping, Sequence
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from rlbus.common.chat import (
+    ANSWER_END,
+    ANSWER_START,
+    TOOL_CALL_END,
+    TOOL_CALL_START,
+    TOOL_RESPONSE_END,
+    TOOL_RESPONSE_START,
+)
+
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"  # end of every turn; also the eos token (an assistant turn stops on it)
 ENDOFTEXT = "<|endoftext|>"  # padding
-TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
-TOOL_RESPONSE_START, TOOL_RESPONSE_END = "<tool_response>", "</tool_response>"
-ANSWER_START, ANSWER_END = "<answer>", "</answer>"
 
 #: Control tokens (never produced by BPE merges): ids 0.. in this order.
 CONTROL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
@@ -75,17 +81,6 @@ def render_chat(messages: Sequence[Mapping[str, str]], add_generation_prompt: bo
     """The chat template in plain Python (for building corpora without a tokenizer)."""
     text = "".join(render_message(m["role"], m.get("content") or "") for m in messages)
     return text + (generation_prompt() if add_generation_prompt else "")
-
-
-def encode_chat(tokenizer, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = False) -> list[int]:
-    """Token ids of `messages` through the tokenizer's own chat template (any HF tokenizer, transformers 4 or 5).
-
-    Renders to text first and encodes without extra special tokens: transformers 5 returns a BatchEncoding from
-    `apply_chat_template(tokenize=True)` where 4.x returned a list, and a BOS the template already wrote must not be
-    added twice.
-    """
-    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=False)
-    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def _default_corpus() -> list[str]:

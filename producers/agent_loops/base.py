@@ -26,11 +26,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Mapping
 
-from rlbus.common.data.datasets import prompt_token_ids
+from rlbus.common.chat import as_dicts, prompt_token_ids
 from rlbus.producers.engines.base import Generation, RolloutEngine, SamplingParams
 from rlbus.producers.rewards.registry import RewardFn
 from rlbus.producers.tools.registry import Tool
 from rlbus.schemas.config import RolloutConfig, RunConfig
+from rlbus.schemas.staleness import generated_span
 from rlbus.schemas.wire import ChatMessage, PromptTask, SampleMeta
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ class Trajectory:
         }
 
     def sample_meta(self, key: str) -> SampleMeta:
-        generated = [v for v, m in zip(self.versions, self.response_mask) if m]
+        oldest, newest = generated_span(self.versions, self.response_mask)
         return SampleMeta(
             key=key,
             prompt_len=len(self.prompt_ids),
@@ -96,16 +97,12 @@ class Trajectory:
             num_tool_calls=self.num_tool_calls,
             num_turns=self.num_turns,
             finish_reason=self.finish_reason or "stop",
-            min_version=min(generated, default=0),
-            max_version=max(generated, default=0),
+            min_version=oldest,
+            max_version=newest,
             gen_time_s=self.gen_time_s,
             tool_time_s=self.tool_time_s,
             reward_time_s=self.reward_time_s,
         )
-
-
-def _as_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.content} for m in messages]
 
 
 class AgentLoop(abc.ABC):
@@ -141,7 +138,7 @@ class AgentLoop(abc.ABC):
 
     def render(self, messages: list[ChatMessage], *, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
-            _as_dicts(messages), add_generation_prompt=add_generation_prompt, tokenize=False
+            as_dicts(messages), add_generation_prompt=add_generation_prompt, tokenize=False
         )
 
     def encode(self, text: str) -> list[int]:

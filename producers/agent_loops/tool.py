@@ -21,13 +21,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from rlbus.common.chat import ANSWER_START, TOOL_CALL_END, TOOL_CALL_START
 from rlbus.producers.agent_loops.base import AgentLoop, Trajectory
 from rlbus.schemas.errors import RlbusError
 from rlbus.schemas.wire import ChatMessage, PromptTask
 
-TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-TOOL_CALL_START = "<tool_call>"
-ANSWER_START = "<answer>"
+TOOL_CALL_RE = re.compile(re.escape(TOOL_CALL_START) + r"(.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
 
 
 class ChatTemplateError(RlbusError):

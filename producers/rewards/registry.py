@@ -14,8 +14,9 @@ import math
 from typing import Any, Callable, Protocol
 
 from rlbus.producers.rewards.math import compute_score
+from rlbus.producers.tools.registry import import_object
 from rlbus.schemas.config import RolloutConfig
-from rlbus.schemas.errors import RlbusError
+from rlbus.schemas.errors import ConfigError, RlbusError
 from rlbus.schemas.wire import PromptTask
 
 
@@ -37,13 +38,8 @@ def _math_reward(format_reward: float) -> Callable[..., float]:
 def _resolve(cfg: RolloutConfig) -> Callable[..., Any]:
     if cfg.reward == "math":
         return _math_reward(cfg.format_reward)
-    # Imported here: producers.tools.registry owns the one import-path resolver and its error messages.
-    from rlbus.producers.tools.registry import import_object
-
     fn = import_object(cfg.reward, "rollout.reward")
     if not callable(fn):
-        from rlbus.schemas.errors import ConfigError
-
         raise ConfigError("rollout.reward", f"{cfg.reward!r} is not callable")
     return fn
 

@@ -66,7 +66,7 @@ async def run_checks(model_dir: Path, dtype: str) -> list[str]:
     from rlbus.producers.engines.vllm import VLLMEngine
     from rlbus.common.model.demos import prompt_messages
     from rlbus.common.model.tiny import tiny_model
-    from rlbus.common.model.tokenizer import encode_chat
+    from rlbus.common.chat import encode_chat
     from rlbus.schemas.config import VLLMEngineConfig
 
     failures: list[str] = []

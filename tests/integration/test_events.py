@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from rlbus.consumers.recorder import Recorder, read_entries, read_steps
+from rlbus.consumers.event_log import read_entries, read_steps
+from rlbus.consumers.recorder import Recorder
 from rlbus.schemas.config import BusConfig
 from rlbus.schemas.wire import DeadLetter, ProducerHeartbeat, PromptTask, RoleStarted, SampleMeta, StepCompleted, \
     TrajectoryGroup, WeightsPublished

@@ -23,7 +23,7 @@ from rlbus.producers.engines.hf import HFEngine
 from rlbus.common.model.demos import prompt_messages
 from rlbus.common.model.init_model import init_model
 from rlbus.common.model.tiny import TinyModelSpec, tiny_model
-from rlbus.common.model.tokenizer import encode_chat
+from rlbus.common.chat import encode_chat
 from rlbus.schemas.config import HFEngineConfig, from_dict
 from rlbus.schemas.errors import WeightLoadError
 

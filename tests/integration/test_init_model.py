@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlbus.common.model.demos import demonstration
 from rlbus.common.model.init_model import init_model, main
-from rlbus.common.model.tokenizer import IM_END, encode_chat
+from rlbus.common.chat import encode_chat
+from rlbus.common.model.tokenizer import IM_END
 from rlbus.common.model.warm_start import WarmStartConfig, demo_batch, encode_demonstration, warm_start
 
 

@@ -69,7 +69,7 @@ def record_run(root: Path, mode: str = "full") -> dict[str, Any]:
     from rlbus.trainer.checkpoint import save_checkpoint
     from rlbus.trainer.engine import TrainEngine
     from rlbus.trainer.metrics import MetricsLog
-    from rlbus.trainer.service import plan_shards
+    from rlbus.trainer.worker import plan_shards
 
     torch.set_num_threads(1)
     model_dir = build_tiny_qwen2(root / "model")
@@ -77,8 +77,7 @@ def record_run(root: Path, mode: str = "full") -> dict[str, Any]:
     cfg = run_config(run_dir, model_dir, mode)
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    torch.manual_seed(cfg.trainer.seed)
-    engine = TrainEngine(str(model_dir), cfg.trainer, cfg.algorithm, temperature=cfg.rollout.temperature)
+    engine = TrainEngine.from_config(cfg, str(model_dir))  # as every trainer rank builds it
     recorder = Recorder(run_dir, cfg.logging.record)
     metrics_log = MetricsLog(run_dir, tensorboard=False)
     rows, weights_after = [], {}
@@ -150,7 +149,7 @@ def test_what_if_replay_reports_differences(recorded: dict[str, Any], tmp_path: 
 
 
 def test_replay_refuses_steps_it_cannot_reproduce(recorded: dict[str, Any], tmp_path: Path) -> None:
-    from rlbus.consumers.recorder import RecordError
+    from rlbus.consumers.event_log import RecordError
     from rlbus.trainer.replay import replay
 
     with pytest.raises(RecordError, match=r"steps \[5\] have no step record"):
@@ -164,7 +163,7 @@ def test_replay_refuses_steps_it_cannot_reproduce(recorded: dict[str, Any], tmp_
 @pytest.mark.slow
 def test_real_run_is_archived_and_replays_bit_for_bit(tmp_path: Path, bus_config, ray_address, tiny_model_dir,
                                                       run_name, role_processes, capsys) -> None:
-    from rlbus.consumers.recorder import read_entries, read_steps
+    from rlbus.consumers.event_log import read_entries, read_steps
     from rlbus.trainer.replay import replay
     from rlbus.cli.events import main as events_main
     from tests.support.runs import small_run_config, start_role, stop, wait_exit, write_config

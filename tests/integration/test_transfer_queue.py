@@ -13,8 +13,9 @@ import textwrap
 import pytest
 import torch
 
-from rlbus.bus.transfer_queue import TransferQueue, WeightStore, shard_of, state_dict_checksum
-from rlbus.schemas.errors import PayloadMissing, TransferQueueFull, WeightsMissing
+from rlbus.bus.transfer_queue import TransferQueue, shard_of
+from rlbus.bus.weight_store import WeightStore, state_dict_checksum
+from rlbus.schemas.errors import PayloadMissing, TransferQueueFull, WeightsChecksumMismatch, WeightsMissing
 
 torch.set_num_threads(1)
 
@@ -30,30 +31,23 @@ def _traj(length: int, seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-async def test_round_trip_pads_unequal_lengths_and_keeps_order(ray_config, run_name):
+async def test_round_trip_keeps_order_shapes_and_dtypes(ray_config, run_name):
     tq = TransferQueue.connect(run_name, ray_config)
     lengths = {"g/0": 5, "g/1": 2, "g/2": 7, "g/3": 1}
     stored = {k: _traj(n, i) for i, (k, n) in enumerate(lengths.items())}
     await tq.put_many(stored)
 
-    keys = ["g/2", "g/0", "g/3", "g/1"]
-    batch = await tq.get(keys)
-    assert batch.batch_size == torch.Size([4])
-    assert batch["input_ids"].shape == (4, 7) and batch["topk"].shape == (4, 2, 7)
-    assert batch["topk"].dtype == torch.bfloat16 and batch["response_mask"].dtype == torch.bool
-    for row, key in enumerate(keys):
-        n = lengths[key]
-        for name in ("input_ids", "response_mask", "logprobs"):
-            assert torch.equal(batch[name][row, :n], stored[key][name])
-            assert not batch[name][row, n:].any()  # right-padded with 0
-        assert torch.equal(batch["topk"][row, :, :n], stored[key]["topk"])
-        assert batch["reward"][row] == stored[key]["reward"]
-    assert torch.equal(tq.get_sync(keys)["logprobs"], batch["logprobs"])
-
-    unpadded = await tq.get_list(keys)
-    for key, item in zip(keys, unpadded):
-        assert item.keys() == stored[key].keys()
-        assert all(torch.equal(item[f], stored[key][f]) for f in item)
+    keys = ["g/2", "g/0", "g/3", "g/1"]  # across both shards, out of put order
+    got = await tq.get_list(keys)
+    assert [item.keys() for item in got] == [stored[k].keys() for k in keys]
+    for key, item in zip(keys, got):
+        for name, want in stored[key].items():
+            assert item[name].dtype == want.dtype and item[name].shape == want.shape, (key, name)
+            assert torch.equal(item[name], want), (key, name)
+    assert got[0]["topk"].dtype == torch.bfloat16 and got[0]["response_mask"].dtype == torch.bool
+    assert got[0]["reward"].dim() == 0
+    synced = tq.get_list_sync(keys)
+    assert all(torch.equal(a[f], b[f]) for a, b in zip(got, synced) for f in a)
 
 
 async def test_reput_replaces_and_counts_once(ray_config, run_name):
@@ -62,14 +56,15 @@ async def test_reput_replaces_and_counts_once(ray_config, run_name):
     await tq.put("k", {"x": torch.ones(10, dtype=torch.int64)})  # a retried put
     stats = await tq.stats()
     assert (stats["items"], stats["bytes"]) == (1, 80)
-    assert torch.equal((await tq.get(["k"]))["x"][0], torch.ones(10, dtype=torch.int64))
+    assert torch.equal((await tq.get_list(["k"]))[0]["x"], torch.ones(10, dtype=torch.int64))
 
 
 _PRODUCER = textwrap.dedent(
     """
     import os, sys, time, torch
     from rlbus.schemas.config import RayConfig
-    from rlbus.bus.transfer_queue import TransferQueue, WeightStore
+    from rlbus.bus.transfer_queue import TransferQueue
+    from rlbus.bus.weight_store import WeightStore
     address, namespace, run, mode = sys.argv[1:5]
     cfg = RayConfig(address=address, namespace=namespace, num_storage_actors=2,
                     capacity_items=16, capacity_bytes=128 * 1024, weight_versions_kept=2)
@@ -101,8 +96,8 @@ async def test_tensors_put_by_a_dead_producer_survive(ray_config, run_name, ray_
     assert proc.returncode == (-signal.SIGKILL if how == "sigkill" else 0)
 
     tq = TransferQueue.connect(run_name, ray_config)
-    batch = await tq.get([f"sub/{i}" for i in range(4)])
-    assert torch.equal(batch["ids"], torch.arange(50)[None, :] + torch.arange(4)[:, None])
+    got = await tq.get_list([f"sub/{i}" for i in range(4)])
+    assert all(torch.equal(item["ids"], torch.arange(50) + i) for i, item in enumerate(got))
     weights = await WeightStore.connect(run_name, ray_config).get(7, verify=True)
     assert torch.equal(weights["w"], torch.full((64, 64), 7.0))
 
@@ -117,9 +112,9 @@ async def test_delete_frees_memory_and_later_gets_are_missing(ray_config, run_na
     after = await tq.stats()
     assert (after["items"], after["bytes"]) == (2, 2 * 1024)
     with pytest.raises(PayloadMissing) as err:
-        await tq.get(["d/2", "d/0", "d/1"])
+        await tq.get_list(["d/2", "d/0", "d/1"])
     assert err.value.keys == ["d/0", "d/1"]
-    assert (await tq.get(["d/3"]))["x"].shape == (1, 256)
+    assert (await tq.get_list(["d/3"]))[0]["x"].shape == (256,)
 
 
 async def test_exceeding_capacity_items_stores_nothing(ray_config, run_name):
@@ -147,7 +142,7 @@ async def test_exceeding_capacity_bytes_raises_with_usage(ray_config, run_name):
     stats = await tq.stats()
     assert (stats["items"], stats["bytes"]) == (1, 1024)
     with pytest.raises(PayloadMissing):
-        await tq.get(["big"])
+        await tq.get_list(["big"])
 
 
 async def test_keys_spread_over_shards(ray_config, run_name):
@@ -175,3 +170,16 @@ async def test_weight_store_keeps_newest_versions(ray_config, run_name):
     with pytest.raises(WeightsMissing, match=r"\[2, 3\]"):
         await ws.get(1)
     assert torch.equal(ws.get_sync(2)["layer.weight"], torch.full((8, 8), 2.0))
+
+
+async def test_weights_that_do_not_match_their_announcement_are_refused(ray_config, run_name):
+    ws = WeightStore.connect(run_name, ray_config)
+    info = await ws.put(5, {"w": torch.full((4, 4), 5.0)})
+    forged = "0" * len(info.checksum)  # what a forged or inconsistent WeightsPublished would carry
+    with pytest.raises(WeightsChecksumMismatch) as err:
+        await ws.get(5, expect=forged)
+    assert (err.value.version, err.value.expected, err.value.actual) == (5, forged, info.checksum)
+    assert "version 5" in str(err.value) and forged in str(err.value)
+    with pytest.raises(WeightsChecksumMismatch):
+        ws.get_sync(5, expect=forged)
+    assert torch.equal((await ws.get(5, expect=info.checksum))["w"], torch.full((4, 4), 5.0))

@@ -64,7 +64,7 @@ def ray_config(ray_address) -> RayConfig:
 @pytest.fixture
 def run_name(ray_config) -> Iterator[str]:
     """A run name unique to the test; its named actors are killed afterwards."""
-    from rlbus.bus.transfer_queue import teardown
+    from rlbus.bus.ray_store import teardown
 
     name = f"t-{uuid.uuid4().hex[:10]}"
     yield name

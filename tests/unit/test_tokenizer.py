@@ -11,7 +11,8 @@ import pytest
 from transformers import AutoTokenizer, Qwen2Config
 
 from rlbus.common.model.demos import QUICKSTART_SYSTEM_PROMPT, demonstration_corpus
-from rlbus.common.model.tokenizer import SPECIAL_TOKENS, build_tokenizer, encode_chat, render_chat
+from rlbus.common.chat import encode_chat
+from rlbus.common.model.tokenizer import SPECIAL_TOKENS, build_tokenizer, render_chat
 
 TOOL_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "17*23"}}</tool_call>'
 CONVERSATION = [

@@ -1,0 +1,114 @@
+"""What the run's storage actors (TransferQueue shards, weight store) share: tensor packing, plan drivers, names.
+
+Tensors travel as numpy arrays (zero-copy both ways); dtypes numpy lacks (bfloat16, ...) travel as a same-width
+integer view and are viewed back. Arrays that come out of the object store are read-only: tensors made from them
+(`unpack_tensor` inside `quiet_readonly()`) must be treated as read-only.
+
+Every client operation is written once, as a plan: a generator that yields the Ray calls (ObjectRefs) it must wait
+for and receives their results; its return value is the operation's result. `run_async` drives a plan on an event
+loop (producers, the trainer's controller), `run_sync` with ray.get (trainer ranks), so the async methods and their
+`*_sync` twins cannot drift apart.
+
+    .venv/bin/python -m pytest -q tests/integration/test_transfer_queue.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+from collections.abc import Generator
+from typing import Any, TypeVar
+
+import numpy as np
+import ray
+import torch
+
+from rlbus.bus.ray_cluster import ensure_ray
+from rlbus.schemas.config import RayConfig
+
+T = TypeVar("T")
+# A plan yields the Ray calls (ObjectRefs) it must wait for and receives their results; its return value is the
+# operation's result.
+Plan = Generator[list[ray.ObjectRef], list[Any], T]
+Packed = tuple[str, np.ndarray]  # (torch dtype name, array); the array may be an integer view of that dtype
+
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NUMPY_OK: dict[torch.dtype, bool] = {}
+
+
+def _numpy_ok(dtype: torch.dtype) -> bool:
+    ok = _NUMPY_OK.get(dtype)
+    if ok is None:
+        try:  # the only way to learn whether this torch build maps a dtype to numpy; asked once per dtype
+            torch.empty(0, dtype=dtype).numpy()
+            ok = True
+        except TypeError:
+            ok = False
+        _NUMPY_OK[dtype] = ok
+    return ok
+
+
+def pack_tensor(t: torch.Tensor) -> Packed:
+    """A CPU tensor as (dtype name, numpy array sharing its memory); GPU tensors are copied to CPU first."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    name = str(t.dtype).removeprefix("torch.")
+    if not _numpy_ok(t.dtype):
+        t = t.view(_INT_OF_WIDTH[t.element_size()])
+    return name, t.numpy()
+
+
+def unpack_tensor(packed: Packed) -> torch.Tensor:
+    """Inverse of pack_tensor, zero-copy. Call inside `quiet_readonly()` when the array may be read-only."""
+    name, arr = packed
+    t = torch.from_numpy(arr)
+    dtype = getattr(torch, name)
+    return t if t.dtype == dtype else t.view(dtype)
+
+
+class quiet_readonly(warnings.catch_warnings):
+    # Arrays from the object store are read-only; torch warns on each from_numpy of one. We hand them out as
+    # documented read-only tensors, so the warning is noise here (and only here).
+    def __enter__(self) -> None:
+        super().__enter__()
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
+
+def run_sync(plan: Plan[T]) -> T:
+    try:
+        refs = next(plan)
+        while True:
+            refs = plan.send(ray.get(refs))
+    except StopIteration as done:
+        return done.value
+
+
+async def run_async(plan: Plan[T]) -> T:
+    try:
+        refs = next(plan)
+        while True:
+            results = list(await asyncio.gather(*refs))
+            refs = plan.send(results)
+    except StopIteration as done:
+        return done.value
+
+
+def actor_name(run: str, what: str) -> str:
+    """The name of one of the run's detached actors (`tq-<i>-of-<n>`, `weights`)."""
+    return f"rlbus-{run}-{what}"
+
+
+def teardown(run: str, cfg: RayConfig) -> list[str]:
+    """Kill the run's named actors (TransferQueue shards of any count, weight store); returns their names."""
+    ensure_ray(cfg)
+    names = [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == cfg.namespace
+        and (a["name"] == actor_name(run, "weights") or a["name"].startswith(actor_name(run, "tq-")))
+    ]
+    for name in names:
+        ray.kill(ray.get_actor(name, namespace=cfg.namespace), no_restart=True)
+    return names

@@ -1,0 +1,216 @@
+"""The weight store: the run's policy weights by version, held by one named, detached Ray actor.
+
+    ws = WeightStore.connect("quickstart", cfg.ray)
+    info = await ws.put(3, model.state_dict())                       # trainer: returns size and checksum
+    state_dict = await ws.get(3, expect=announced.checksum)          # producer: raises WeightsChecksumMismatch
+
+The actor ray.put's each version itself and keeps the reference: it owns the object (the trainer that sent it may
+die), and every producer on a node maps the same object-store copy (weights are large and read by many). It keeps
+the newest `ray.weight_versions_kept` versions. A version's checksum is blake2b over names, dtypes, shapes and bytes
+(`state_dict_checksum`); `check_checksum` is the one place that compares a state dict with the digest it should
+have, and its error carries the version, the expected and the actual digest. State dicts handed out by `get` are
+read-only views (load_state_dict and ops that produce new tensors are fine).
+
+    .venv/bin/python -m pytest -q tests/integration/test_transfer_queue.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import ray
+import torch
+
+from rlbus.bus.ray_cluster import ensure_ray
+from rlbus.bus.ray_store import (
+    Packed,
+    Plan,
+    actor_name,
+    pack_tensor,
+    quiet_readonly,
+    run_async,
+    run_sync,
+    unpack_tensor,
+)
+from rlbus.schemas.config import RayConfig
+from rlbus.schemas.errors import WeightsChecksumMismatch, WeightsMissing
+
+
+@dataclass(frozen=True)
+class WeightsInfo:
+    """What the weight store holds for one version; mirrors the fields of wire.WeightsPublished."""
+
+    version: int
+    num_bytes: int
+    checksum: str
+    num_tensors: int
+    dtype: str  # dtype holding most of the bytes
+    store: str  # name of the weight-store actor
+
+
+def _digest(item: tuple[str, Packed]) -> bytes:
+    name, (dtype, arr) = item
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{name}\0{dtype}\0{tuple(arr.shape)}\0".encode())
+    h.update(memoryview(np.ascontiguousarray(arr)).cast("B"))
+    return h.digest()
+
+
+def _checksum_packed(packed: Mapping[str, Packed]) -> str:
+    items = sorted(packed.items())
+    total = sum(a.nbytes for _, a in packed.values())
+    # Per-tensor digests in name order, combined: deterministic, and parallel (hashlib drops the GIL) when large.
+    if total > 64 * 1024**2:
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            digests = list(pool.map(_digest, items))
+    else:
+        digests = [_digest(i) for i in items]
+    return hashlib.blake2b(b"".join(digests), digest_size=16).hexdigest()
+
+
+def state_dict_checksum(sd: Mapping[str, torch.Tensor]) -> str:
+    """blake2b over names, dtypes, shapes and bytes in name order; equal state dicts give equal checksums."""
+    return _checksum_packed({k: pack_tensor(v) for k, v in sd.items()})
+
+
+def check_checksum(version: int, packed: Mapping[str, Packed], expected: str) -> None:
+    """Raise WeightsChecksumMismatch unless the packed state dict of `version` has the digest `expected`."""
+    actual = _checksum_packed(packed)
+    if actual != expected:
+        raise WeightsChecksumMismatch(version, expected=expected, actual=actual)
+
+
+class _WeightStore:
+    """Keeps the newest `keep` versions; each is one object the actor ray.put itself, so the actor owns it."""
+
+    def __init__(self, keep: int, name: str):
+        self.keep = keep
+        self.name = name
+        self.versions: dict[int, tuple[list[ray.ObjectRef], WeightsInfo]] = {}
+
+    def put(self, version: int, packed: dict[str, Packed], info: WeightsInfo) -> list[int]:
+        # ray.put copies out of the call's argument buffer (owned by the trainer) into an object this actor owns.
+        self.versions[version] = ([ray.put(packed)], info)
+        evicted = sorted(self.versions)[: -self.keep]
+        for v in evicted:
+            del self.versions[v]
+        return evicted
+
+    def get(self, version: int | None) -> tuple[list[ray.ObjectRef], WeightsInfo] | list[int]:
+        """([ref], info), or the versions held when `version` is not. The ref travels inside a list so that Ray
+        hands the caller the reference (to fetch zero-copy) instead of resolving it here."""
+        if version is None and self.versions:
+            version = max(self.versions)
+        held = self.versions.get(version) if version is not None else None
+        return held if held is not None else sorted(self.versions)
+
+    def list_versions(self) -> list[int]:
+        return sorted(self.versions)
+
+
+_WeightStoreActor = ray.remote(num_cpus=0, max_restarts=-1)(_WeightStore)
+
+
+class WeightStore:
+    """Client of a run's weight-store actor: the trainer puts versions, producers get them."""
+
+    def __init__(self, run: str, actor: ray.actor.ActorHandle, name: str):
+        self.run = run
+        self.actor = actor
+        self.name = name
+
+    @classmethod
+    def connect(cls, run: str, cfg: RayConfig) -> WeightStore:
+        ensure_ray(cfg)
+        name = actor_name(run, "weights")
+        actor = _WeightStoreActor.options(
+            name=name, namespace=cfg.namespace, lifetime="detached", get_if_exists=True
+        ).remote(cfg.weight_versions_kept, name)
+        ray.get(actor.list_versions.remote())
+        return cls(run, actor, name)
+
+    def _put_plan(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> Plan[WeightsInfo]:
+        packed = {k: pack_tensor(v) for k, v in state_dict.items()}
+        by_dtype: dict[str, int] = {}
+        for dtype, arr in packed.values():
+            by_dtype[dtype] = by_dtype.get(dtype, 0) + arr.nbytes
+        info = WeightsInfo(
+            version=version,
+            num_bytes=sum(by_dtype.values()),
+            checksum=_checksum_packed(packed),
+            num_tensors=len(packed),
+            dtype=max(by_dtype, key=by_dtype.__getitem__) if by_dtype else "float32",
+            store=self.name,
+        )
+        yield [self.actor.put.remote(version, packed, info)]
+        return info
+
+    def _fetch_plan(self, version: int | None) -> Plan[tuple[WeightsInfo, dict[str, Packed]]]:
+        (reply,) = yield [self.actor.get.remote(version)]
+        if isinstance(reply, list):
+            want = "any version" if version is None else f"version {version}"
+            raise WeightsMissing(f"weight store {self.name!r} does not hold {want}; it holds {reply}")
+        (ref,), info = reply
+        (packed,) = yield [ref]
+        return info, packed
+
+    def _info_plan(self, version: int | None) -> Plan[WeightsInfo]:
+        (reply,) = yield [self.actor.get.remote(version)]
+        if isinstance(reply, list):
+            raise WeightsMissing(f"weight store {self.name!r} does not hold version {version}; it holds {reply}")
+        return reply[1]
+
+    def _versions_plan(self) -> Plan[list[int]]:
+        (versions,) = yield [self.actor.list_versions.remote()]
+        return versions
+
+    async def put(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> WeightsInfo:
+        """Store a full state dict as `version` (evicting versions beyond weight_versions_kept)."""
+        return await run_async(self._put_plan(version, state_dict))
+
+    async def get(self, version: int | None = None, *, expect: str | None = None,
+                  verify: bool = False) -> dict[str, torch.Tensor]:
+        """The state dict of `version` (None = newest) as read-only tensors. Raises WeightsMissing.
+
+        `expect` is the checksum the caller was told (WeightsPublished.checksum); `verify` checks against the
+        store's own record. Either way a mismatch raises WeightsChecksumMismatch; hashing runs in a thread, so
+        the caller's event loop stays free.
+        """
+        info, packed = await run_async(self._fetch_plan(version))
+        expected = expect if expect is not None else info.checksum if verify else None
+        if expected is not None:
+            await asyncio.to_thread(check_checksum, info.version, packed, expected)
+        return _unpack(packed)
+
+    async def info(self, version: int | None = None) -> WeightsInfo:
+        return await run_async(self._info_plan(version))
+
+    async def versions(self) -> list[int]:
+        return await run_async(self._versions_plan())
+
+    def put_sync(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> WeightsInfo:
+        return run_sync(self._put_plan(version, state_dict))
+
+    def get_sync(self, version: int | None = None, *, expect: str | None = None,
+                 verify: bool = False) -> dict[str, torch.Tensor]:
+        info, packed = run_sync(self._fetch_plan(version))
+        expected = expect if expect is not None else info.checksum if verify else None
+        if expected is not None:
+            check_checksum(info.version, packed, expected)
+        return _unpack(packed)
+
+    def info_sync(self, version: int | None = None) -> WeightsInfo:
+        return run_sync(self._info_plan(version))
+
+    def versions_sync(self) -> list[int]:
+        return run_sync(self._versions_plan())
+
+
+def _unpack(packed: Mapping[str, Packed]) -> dict[str, torch.Tensor]:
+    with quiet_readonly():
+        return {k: unpack_tensor(p) for k, p in packed.items()}

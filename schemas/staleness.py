@@ -1,0 +1,87 @@
+"""Staleness and admission: the one place that says how far behind the trainer a rollout may be.
+
+Invariant 2 of docs/architecture.md. The policy version is the number of completed trainer steps; every generated
+token records the version of the weights that produced it (-1 for tokens the policy did not generate). Three roles
+ask the same questions and all ask them here:
+
+- the feeder (trainer rank 0), before releasing a prompt: `allowance(...)`, AReaL's admission rule
+      released - abandoned <= (version + max_staleness + 1) * groups_per_step
+- a producer, after rolling out a group: `too_stale(...)` (give the task back rather than publish a group the
+  trainer will drop);
+- the batcher, when a group arrives: `rolled_back(...)` and `too_stale(...)`, and the trainer's metrics:
+  `lag(...)` per sample and `histogram(...)`.
+
+A sample with no generated token (an empty response) carries no version: it says nothing about staleness and is
+left out of every judgement (its SampleMeta versions are NO_VERSION). Pure functions, no I/O; part of the contract
+(schemas/), so the wire types, the feeder, producers and the batcher all read the same rule.
+
+    .venv/bin/python -m pytest -q tests/unit/test_staleness.py
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlbus.schemas.config import TrainerConfig
+
+#: The version of a token the policy did not generate, and of a sample (or group) with no generated token.
+NO_VERSION = -1
+
+
+def generated_span(versions: Sequence[int], mask: Sequence[int]) -> tuple[int, int]:
+    """(oldest, newest) version among the generated (mask 1) tokens; (NO_VERSION, NO_VERSION) if there are none."""
+    generated = [v for v, m in zip(versions, mask) if m]
+    if not generated:
+        return NO_VERSION, NO_VERSION
+    return min(generated), max(generated)
+
+
+def oldest(versions: Iterable[int]) -> int:
+    """The oldest of per-sample oldest versions, samples without a version left out (NO_VERSION if none has one)."""
+    return min((v for v in versions if v != NO_VERSION), default=NO_VERSION)
+
+
+def newest(versions: Iterable[int]) -> int:
+    """The newest of per-sample newest versions (NO_VERSION if no sample has one)."""
+    return max((v for v in versions if v != NO_VERSION), default=NO_VERSION)
+
+
+def lag(version: int, oldest_version: int) -> int | None:
+    """How many versions `oldest_version` trails the trainer's `version`; None when there is no version."""
+    return None if oldest_version == NO_VERSION else version - oldest_version
+
+
+def too_stale(version: int, oldest_version: int, cfg: TrainerConfig) -> bool:
+    """Whether a group whose oldest token is `oldest_version` is dropped at trainer version `version`.
+
+    Only under `staleness_policy: drop` (`correct` keeps every group for the importance weights). A group with no
+    generated token is never too stale. `max_staleness: 0` admits only tokens of the current version.
+    """
+    if cfg.staleness_policy != "drop":
+        return False
+    behind = lag(version, oldest_version)
+    return behind is not None and behind > cfg.max_staleness
+
+
+def rolled_back(version: int, newest_version: int) -> bool:
+    """Whether a group holds tokens of a version the trainer has not reached: weights of steps a restarted trainer
+    lost (it resumed from an older checkpoint). No version of the live timeline produced them."""
+    return newest_version > version
+
+
+def allowance(version: int, released: int, abandoned: int, cfg: TrainerConfig) -> int:
+    """How many more prompt tasks the feeder may release at trainer version `version` (<= 0: none).
+
+    `abandoned` counts releases that will never become a trained group (dropped stale, skipped, payload lost,
+    rolled back, dead-lettered), so they do not hold admission slots.
+    """
+    return (version + cfg.max_staleness + 1) * cfg.groups_per_step - (released - abandoned)
+
+
+def histogram(lags: Iterable[int]) -> dict[int, int]:
+    """Samples per version lag, every bucket from 0 to the largest lag present (empty buckets are 0)."""
+    counts = Counter(lags)
+    return {k: counts.get(k, 0) for k in range(max(counts, default=-1) + 1)}

@@ -1,0 +1,223 @@
+"""Feeder (trainer/feeder.py): admission, deterministic task ids, re-issues, epochs, persistence, dead letters.
+
+Against the in-memory bus of tests/support/memory_bus.py and a real synthetic PromptDataset of 6 examples.
+
+    .venv/bin/python -m pytest -q tests/unit/test_feeder.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from rlbus.common.data import load_dataset
+from rlbus.schemas.config import DataConfig, load_config
+from rlbus.schemas.wire import DeadLetter, PromptTask, encode
+from rlbus.trainer.feeder import Feeder, Reissue, permutation
+from tests.support.memory_bus import MemoryBus
+
+pytestmark = pytest.mark.timeout(10)
+
+N = 6
+DATASET = load_dataset(DataConfig(type="synthetic", num_examples=N))
+
+
+class Version:
+    def __init__(self) -> None:
+        self.value = 0
+
+    def __call__(self) -> int:
+        return self.value
+
+
+def make_cfg(run_dir: Path, *overrides: str):
+    return load_config(None, ["model.path=unused", f"logging.run_dir={run_dir}", "trainer.groups_per_step=2",
+                              "trainer.max_staleness=1", "rollout.n=3", "feeder.shuffle=false", *overrides])
+
+
+@pytest.fixture
+def bus() -> MemoryBus:
+    return MemoryBus()
+
+
+@pytest.fixture
+def version() -> Version:
+    return Version()
+
+
+def feeder(tmp_path: Path, bus: MemoryBus, version: Version, *overrides: str, **kw) -> Feeder:
+    return Feeder(make_cfg(tmp_path / "run", *overrides), DATASET, bus, version, **kw)
+
+
+def task_ids(bus: MemoryBus) -> list[str]:
+    return [msg.task_id for _, msg, _ in bus.published]
+
+
+async def wait_until(cond, timeout: float = 2.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.001)
+
+
+async def settle() -> None:
+    await asyncio.sleep(0.02)  # give a running feeder the chance to release more than it should
+
+
+async def test_admission_bound_and_version_bump(tmp_path, bus, version):
+    f = feeder(tmp_path, bus, version)
+    assert f.allowance() == (0 + 1 + 1) * 2 - 0 == 4
+    run = asyncio.create_task(f.run())
+    try:
+        await wait_until(lambda: len(bus.published) == 4)
+        await settle()
+        assert len(bus.published) == 4 and f.allowance() == 0 and f.admitted() == 4
+        version.value = 1
+        await settle()
+        assert len(bus.published) == 4  # the feeder is told of a version change, it does not poll for it
+        f.notify()
+        await wait_until(lambda: len(bus.published) == 6)
+        await settle()
+        assert task_ids(bus) == [f"e0-i{i}-a0" for i in range(6)] and f.allowance() == 0
+        f.abandon(2, 0, 0, reissue=False)  # frees one slot
+        await wait_until(lambda: len(bus.published) == 7)
+        await settle()
+        assert len(bus.published) == 7 and f.allowance() == (1 + 1 + 1) * 2 - (7 - 1) == 0
+    finally:
+        run.cancel()
+        await asyncio.gather(run, return_exceptions=True)
+
+
+async def test_allowance_counts_released_minus_abandoned(tmp_path, bus, version):
+    f = feeder(tmp_path, bus, version, "trainer.max_staleness=2")
+    version.value = 1
+    assert await f._release(5) == 5
+    f.abandon(0, 0, 0, reissue=False)
+    f.abandon(1, 0, 0, reissue=True)
+    assert (f.state.released, f.state.abandoned) == (5, 2)
+    assert f.allowance() == (1 + 2 + 1) * 2 - (5 - 2) == 5
+
+
+async def test_task_ids_are_deterministic_and_sent_as_msg_id(tmp_path, bus, version):
+    f = feeder(tmp_path, bus, version)
+    version.value = 3
+    assert await f._release(3) == 3
+    assert [(s, m) for s, _, m in bus.published] == [(bus.subjects.prompts, f"e0-i{i}-a0") for i in range(3)]
+    for i, (_, task, _) in enumerate(bus.published):
+        assert isinstance(task, PromptTask)
+        assert (task.task_id, task.index, task.epoch, task.attempt, task.n, task.released_version) == \
+            (f"e0-i{i}-a0", i, 0, 0, 3, 3)
+        assert (task.ground_truth, task.prompt) == (DATASET[i].ground_truth, DATASET[i].prompt)
+
+
+async def test_reissue_comes_first_with_the_next_attempt(tmp_path, bus, version):
+    f = feeder(tmp_path, bus, version)
+    await f._release(2)
+    f.abandon(1, 0, 0, reissue=True)
+    f.abandon(0, 0, 0, reissue=False)
+    assert f.state.reissues == [Reissue(index=1, epoch=0, attempt=1)]
+    await f._release(2)
+    assert task_ids(bus) == ["e0-i0-a0", "e0-i1-a0", "e0-i1-a1", "e0-i2-a0"]
+    assert bus.published[2][1].attempt == 1 and f.state.reissues == []
+
+
+async def test_example_is_given_up_after_max_attempts(tmp_path, bus, version):
+    f = feeder(tmp_path, bus, version, "feeder.max_attempts=2")
+    await f._release(1)
+    f.abandon(0, 0, 0, reissue=True)
+    await f._release(1)
+    f.abandon(0, 0, 1, reissue=True)  # its 2nd release failed too: given up
+    assert (f.state.given_up, f.state.reissues, f.state.abandoned) == (1, [], 2)
+    await f._release(1)
+    assert task_ids(bus) == ["e0-i0-a0", "e0-i0-a1", "e0-i1-a0"]
+
+
+async def test_one_epoch_is_exhausted_after_the_data_set(tmp_path, bus, version):
+    f = feeder(tmp_path, bus, version, "feeder.epochs=1", "feeder.shuffle=true", "feeder.seed=7")
+    assert await f._release(100) == N
+    assert f.state.exhausted and (f.state.epoch, f.state.cursor, f.state.released) == (0, N, N)
+    order = [t.index for _, t, _ in bus.published]
+    assert sorted(order) == list(range(N)) and order == permutation(N, 7, 0, True)
+    assert await f._release(100) == 0
+    f.abandon(order[0], 0, 0, reissue=True)  # a re-issue still goes out after the data set is exhausted
+    assert await f._release(100) == 1 and task_ids(bus)[-1] == f"e0-i{order[0]}-a1"
+
+
+async def test_epochs_are_permutations_fixed_by_the_seed(tmp_path, bus, version):
+    f = feeder(tmp_path, bus, version, "feeder.epochs=2", "feeder.shuffle=true", "feeder.seed=3")
+    assert await f._release(100) == 2 * N and f.state.exhausted
+    per_epoch = [[t.index for _, t, _ in bus.published if t.epoch == e] for e in (0, 1)]
+    assert [sorted(o) for o in per_epoch] == [list(range(N))] * 2
+    assert per_epoch == [permutation(N, 3, 0, True), permutation(N, 3, 1, True)]
+    assert per_epoch[0] != per_epoch[1] and per_epoch[0] != list(range(N))  # shuffled, anew each epoch
+    assert task_ids(bus)[N:] == [f"e1-i{i}-a0" for i in per_epoch[1]]
+    other = MemoryBus()
+    g = Feeder(make_cfg(tmp_path / "other", "feeder.epochs=2", "feeder.shuffle=true", "feeder.seed=3"), DATASET,
+               other, version)
+    await g._release(100)
+    assert task_ids(other) == task_ids(bus)  # same seed, same order
+    assert permutation(N, 4, 0, True) != per_epoch[0]  # another seed, another order
+
+
+async def test_state_persists_and_a_new_feeder_continues(tmp_path, bus, version):
+    f = feeder(tmp_path, bus, version, "feeder.shuffle=true", "trainer.max_staleness=5")
+    await f._release(3)
+    f.abandon(bus.published[0][1].index, 0, 0, reissue=True)
+    await f._release(1)  # the re-issue; this release saves the abandon with it
+    saved = json.loads((tmp_path / "run" / "feeder.json").read_text())
+    assert (saved["cursor"], saved["released"], saved["abandoned"], saved["reissues"]) == (3, 4, 1, [])
+    second_bus = MemoryBus()
+    g = feeder(tmp_path, second_bus, version, "feeder.shuffle=true", "trainer.max_staleness=5")
+    assert g.state == f.state and g.allowance() == f.allowance()
+    assert await g._release(3) == 3
+    order = permutation(N, 0, 0, True)
+    assert task_ids(bus) == [f"e0-i{i}-a0" for i in order[:3]] + [f"e0-i{order[0]}-a1"]
+    assert task_ids(second_bus) == [f"e0-i{i}-a0" for i in order[3:]]  # the same cursor: nothing released twice
+    assert g.state.cursor == N
+
+
+async def test_load_state_dict_takes_only_a_state_further_along(tmp_path, bus, version):
+    f = feeder(tmp_path, bus, version, "feeder.shuffle=true", "trainer.max_staleness=5")
+    await f._release(3)
+    f.load_state_dict({"cursor": 1, "released": 2})  # an older checkpoint: the live state stays
+    assert (f.state.cursor, f.state.released) == (3, 3)
+    f.load_state_dict({"epoch": 1, "cursor": 2, "released": 9, "abandoned": 4})
+    assert (f.state.epoch, f.state.cursor, f.state.released, f.state.abandoned) == (1, 2, 9, 4)
+    await f._release(1)
+    assert task_ids(bus)[-1] == f"e1-i{permutation(N, 0, 1, True)[2]}-a0"  # the order of the restored epoch
+    assert f.state_dict()["released"] == 10
+
+
+async def test_on_release_is_called_for_new_publishes_only(tmp_path, bus, version):
+    seen: list[tuple[str, str]] = []
+
+    def hook(task: PromptTask, subject: str) -> None:
+        seen.append((task.task_id, subject))
+
+    f = feeder(tmp_path / "a", bus, version, on_release=hook)
+    await f._release(3)
+    # A feeder that lost its file re-releases the same ids: JetStream drops them, the hook must not see them.
+    g = feeder(tmp_path / "b", bus, version, on_release=hook)
+    await g._release(4)
+    assert bus.duplicates == ["e0-i0-a0", "e0-i1-a0", "e0-i2-a0"]
+    assert seen == [(f"e0-i{i}-a0", bus.subjects.prompts) for i in range(4)]
+    assert task_ids(bus) == [f"e0-i{i}-a0" for i in range(4)] and g.state.released == 4
+
+
+async def test_dead_lettered_task_is_reissued(tmp_path, bus, version):
+    f = feeder(tmp_path, bus, version)
+    await f._release(2)
+    task = bus.published[1][1]
+    bus.push_exhausted(DeadLetter(reason="not acknowledged after 5 deliveries (max_deliver)",
+                                  original_subject=bus.subjects.prompts, payload=encode(task), num_delivered=5,
+                                  consumer="producers"))
+    bus.end_exhausted()
+    await f.reissue_exhausted()
+    assert bus.exhausted_calls == [(bus.subjects.prompts, "producers")]
+    assert f.state.abandoned == 1 and f.state.reissues == [Reissue(index=1, epoch=0, attempt=1)]
+    await f._release(2)
+    assert task_ids(bus) == ["e0-i0-a0", "e0-i1-a0", "e0-i1-a1", "e0-i2-a0"]

@@ -57,6 +57,7 @@ class Batcher:
     _tq: TransferQueue
     _releases: Releases
     _held: dict[str, Held]
+    _discarded: set[str]  # ids of groups discarded in this process: a redelivery must not abandon them twice
     # deliveries fetched beyond what a batch needed (a fetch may return extra), not yet judged
     _backlog: list[Delivery[TrajectoryGroup]]
     _keepalive: asyncio.Task | None
@@ -68,6 +69,7 @@ class Batcher:
         self.trained = set(trained or ())
         self.counts = IntakeCounts()
         self._held = {}
+        self._discarded = set()
         self._backlog = []
         self._keepalive = None
 
@@ -126,6 +128,11 @@ class Batcher:
         if g.group_id in self.trained:  # trained in a durable step; the ack was lost (e.g. crash after checkpoint)
             self.counts.duplicates += 1
             await d.ack()
+            await self._tq.delete(g.keys)  # a crash between checkpoint and commit() left them stored
+            return None
+        if g.group_id in self._discarded:  # a second delivery of a group already discarded (its slot is freed)
+            self.counts.duplicates += 1
+            await d.ack()
             return None
         if g.group_id in self._held:  # redelivered while we hold it: keep the first delivery
             self.counts.duplicates += 1
@@ -149,6 +156,7 @@ class Batcher:
 
     async def _discard(self, d: Delivery[TrajectoryGroup], *, reissue: bool) -> None:
         g = d.data
+        self._discarded.add(g.group_id)
         await d.ack()
         await self._tq.delete(g.keys)
         self._releases.abandon(g.index, g.epoch, g.attempt, reissue=reissue)

@@ -105,6 +105,9 @@ class Feeder:
             else:
                 self.state.given_up += 1
                 log.warning("example %d (epoch %d) given up after %d releases", index, epoch, attempt + 1)
+        # Saved now, not at the next release: the group is already acked, so a crash before the next release would
+        # lose the re-issue and keep the admission slot held for good.
+        self._save()
         self.notify()
 
     # -------------------------------------------------------------- main loop

@@ -144,6 +144,21 @@ async def test_redelivery_of_a_trained_group_is_acked_as_duplicate(bus, tq, rele
     assert again.acks == 1 and b.counts.duplicates == 1
     assert releases.calls == []  # it was trained: no admission slot to free, nothing to re-issue
     assert b.trained_ids() == {"e0-i0-a0"}  # the new one is held (step -1), not yet trained
+    # its tensors are freed too: a trainer that died between its checkpoint and commit() left them stored
+    assert tq.deleted == [["e0-i0-a0/0", "e0-i0-a0/1"]]
+
+
+async def test_a_discarded_group_delivered_twice_is_abandoned_once(bus, tq, releases):
+    # A stale group redelivered before its discard's ack landed (it waited in the fetch inbox past ack_wait) must
+    # free one admission slot and be re-issued once, not twice.
+    b = batcher(bus, tq, releases, "trainer.max_staleness=0")
+    first = bus.deliver_group(group(0, versions=(3,)))
+    second = bus.deliver_group(group(0, versions=(3,)))
+    bus.deliver_group(group(1, versions=(5,)))
+    assert ids(await b.next_batch(version=5, need=1)) == ["e0-i1-a0"]
+    assert releases.calls == [(0, 0, 0, True)]
+    assert (first.acks, second.acks) == (1, 1)
+    assert (b.counts.dropped_stale, b.counts.duplicates) == (1, 1)
 
 
 async def test_second_delivery_of_a_held_group_is_ignored(bus, tq, releases):

@@ -125,6 +125,18 @@ async def test_reissue_comes_first_with_the_next_attempt(tmp_path, bus, version)
     assert bus.published[2][1].attempt == 1 and f.state.reissues == []
 
 
+async def test_an_abandon_survives_a_crash_before_the_next_release(tmp_path, bus, version):
+    # The batcher acks a discarded group before telling the feeder: the re-issue and the freed slot must be on
+    # disk at once, not only after the next release.
+    f = feeder(tmp_path, bus, version)
+    await f._release(2)
+    f.abandon(1, 0, 0, reissue=True)
+    restarted = feeder(tmp_path, bus, version)
+    assert restarted.state.abandoned == 1 and restarted.state.reissues == [Reissue(index=1, epoch=0, attempt=1)]
+    await restarted._release(1)
+    assert task_ids(bus)[-1] == "e0-i1-a1"
+
+
 async def test_example_is_given_up_after_max_attempts(tmp_path, bus, version):
     f = feeder(tmp_path, bus, version, "feeder.max_attempts=2")
     await f._release(1)

@@ -19,13 +19,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import msgspec
 from rich.console import Console
 
 from rlbus.bus.loop import run
-from rlbus.bus.ray_cluster import start_ray_head, stop_ray_head
+from rlbus.bus.ray_cluster import RayHead, start_ray_head, stop_ray_head
 from rlbus.bus.server import EmbeddedServer
 from rlbus.cli.export import export_checkpoint
 from rlbus.cli.plot import plot_run
@@ -95,12 +95,12 @@ def _role_argv(role: str, config_path: Path, *extra: str) -> list[str]:
 class Launcher:
     cfg: RunConfig
     run_dir: Path
-    server: Any  # bus.server.EmbeddedServer | None
-    ray_head: Any  # handle from bus.ray_cluster.start_ray_head | None
+    server: EmbeddedServer | None  # the embedded bus, when the config gives no bus.url
+    ray_head: RayHead | None  # the loopback Ray head, when the config gives no ray.address
     trainer: Child | None
     producers: list[Child]
     _stop: asyncio.Event
-    _console: Any
+    _console: Console
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -114,7 +114,6 @@ class Launcher:
 
     def _start_infrastructure(self) -> RunConfig:
         """Start what the config does not point at; return the config the children get (addresses filled in)."""
-
         cfg = self.cfg
         bus_cfg, ray_cfg = cfg.bus, cfg.ray
         if not bus_cfg.url:

@@ -10,7 +10,7 @@ Layout under a checkpoint root (`<run_dir>/checkpoints`):
         hf/config.json        the model's Hugging Face config, for export_hf
     latest                    the name of the newest complete checkpoint (replaced atomically)
 
-    python -c "from trainer.checkpoint import export_hf; export_hf('runs/x/checkpoints/step_00000010', 'out', 'model')"
+    python -c "from rlbus.trainer.checkpoint import export_hf; export_hf('runs/x/checkpoints/step_00000010', 'out', 'model')"
 
 Tests: `pytest tests/integration/test_fsdp.py -k checkpoint`.
 """
@@ -21,7 +21,7 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 import torch
@@ -30,6 +30,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from rlbus.schemas.errors import RlbusError
 from rlbus.trainer.dist import barrier, rank
+
+if TYPE_CHECKING:  # the engine imports FSDP and transformers' models; checkpoints need only its attributes
+    from rlbus.trainer.engine import TrainEngine
 
 T = TypeVar("T")
 LATEST = "latest"
@@ -88,7 +91,7 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     return path
 
 
-def save_checkpoint(engine: Any, root: str | os.PathLike, step: int, extra: Any, *, keep: int = 2) -> Path:
+def save_checkpoint(engine: TrainEngine, root: str | os.PathLike, step: int, extra: Any, *, keep: int = 2) -> Path:
     """Save `engine.state_dict()` and `extra` (anything msgspec encodes) as checkpoint `step`; keep the newest `keep`.
 
     A collective: every rank calls it with the same arguments. `root` must be one directory all ranks see.
@@ -119,7 +122,7 @@ def save_checkpoint(engine: Any, root: str | os.PathLike, step: int, extra: Any,
     return final
 
 
-def load_checkpoint(engine: Any, path: str | os.PathLike, extra_type: type[T] | None = None) -> T | Any | None:
+def load_checkpoint(engine: TrainEngine, path: str | os.PathLike, extra_type: type[T] | None = None) -> T | Any | None:
     """Restore `engine` (model, optimizer, LR schedule, update count, this rank's RNG) from a checkpoint.
 
     `path` is a checkpoint directory, or a root whose `latest` pointer names one; a root with no `latest` (or no

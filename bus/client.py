@@ -39,6 +39,7 @@ from nats.js.api import (
 )
 from nats.js.kv import KeyValue
 
+from rlbus.bus.auth import load_creds
 from rlbus.schemas.config import BusConfig
 from rlbus.schemas.errors import BusError, SchemaError
 from rlbus.schemas.subjects import Subjects
@@ -158,17 +159,19 @@ def _ssl_context(cfg: BusConfig) -> ssl.SSLContext | None:
 
 
 def _auth(cfg: BusConfig) -> dict[str, str]:
+    """nats-py connect arguments for the configured credentials (a role file also names the role's inbox prefix:
+    its permissions allow replies only there, bus/auth.py)."""
     if cfg.token:
         return {"token": cfg.token}
     if cfg.user:
         return {"user": cfg.user, "password": cfg.password}
     if cfg.creds_file:
-        from rlbus.bus.server import load_creds
-
         creds = load_creds(cfg.creds_file)
-        if creds.get("token"):
-            return {"token": creds["token"]}
-        return {"user": creds["user"], "password": creds["password"]}
+        out = {"token": creds["token"]} if creds.get("token") else {"user": creds["user"],
+                                                                     "password": creds["password"]}
+        if creds.get("inbox_prefix"):
+            out["inbox_prefix"] = creds["inbox_prefix"]
+        return out
     return {}
 
 
@@ -210,8 +213,6 @@ class Bus:
         url = cfg.url
         if not url and cfg.creds_file:
             # The embedded server writes its URL into the creds file too; `bus.creds_file=...` alone is enough.
-            from rlbus.bus.server import load_creds
-
             url = load_creds(cfg.creds_file).get("url", "")
         if not url:
             raise BusError("bus.url is empty: start a server with `rlbus bus up` and pass bus.url=... bus.creds_file=...")
@@ -330,6 +331,31 @@ class Bus:
                 filter_subject=s.traj,
             ),
         )
+
+    async def await_streams(self, timeout: float = 120.0) -> None:
+        """Wait until the run's streams, KV bucket and the producers' consumer exist (roles that may not create them:
+        producers, observers). Whoever holds the trainer's or admin's credential creates them (`ensure_streams`)."""
+        s = self.subjects
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        missing, announced = "?", ""
+        while True:
+            try:
+                for stream in (s.prompts_stream, s.traj_stream, s.weights_stream, s.events_stream,
+                               f"KV_{s.weights_bucket}"):
+                    missing = f"stream {stream}"
+                    await self.js.stream_info(stream)
+                missing = f"consumer {s.prompts_consumer} of {s.prompts_stream}"
+                await self.js.consumer_info(s.prompts_stream, s.prompts_consumer)
+                return
+            except (nats.js.errors.NotFoundError, nats.errors.TimeoutError):
+                if loop.time() > deadline:
+                    raise BusError(f"{missing} of run {self.run!r} does not exist on {self.cfg.url} after {timeout:.0f}s: "
+                                   "the trainer (or `rlbus up`) creates the run's streams") from None
+                if missing != announced:
+                    log.info("bus %s: waiting for %s (created by the trainer)", self.name, missing)
+                    announced = missing
+                await asyncio.sleep(0.5)
 
     async def _ensure_stream(self, config: StreamConfig) -> None:
         try:

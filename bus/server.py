@@ -2,9 +2,13 @@
 
     rlbus bus up --dir .rlbus/bus --port 0
 
-It binds to loopback by default, keeps JetStream file storage under the store directory, and requires a user and a
-random password that it generates once and keeps in `<store_dir>/creds.json` (mode 0600), so a restarted server
-keeps both its credentials and its streams. Clients read the file with `load_creds` (`bus.creds_file=...`).
+It binds to loopback by default, keeps JetStream file storage under the store directory, and requires a login:
+for each run it serves, four users (admin, trainer, producer, observer; bus/auth.py), each allowed what its role
+does. Their random passwords are generated once and kept in one 0600 file per role under `<store_dir>/creds/<run>/`
+(a 0700 directory); the server's own config holds only bcrypt hashes. A restarted server keeps both the credentials
+and the streams. Clients read their role's file with `load_creds` (`bus.creds_file=.../creds/<run>/producer.json`).
+TLS is on when a certificate and key are given (`tls_cert`, `tls_key`; `tls_ca` also asks clients for
+certificates signed by that CA).
 """
 
 from __future__ import annotations
@@ -24,9 +28,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from rlbus.bus.auth import ROLES, Role, RunCredentials, private_dir, write_private
 from rlbus.schemas.errors import BusError
 
-CREDS_NAME = "creds.json"
 LOG_NAME = "nats-server.log"
 CONFIG_NAME = "nats-server.conf"
 
@@ -49,65 +53,54 @@ def find_nats_server() -> Path:
     )
 
 
-def load_creds(path: str | os.PathLike[str]) -> dict[str, str]:
-    """Read a credentials file written by the embedded server: {"user", "password"} or {"token"} (plus "url")."""
-    p = Path(path)
-    try:
-        creds = json.loads(p.read_text())
-    except FileNotFoundError as e:
-        raise BusError(f"credentials file {p} does not exist (written by `rlbus bus up`)") from e
-    except json.JSONDecodeError as e:
-        raise BusError(f"credentials file {p} is not valid JSON: {e}") from e
-    if not isinstance(creds, dict) or not (creds.get("token") or (creds.get("user") and creds.get("password"))):
-        raise BusError(f"credentials file {p} holds neither a token nor a user and password")
-    return {str(k): str(v) for k, v in creds.items()}
-
-
-def _write_private(path: Path, text: str) -> None:
-    # Create with 0600 from the start (no window where the secret is world-readable), then enforce it in case the
-    # file already existed with wider permissions.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(path, 0o600)
-
-
 def _conf_string(s: str) -> str:
     # nats-server config strings are JSON-compatible when double-quoted.
     return json.dumps(s)
 
 
 class EmbeddedServer:
-    """One nats-server child process with JetStream, file storage under `store_dir`, and password auth.
+    """One nats-server child process with JetStream, file storage under `store_dir`, and per-role users per run.
 
-    with EmbeddedServer("/tmp/bus") as srv:
-        print(srv.url, srv.creds_file)
+    with EmbeddedServer("/tmp/bus", runs=["quickstart"]) as srv:
+        print(srv.url, srv.creds_file("trainer"))
     """
 
     store_dir: Path
     host: str
     port: int  # requested port; 0 = a free one, known once started (see `url`)
+    runs: list[str]  # the runs whose users it serves (the first is the default of creds_file)
     url: str  # nats://host:port once started
-    creds_file: Path
     log_file: Path
     pid: int | None
+    tls_cert: str
+    tls_key: str
+    tls_ca: str
     _proc: subprocess.Popen[bytes] | None
     _binary: Path | None
-    _creds: dict[str, str]
+    _creds: dict[str, RunCredentials]
+    _server_name: str
 
-    def __init__(self, store_dir: str | os.PathLike[str], port: int = 0, host: str = "127.0.0.1"):
+    def __init__(self, store_dir: str | os.PathLike[str], port: int = 0, host: str = "127.0.0.1", *,
+                 runs: list[str] | tuple[str, ...] = ("rlbus",), tls_cert: str = "", tls_key: str = "",
+                 tls_ca: str = ""):
         if port < 0 or port > 65535:
             raise BusError(f"port {port} is out of range 0-65535")
+        if not runs:
+            raise BusError("an embedded server needs at least one run to serve (its users are per run)")
+        if bool(tls_cert) != bool(tls_key):
+            raise BusError("TLS needs both a certificate and its key (tls_cert, tls_key)")
         self.store_dir = Path(store_dir).absolute()
         self.host = host
         self.port = port
+        self.runs = list(dict.fromkeys(runs))
         self.url = ""
-        self.creds_file = self.store_dir / CREDS_NAME
         self.log_file = self.store_dir / LOG_NAME
         self.pid = None
+        self.tls_cert, self.tls_key, self.tls_ca = tls_cert, tls_key, tls_ca
         self._proc = None
         self._binary = None
         self._creds = {}
+        self._server_name = "rlbus_" + secrets.token_hex(4)  # fixed for this instance: a reload may not change it
 
     # -- lifecycle ---------------------------------------------------------------------------------------------------
 
@@ -116,14 +109,14 @@ class EmbeddedServer:
         if self._proc is not None:
             raise BusError(f"embedded nats-server in {self.store_dir} is already running (pid {self.pid})")
         binary = self._binary = find_nats_server()
-        self.store_dir.mkdir(parents=True, exist_ok=True)
-        self._creds = self._load_or_make_creds()
+        private_dir(self.store_dir)
+        self._creds = {run: RunCredentials(self.store_dir, run) for run in self.runs}
         ports_dir = self.store_dir / "ports"
         ports_dir.mkdir(exist_ok=True)
         for stale in ports_dir.glob("*.ports"):
             stale.unlink()
         conf = self.store_dir / CONFIG_NAME
-        _write_private(conf, self._config_text(ports_dir))
+        write_private(conf, self._config_text(ports_dir))
         log = open(self.log_file, "ab")
         try:
             self._proc = subprocess.Popen(
@@ -139,8 +132,9 @@ class EmbeddedServer:
             log.close()
         self.pid = self._proc.pid
         port = self._wait_ready(ports_dir, timeout)
-        self.url = f"nats://{self._url_host()}:{port}"
-        self._write_creds()
+        self.url = f"{'tls' if self.tls_cert else 'nats'}://{self._url_host()}:{port}"
+        for creds in self._creds.values():
+            creds.write(self.url)
         return self
 
     def stop(self, timeout: float = 10.0) -> int | None:
@@ -158,6 +152,31 @@ class EmbeddedServer:
         self._proc = None
         return proc.returncode
 
+    def add_run(self, run: str, timeout: float = 10.0) -> None:
+        """Serve one more run: create its four users and reload the running server's config (SIGHUP), keeping
+        every connection and stream. Returns once the new run's admin can log in."""
+        if run in self.runs:
+            return
+        if self._proc is None or self.pid is None:
+            raise BusError("add_run needs a running server (start() first)")
+        self.runs.append(run)
+        self._creds[run] = RunCredentials(self.store_dir, run)
+        self._creds[run].write(self.url)
+        ports_dir = self.store_dir / "ports"
+        write_private(self.store_dir / CONFIG_NAME, self._config_text(ports_dir))
+        offset = self.log_file.stat().st_size if self.log_file.is_file() else 0
+        os.kill(self.pid, signal.SIGHUP)  # nats-server reloads its authorization on SIGHUP
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.log_file.open("rb") as f:
+                f.seek(offset)
+                new = f.read().decode(errors="replace")
+            if "Reloaded server configuration" in new:
+                return
+            if "Failed to reload" in new or time.monotonic() > deadline or not self.is_running():
+                raise BusError(f"nats-server did not reload its config for run {run!r}; log tail:\n{self.log_tail()}")
+            time.sleep(0.05)
+
     def is_running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
@@ -172,9 +191,12 @@ class EmbeddedServer:
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
 
-    @property
-    def creds(self) -> dict[str, str]:
-        return dict(self._creds)
+    def creds_file(self, role: Role = "admin", run: str | None = None) -> Path:
+        """The credentials file of `role` in `run` (default: the first run served)."""
+        run = run or self.runs[0]
+        if run not in self.runs:
+            raise BusError(f"this server serves runs {self.runs}, not {run!r}")
+        return RunCredentials.file_of(self.store_dir, run, role)
 
     # -- internals ---------------------------------------------------------------------------------------------------
 
@@ -186,16 +208,6 @@ class EmbeddedServer:
             return "[::1]"
         return f"[{self.host}]" if ":" in self.host else self.host
 
-    def _load_or_make_creds(self) -> dict[str, str]:
-        if self.creds_file.exists():
-            creds = load_creds(self.creds_file)
-            if creds.get("user") and creds.get("password"):
-                return {"user": creds["user"], "password": creds["password"]}
-        return {"user": "rlbus", "password": secrets.token_urlsafe(24)}
-
-    def _write_creds(self) -> None:
-        _write_private(self.creds_file, json.dumps({**self._creds, "url": self.url}, indent=2) + "\n")
-
     def _config_text(self, ports_dir: Path) -> str:
         return "\n".join(
             [
@@ -203,17 +215,25 @@ class EmbeddedServer:
                 # -1 asks nats-server for a random free port (no bind-then-close race); the ports file reports it.
                 f"port: {self.port if self.port else -1}",
                 f"ports_file_dir: {_conf_string(str(ports_dir))}",
-                f"server_name: {_conf_string('rlbus_' + secrets.token_hex(4))}",
+                f"server_name: {_conf_string(self._server_name)}",
                 "jetstream {",
                 f"  store_dir: {_conf_string(str(self.store_dir / 'jetstream'))}",
                 "}",
-                "authorization {",
-                f"  user: {_conf_string(self._creds['user'])}",
-                f"  password: {_conf_string(self._creds['password'])}",
-                "}",
+                # JSON is valid nats-server config; the passwords in it are bcrypt hashes (bus/auth.py).
+                "authorization: " + json.dumps({"users": [u for c in self._creds.values() for u in c.users()]}),
+                *self._tls_text(),
                 "",
             ]
         )
+
+    def _tls_text(self) -> list[str]:
+        if not self.tls_cert:
+            return []
+        lines = ["tls {", f"  cert_file: {_conf_string(str(Path(self.tls_cert).absolute()))}",
+                 f"  key_file: {_conf_string(str(Path(self.tls_key).absolute()))}"]
+        if self.tls_ca:  # mutual TLS: clients must present a certificate signed by this CA
+            lines += [f"  ca_file: {_conf_string(str(Path(self.tls_ca).absolute()))}", "  verify: true"]
+        return [*lines, "}"]
 
     def _wait_ready(self, ports_dir: Path, timeout: float) -> int:
         assert self._proc is not None
@@ -264,7 +284,8 @@ def _accepts(host: str, port: int) -> bool:
         return False
 
 
-def serve_forever(store_dir: str, port: int = 4222, host: str = "127.0.0.1") -> int:
+def serve_forever(store_dir: str, port: int = 4222, host: str = "127.0.0.1", *, runs: list[str] | None = None,
+                  tls_cert: str = "", tls_key: str = "", tls_ca: str = "") -> int:
     """`rlbus bus up`: run the embedded server until SIGINT/SIGTERM, printing how other roles reach it."""
     stop = threading.Event()
 
@@ -272,7 +293,12 @@ def serve_forever(store_dir: str, port: int = 4222, host: str = "127.0.0.1") -> 
         stop.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    server = EmbeddedServer(store_dir, port=port, host=host)
+    try:
+        server = EmbeddedServer(store_dir, port=port, host=host, runs=runs or ["rlbus"], tls_cert=tls_cert,
+                                tls_key=tls_key, tls_ca=tls_ca)
+    except BusError as e:
+        print(f"rlbus bus up: {e}", file=sys.stderr, flush=True)
+        return 2
     try:
         try:
             server.start()
@@ -281,9 +307,11 @@ def serve_forever(store_dir: str, port: int = 4222, host: str = "127.0.0.1") -> 
             return 1
         print(f"nats-server running (pid {server.pid})", flush=True)
         print(f"url: {server.url}", flush=True)
-        print(f"creds: {server.creds_file}", flush=True)
         print(f"log: {server.log_file}", flush=True)
-        print(f"overrides for other roles: bus.url={server.url} bus.creds_file={server.creds_file}", flush=True)
+        for run in server.runs:
+            print(f"run {run}: one credentials file per role (give each process only its own):", flush=True)
+            for role in ROLES:
+                print(f"  {role}: bus.url={server.url} bus.creds_file={server.creds_file(role, run)}", flush=True)
         while not stop.wait(0.5):
             if not server.is_running():
                 print(f"nats-server exited unexpectedly; log tail:\n{server.log_tail()}", file=sys.stderr, flush=True)

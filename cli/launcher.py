@@ -13,6 +13,7 @@ everything cleanly; the trainer checkpoints on the way out, so `rlbus up` on the
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -24,6 +25,8 @@ from typing import IO
 import msgspec
 from rich.console import Console
 
+from rlbus.bus.auth import Role, private_dir, write_private
+from rlbus.bus.client import Bus
 from rlbus.bus.loop import run
 from rlbus.bus.ray_cluster import RayHead, start_ray_head, stop_ray_head
 from rlbus.bus.server import EmbeddedServer
@@ -31,7 +34,7 @@ from rlbus.cli.export import export_checkpoint
 from rlbus.cli.plot import plot_run
 from rlbus.cli.progress import RunMonitor, summary_table
 from rlbus.common.model.ensure import ensure_model
-from rlbus.schemas.config import RunConfig, to_yaml
+from rlbus.schemas.config import BusConfig, RunConfig, to_yaml
 
 #: Seconds a stopping child gets before SIGKILL.
 STOP_TIMEOUT_S = 60.0
@@ -88,8 +91,10 @@ class Child:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def _role_argv(role: str, config_path: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "rlbus.cli", role, str(config_path), *extra]
+def _role_argv(role: str, config_path: Path, *extra: str, creds: Path | None = None) -> list[str]:
+    # A credential file's path (never a secret) as an override, before the role's own flags.
+    own = [f"bus.creds_file={creds}"] if creds is not None else []
+    return [sys.executable, "-m", "rlbus.cli", role, str(config_path), *own, *extra]
 
 
 class Launcher:
@@ -118,15 +123,39 @@ class Launcher:
         bus_cfg, ray_cfg = cfg.bus, cfg.ray
         if not bus_cfg.url:
             store = Path(bus_cfg.embedded_dir) if bus_cfg.embedded_dir else self.run_dir / "bus"
-            self.server = EmbeddedServer(store, port=0).start()
-            bus_cfg = msgspec.structs.replace(bus_cfg, url=self.server.url, creds_file=str(self.server.creds_file))
+            self.server = EmbeddedServer(store, port=0, runs=[cfg.name]).start()
+            # Children get no credential through launch.yaml: each is handed only its role's file (_role_argv).
+            bus_cfg = msgspec.structs.replace(bus_cfg, url=self.server.url, creds_file="")
             self._console.print(f"[dim]bus[/dim] {self.server.url} (store {store})")
         if not ray_cfg.address:
             self.ray_head = start_ray_head(num_cpus=ray_cfg.num_cpus, object_store_memory=ray_cfg.object_store_memory)
-            os.environ.update(self.ray_head.env)  # children inherit what they need to join this head
+            self.ray_head.apply_env()  # children inherit what they need to join this head (no secret: a file path)
             ray_cfg = msgspec.structs.replace(ray_cfg, address=self.ray_head.address)
             self._console.print(f"[dim]ray[/dim] {self.ray_head.address}")
+        if bus_cfg.password or bus_cfg.token:
+            bus_cfg = self._secrets_to_file(bus_cfg)
         return msgspec.structs.replace(cfg, bus=bus_cfg, ray=ray_cfg)
+
+    def _secrets_to_file(self, bus_cfg: BusConfig) -> BusConfig:
+        """A password or token given on the command line reaches the children through a 0600 file in a 0700
+        directory of the run, never through launch.yaml or their command lines."""
+        path = private_dir(self.run_dir / "creds") / "bus.json"
+        secret = {"token": bus_cfg.token} if bus_cfg.token else {"user": bus_cfg.user, "password": bus_cfg.password}
+        write_private(path, json.dumps({**secret, "url": bus_cfg.url}, indent=2) + "\n")
+        return msgspec.structs.replace(bus_cfg, creds_file=str(path), user="", password="", token="")
+
+    def _creds(self, role: Role) -> Path | None:
+        """The credential file of `role` when the launcher runs the bus (else the config's own credentials)."""
+        return None if self.server is None else self.server.creds_file(role, self.cfg.name)
+
+    def _with_creds(self, cfg: RunConfig, role: Role) -> RunConfig:
+        path = self._creds(role)
+        return cfg if path is None else msgspec.structs.replace(
+            cfg, bus=msgspec.structs.replace(cfg.bus, creds_file=str(path)))
+
+    async def _ensure_streams(self, cfg: RunConfig) -> None:
+        async with await Bus.connect(cfg.bus, cfg.name, name="launcher") as bus:
+            await bus.ensure_streams()
 
     def _stop_infrastructure(self) -> None:
         if self.ray_head is not None:
@@ -145,14 +174,18 @@ class Launcher:
         try:
             launch = self.run_dir / "launch.yaml"
             launch.write_text(to_yaml(child_cfg))
+            if self.server is not None:  # set the run's streams up with the admin credential, once
+                await self._ensure_streams(self._with_creds(child_cfg, "admin"))
             logs = self.run_dir / "logs"
-            self.trainer = Child("trainer", _role_argv("trainer", launch), logs / "trainer.log")
+            self.trainer = Child("trainer", _role_argv("trainer", launch, creds=self._creds("trainer")),
+                                 logs / "trainer.log")
             self.trainer.start()
             for i in range(child_cfg.rollout.num_producers):
-                p = Child(f"producer-{i}", _role_argv("producer", launch, "--id", f"p{i}"), logs / f"producer-{i}.log")
+                argv = _role_argv("producer", launch, "--id", f"p{i}", creds=self._creds("producer"))
+                p = Child(f"producer-{i}", argv, logs / f"producer-{i}.log")
                 p.start()
                 self.producers.append(p)
-            return await self._supervise(child_cfg)
+            return await self._supervise(self._with_creds(child_cfg, "observer"))
         finally:
             await self._stop_children()
             self._stop_infrastructure()

@@ -33,7 +33,8 @@ def cmd_config_reference(args: argparse.Namespace) -> int:
 def cmd_bus_up(args: argparse.Namespace) -> int:
     from rlbus.bus.server import serve_forever
 
-    return serve_forever(store_dir=args.dir, port=args.port, host=args.host)
+    return serve_forever(store_dir=args.dir, port=args.port, host=args.host, runs=args.run, tls_cert=args.tls_cert,
+                         tls_key=args.tls_key, tls_ca=args.tls_ca)
 
 
 def cmd_init_model(args: argparse.Namespace) -> int:
@@ -108,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--dir", default=".rlbus/bus", help="store directory (JetStream files, credentials)")
     up.add_argument("--port", type=int, default=4222, help="client port (0 = pick a free one)")
     up.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    up.add_argument("--run", action="append", default=None, metavar="NAME",
+                    help="run (config `name`) whose per-role users to create; repeat for several (default: rlbus)")
+    up.add_argument("--tls-cert", default="", help="server certificate (PEM): clients must connect with TLS")
+    up.add_argument("--tls-key", default="", help="the certificate's private key (PEM)")
+    up.add_argument("--tls-ca", default="", help="CA (PEM) client certificates must be signed by (mutual TLS)")
     up.set_defaults(func=cmd_bus_up)
 
     # init-model and rollout parse their own arguments (their modules own the flags).

@@ -66,7 +66,7 @@ class RunMonitor:
 
     async def __aenter__(self) -> "RunMonitor":
         self._bus = await Bus.connect(self.cfg.bus, self.cfg.name, name="monitor")
-        await self._bus.ensure_streams()
+        await self._bus.await_streams()
         self._live = Live(self._render(), console=self._console, refresh_per_second=2, transient=False)
         self._live.__enter__()
         self._tasks = [asyncio.create_task(self._watch_heartbeats()), asyncio.create_task(self._refresh())]

@@ -35,7 +35,9 @@ from rlbus.producers.engines import RolloutEngine
 from rlbus.schemas import staleness
 from rlbus.schemas.config import RunConfig
 from rlbus.schemas.staleness import generated_span
+from rlbus.schemas.errors import WeightsChecksumMismatch, WeightsMissing
 from rlbus.schemas.wire import (
+    DeadLetter,
     ErrorRaised,
     ProducerHeartbeat,
     PromptTask,
@@ -43,6 +45,7 @@ from rlbus.schemas.wire import (
     RoleStopped,
     TrajectoryGroup,
     WeightsPublished,
+    encode,
 )
 
 log = logging.getLogger("rlbus.producer")
@@ -105,7 +108,7 @@ class Producer:
     async def start(self) -> None:
         cfg = self.cfg
         self.bus = await Bus.connect(cfg.bus, cfg.name, name=f"producer-{self.producer_id}")
-        await self.bus.ensure_streams()
+        await self.bus.await_streams()  # a producer's credential may not create them: the trainer does
         ensure_ray(cfg.ray)  # from the main thread: a head it starts lives as long as this process
         self.tq = TransferQueue.connect(cfg.name, cfg.ray)
         self.weight_store = WeightStore.connect(cfg.name, cfg.ray)
@@ -253,12 +256,32 @@ class Producer:
     async def _load_version(self, published: WeightsPublished) -> None:
         # The newest announcement wins, even when it is older than what we hold: a trainer that restarted from a
         # checkpoint republishes that checkpoint's version, and weights of the lost steps must not roll out again.
-        self.trainer_version = published.version
+        # An announcement the weight store cannot back (forged, or inconsistent) is refused: the producer keeps
+        # the weights it has and the version it believes in, and the announcement goes to the dead letters.
         try:
             await self._load(published)
+            self.trainer_version = published.version
+        except (WeightsMissing, WeightsChecksumMismatch) as e:
+            await self._refuse(published, e)
         finally:
             async with self._weights_changed:  # tasks waiting for a version re-check (also after a rollback)
                 self._weights_changed.notify_all()
+
+    async def _refuse(self, published: WeightsPublished, error: Exception) -> None:
+        held = await self.weight_store.versions()
+        if isinstance(error, WeightsMissing) and held and published.version < max(held):
+            # Merely old: evicted since it was announced (this producer fell behind); a newer one follows.
+            log.info("weights v%d already evicted (store holds %s); waiting for a newer announcement",
+                     published.version, held)
+            return
+        reason = f"producer {self.producer_id} refused weights announcement v{published.version}: " \
+                 f"{type(error).__name__}: {error}"
+        log.warning("%s; keeping v%d", reason, self.engine.version)
+        await self.bus.publish(self.bus.subjects.dead_letter, DeadLetter(
+            reason=reason, original_subject=self.bus.subjects.weights, payload=encode(published),
+            consumer=f"producer:{self.producer_id}"))
+        await self.bus.publish_event(ErrorRaised(role="producer", role_id=self.producer_id,
+                                                 error=type(error).__name__, message=reason, fatal=False))
 
     async def _load(self, published: WeightsPublished) -> None:
         async with self._load_lock:

@@ -59,6 +59,9 @@ class BusConfig(_Section):
         _need(self.replicas in (1, 3, 5), "replicas", "must be 1, 3 or 5")
         _need(self.max_age_s >= 0, "max_age_s", "must be >= 0")
         _need(not (self.user and not self.password), "password", "is required when user is set")
+        for name in ("token", "password"):
+            _need(getattr(self, name) != REDACTED, name, "was redacted when this config was written: give the secret "
+                  "again on the command line, or use bus.creds_file (a 0600 file)")
 
 
 class RayConfig(_Section):
@@ -308,7 +311,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError(path, "empty key in override path")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as e:
+    except (yaml.YAMLError, ValueError, RecursionError) as e:  # PyYAML: ValueError for a date like 2001-13-45
         raise ConfigError(path, f"cannot parse value {raw!r}: {e}") from None
     return keys, value
 
@@ -375,8 +378,21 @@ def _fill_engine_tag(data: dict) -> None:
         engine["type"] = "hf"
 
 
+def _check_keys(data: dict) -> None:
+    """Every key is a string (msgspec would name only the mapping holding a bad one, as "`key` in `$.a`")."""
+    todo: list[tuple[tuple[str, ...], dict]] = [((), data)]
+    while todo:
+        path, node = todo.pop()
+        for k, v in node.items():
+            if not isinstance(k, str):
+                raise ConfigError(".".join((*path, str(k))), f"a key must be a string, not {type(k).__name__} {k!r}")
+            if isinstance(v, dict):
+                todo.append(((*path, k), v))
+
+
 def from_dict(data: dict) -> RunConfig:
     """Validate a plain mapping into a RunConfig, raising ConfigError naming the field."""
+    _check_keys(data)
     _fill_engine_tag(data)
     try:
         return msgspec.convert(data, RunConfig, strict=False)
@@ -394,7 +410,9 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Ru
             raise ConfigError("", f"config file {str(p)!r} does not exist")
         try:
             loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
+        except OSError as e:
+            raise ConfigError("", f"cannot read config file {str(p)!r}: {e}") from None
+        except (yaml.YAMLError, ValueError, RecursionError) as e:  # ValueError: not UTF-8, or a date like 2001-13-45
             raise ConfigError("", f"{p}: invalid YAML: {e}") from None
         if not isinstance(loaded, dict):
             raise ConfigError("", f"{p}: the top level must be a mapping of sections")
@@ -409,5 +427,17 @@ def to_dict(cfg: RunConfig) -> dict:
     return msgspec.to_builtins(cfg)
 
 
+#: What a secret field holds once written out: config.yaml, launch.yaml and `rlbus config show` never carry one.
+REDACTED = "<redacted>"
+#: Dotted config keys whose values are secrets.
+SECRET_FIELDS = ("bus.token", "bus.password")
+
+
 def to_yaml(cfg: RunConfig) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    """The config as YAML, secrets redacted (credentials belong in 0600 files: `bus.creds_file`)."""
+    data = to_dict(cfg)
+    for key in SECRET_FIELDS:
+        section, name = key.split(".")
+        if data[section][name]:
+            data[section][name] = REDACTED
+    return yaml.safe_dump(data, sort_keys=False)

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from rlbus.bus.client import Bus
-from rlbus.bus.server import EmbeddedServer, load_creds
+from rlbus.bus.auth import ROLES, load_creds
+from rlbus.bus.server import EmbeddedServer
 from rlbus.schemas.config import BusConfig
 from rlbus.schemas.errors import BusError
 from rlbus.schemas.wire import TrajectoryGroup
@@ -33,7 +34,7 @@ async def test_client_without_credentials_is_refused(nats_server: EmbeddedServer
 
 
 async def test_client_with_wrong_password_is_refused(nats_server: EmbeddedServer) -> None:
-    user = nats_server.creds["user"]
+    user = load_creds(nats_server.creds_file("trainer"))["user"]
     cfg = BusConfig(url=nats_server.url, user=user, password="not-the-password", connect_timeout_s=3.0)
     with pytest.raises(BusError, match="refused"):
         await Bus.connect(cfg, "r")
@@ -45,12 +46,13 @@ async def test_client_with_creds_file_connects(bus_config: BusConfig, run_name: 
         assert await bus.stream_msgs(bus.subjects.traj_stream) == 0
 
 
-def test_creds_file_is_private(nats_server: EmbeddedServer) -> None:
-    mode = stat.S_IMODE(os.stat(nats_server.creds_file).st_mode)
-    assert mode == 0o600, oct(mode)
-    creds = load_creds(nats_server.creds_file)
-    assert creds["url"] == nats_server.url and len(creds["password"]) >= 24
-    # The server config holds the password too, so it is private as well.
+def test_creds_files_are_private(nats_server: EmbeddedServer) -> None:
+    for role in ROLES:
+        mode = stat.S_IMODE(os.stat(nats_server.creds_file(role)).st_mode)
+        assert mode == 0o600, (role, oct(mode))
+        creds = load_creds(nats_server.creds_file(role))
+        assert creds["url"] == nats_server.url and len(creds["password"]) >= 24
+    # The server config holds bcrypt hashes only, and is private all the same.
     assert stat.S_IMODE(os.stat(nats_server.store_dir / "nats-server.conf").st_mode) == 0o600
 
 
@@ -82,23 +84,24 @@ def _read_lines_until(proc: subprocess.Popen[str], marker: str, timeout: float) 
 async def test_rlbus_bus_up_serves_until_sigterm(tmp_path: Path) -> None:
     store = tmp_path / "bus"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rlbus.cli", "bus", "up", "--dir", str(store), "--port", "0"],
+        [sys.executable, "-m", "rlbus.cli", "bus", "up", "--dir", str(store), "--port", "0", "--run", "cli"],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
     try:
-        out = _read_lines_until(proc, "overrides", timeout=30)
-        fields = dict(line.split(": ", 1) for line in out if line.startswith(("url: ", "creds: ")))
-        url, creds_file = fields["url"], fields["creds"]
-        assert url.startswith("nats://127.0.0.1:") and Path(creds_file) == store / "creds.json"
-        assert f"bus.url={url} bus.creds_file={creds_file}" in out[-1]
+        out = _read_lines_until(proc, "  observer: ", timeout=30)
+        (url,) = [line.split(": ", 1)[1] for line in out if line.startswith("url: ")]
+        assert url.startswith("nats://127.0.0.1:")
+        for role in ROLES:  # one line per role, each naming only that role's file
+            path = store / "creds" / "cli" / f"{role}.json"
+            assert f"  {role}: bus.url={url} bus.creds_file={path}" in out
+        creds_file = str(store / "creds" / "cli" / "admin.json")
         (running,) = [line for line in out if line.startswith("nats-server running (pid ")]
         server_pid = int(running.split("pid ")[1].rstrip(")"))
 
-        run = unique_run_name("cli")
-        async with await Bus.connect(BusConfig(url=url, creds_file=creds_file), run) as bus:
+        async with await Bus.connect(BusConfig(url=url, creds_file=creds_file), "cli") as bus:
             await bus.ensure_streams()
             await bus.publish(bus.subjects.traj, TrajectoryGroup(group_id="g", task_id="g", producer_id="p", samples=[]))
             assert await bus.stream_msgs(bus.subjects.traj_stream) == 1
@@ -117,8 +120,8 @@ async def test_rlbus_bus_up_serves_until_sigterm(tmp_path: Path) -> None:
 async def test_restarted_server_keeps_jetstream_data_and_credentials(tmp_path: Path) -> None:
     run = unique_run_name("restart")
     with EmbeddedServer(tmp_path / "bus") as first:
-        password = first.creds["password"]
-        cfg = BusConfig(url=first.url, creds_file=str(first.creds_file))
+        password = load_creds(first.creds_file("admin"))["password"]
+        cfg = BusConfig(url=first.url, creds_file=str(first.creds_file("admin")))
         async with await Bus.connect(cfg, run) as bus:
             await bus.ensure_streams()
             group = TrajectoryGroup(group_id="g1", task_id="g1", producer_id="p", samples=[], created_at=1.0)
@@ -126,9 +129,9 @@ async def test_restarted_server_keeps_jetstream_data_and_credentials(tmp_path: P
     assert not first.is_running()
 
     with EmbeddedServer(tmp_path / "bus") as second:
-        assert second.creds["password"] == password
+        assert load_creds(second.creds_file("admin"))["password"] == password
         # Clients configured with the creds file (and the new URL, as the port was picked afresh) get back in.
-        cfg = BusConfig(url=second.url, creds_file=str(second.creds_file))
+        cfg = BusConfig(url=second.url, creds_file=str(second.creds_file("admin")))
         async with await Bus.connect(cfg, run) as bus:
             await bus.ensure_streams()
             assert await bus.stream_msgs(bus.subjects.traj_stream) == 1
@@ -142,7 +145,7 @@ async def test_client_reconnects_after_server_restart(tmp_path: Path) -> None:
     first = EmbeddedServer(tmp_path / "bus").start()
     port = int(first.url.rsplit(":", 1)[1])
     # Only the creds file: the URL is read from it.
-    cfg = BusConfig(creds_file=str(first.creds_file), reconnect_wait_s=0.05, max_reconnect_wait_s=0.2)
+    cfg = BusConfig(creds_file=str(first.creds_file("admin")), reconnect_wait_s=0.05, max_reconnect_wait_s=0.2)
     second: EmbeddedServer | None = None
     try:
         async with await Bus.connect(cfg, run) as bus:

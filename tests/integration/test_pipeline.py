@@ -86,8 +86,8 @@ def _groups_published(bus_cfg: BusConfig, run: str) -> int:
     return asyncio.run(_counts(bus_cfg, run))["traj"]
 
 
-def test_producers_join_and_die_while_the_run_goes_on(tmp_path, bus_config, ray_address, tiny_model_dir, run_name,
-                                                      role_processes):
+def test_producers_join_and_die_while_the_run_goes_on(tmp_path, bus_config, run_creds, ray_address, tiny_model_dir,
+                                                      run_name, role_processes):
     run_dir = tmp_path / "run"
     # The simulated engine sleeps for its generation time instead of computing: producers then scale the way
     # GPU producers do, rather than fighting the trainer for this machine's two cores.
@@ -101,8 +101,8 @@ def test_producers_join_and_die_while_the_run_goes_on(tmp_path, bus_config, ray_
                                     "agent_loop": "single_turn", "engine": engine})
     cfg_path = write_config(tmp_path / "run.yaml", cfg)
     logs = tmp_path / "logs"
-    trainer = start_role("trainer", cfg_path, logs)
-    p0 = start_role("producer", cfg_path, logs, "--id", "p0", name="p0")
+    trainer = start_role("trainer", cfg_path, logs, creds=run_creds)
+    p0 = start_role("producer", cfg_path, logs, "--id", "p0", name="p0", creds=run_creds)
     role_processes += [trainer, p0]
     wait_for_steps(run_dir, 2, [trainer, p0])
 
@@ -111,7 +111,7 @@ def test_producers_join_and_die_while_the_run_goes_on(tmp_path, bus_config, ray_
     before = _groups_published(bus_config, run_name)
     time.sleep(window)
     one = (_groups_published(bus_config, run_name) - before) / window
-    p1 = start_role("producer", cfg_path, logs, "--id", "p1", name="p1")
+    p1 = start_role("producer", cfg_path, logs, "--id", "p1", name="p1", creds=run_creds)
     role_processes.append(p1)
     beats = []
     deadline = time.monotonic() + 120

@@ -161,7 +161,7 @@ def test_replay_refuses_steps_it_cannot_reproduce(recorded: dict[str, Any], tmp_
 
 
 @pytest.mark.slow
-def test_real_run_is_archived_and_replays_bit_for_bit(tmp_path: Path, bus_config, ray_address, tiny_model_dir,
+def test_real_run_is_archived_and_replays_bit_for_bit(tmp_path: Path, bus_config, run_creds, ray_address, tiny_model_dir,
                                                       run_name, role_processes, capsys) -> None:
     from rlbus.consumers.event_log import read_entries, read_steps
     from rlbus.trainer.replay import replay
@@ -175,8 +175,8 @@ def test_real_run_is_archived_and_replays_bit_for_bit(tmp_path: Path, bus_config
                            trainer={"total_steps": 4, "groups_per_step": 2, "checkpoint_interval": 2,
                                     "keep_checkpoints": 2})
     cfg_path = write_config(tmp_path / "run.yaml", cfg)
-    trainer = start_role("trainer", cfg_path, tmp_path / "logs")
-    producer = start_role("producer", cfg_path, tmp_path / "logs", "--id", "p0", name="p0")
+    trainer = start_role("trainer", cfg_path, tmp_path / "logs", creds=run_creds)
+    producer = start_role("producer", cfg_path, tmp_path / "logs", "--id", "p0", name="p0", creds=run_creds)
     role_processes += [trainer, producer]
     assert wait_exit(trainer, timeout=600) == 0
     stop(producer)

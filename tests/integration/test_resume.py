@@ -27,7 +27,7 @@ async def _step_events(bus_cfg, run: str) -> list[StepCompleted]:
 
 
 def test_trainer_killed_between_step_and_checkpoint_trains_every_group_once(
-        tmp_path, bus_config, ray_address, tiny_model_dir, run_name, role_processes):
+        tmp_path, bus_config, run_creds, ray_address, tiny_model_dir, run_name, role_processes):
     run_dir = tmp_path / "run"
     total, per_step = 8, 2
     cfg = small_run_config(run_name, run_dir, tiny_model_dir, bus_config.url, bus_config.creds_file, ray_address,
@@ -35,8 +35,8 @@ def test_trainer_killed_between_step_and_checkpoint_trains_every_group_once(
                                     "max_staleness": 2})
     cfg_path = write_config(tmp_path / "run.yaml", cfg)
     logs = tmp_path / "logs"
-    trainer = start_role("trainer", cfg_path, logs)
-    producer = start_role("producer", cfg_path, logs, "--id", "p0", name="p0")
+    trainer = start_role("trainer", cfg_path, logs, creds=run_creds)
+    producer = start_role("producer", cfg_path, logs, "--id", "p0", name="p0", creds=run_creds)
     role_processes += [trainer, producer]
     # Checkpoints at 3 and 6: kill the moment step 4 is logged (polled far faster than a step takes).
     wait_for_steps(run_dir, 4, [trainer, producer], poll=0.01)
@@ -44,7 +44,7 @@ def test_trainer_killed_between_step_and_checkpoint_trains_every_group_once(
     lost_from = read_metrics(run_dir)[-1]["step"]
     assert latest_checkpoint(run_dir / "checkpoints").name == checkpoint_name(3) and lost_from > 3, \
         "the kill did not land between a step and its checkpoint"
-    restarted = start_role("trainer", cfg_path, logs, name="trainer-2")
+    restarted = start_role("trainer", cfg_path, logs, name="trainer-2", creds=run_creds)
     role_processes.append(restarted)
     assert wait_exit(restarted, timeout=600) == 0
     stop(producer)

@@ -14,15 +14,20 @@ from typing import Iterator
 
 import pytest
 
+from rlbus.bus.auth import ROLES
 from rlbus.bus.server import EmbeddedServer
 from rlbus.schemas.config import BusConfig
 
 
 @pytest.fixture(scope="module")
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServer]:
-    """An EmbeddedServer (JetStream, file storage, password auth) on a free 127.0.0.1 port, stopped at module end."""
+    """An EmbeddedServer (JetStream, file storage, per-role users) on a free 127.0.0.1 port, stopped at module end.
+
+    It serves the run "tests", whose admin (allowed everything) the bus tests use; a test that runs roles with
+    their own least-privilege credentials asks for `run_creds`.
+    """
     store: Path = tmp_path_factory.mktemp("nats")
-    server = EmbeddedServer(store, port=0, host="127.0.0.1")
+    server = EmbeddedServer(store, port=0, host="127.0.0.1", runs=["tests"])
     server.start()
     yield server
     server.stop()
@@ -30,8 +35,15 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedSe
 
 @pytest.fixture
 def bus_config(nats_server: EmbeddedServer) -> BusConfig:
-    """A BusConfig pointing at the module's server with its generated credentials (short timeouts for tests)."""
-    return BusConfig(url=nats_server.url, creds_file=str(nats_server.creds_file), connect_timeout_s=5.0)
+    """A BusConfig pointing at the module's server with its admin credentials (short timeouts for tests)."""
+    return BusConfig(url=nats_server.url, creds_file=str(nats_server.creds_file("admin")), connect_timeout_s=5.0)
+
+
+@pytest.fixture
+def run_creds(nats_server: EmbeddedServer, run_name: str) -> dict[str, str]:
+    """role -> credentials file of `run_name` on the module's server (its users are added on the fly)."""
+    nats_server.add_run(run_name)
+    return {role: str(nats_server.creds_file(role, run_name)) for role in ROLES}
 
 
 def unique_run_name(label: str = "t") -> str:

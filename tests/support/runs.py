@@ -64,8 +64,13 @@ def small_run_config(name: str, run_dir: Path, model_dir: Path, bus_url: str, cr
     return cfg
 
 
-def start_role(role: str, cfg_path: Path, log_dir: Path, *extra: str, name: str | None = None) -> subprocess.Popen:
+def start_role(role: str, cfg_path: Path, log_dir: Path, *extra: str, name: str | None = None,
+               creds: dict[str, str] | None = None) -> subprocess.Popen:
+    """`rlbus <role> CONFIG ...` as its own process; with `creds` (tests.support.nats_server.run_creds) it gets only
+    its role's credential, as `rlbus up` hands them out."""
     log_dir.mkdir(parents=True, exist_ok=True)
+    if creds is not None:  # an override, so before the flags
+        extra = (f"bus.creds_file={creds[role]}", *extra)
     log = open(log_dir / f"{name or role}.log", "ab")
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "rlbus.cli", role, str(cfg_path), *extra], cwd=ROOT,

@@ -12,24 +12,44 @@ Layout under a checkpoint root (`<run_dir>/checkpoints`):
 
     python -c "from rlbus.trainer.checkpoint import export_hf; export_hf('runs/x/checkpoints/step_00000010', 'out', 'model')"
 
-Tests: `pytest tests/integration/test_fsdp.py -k checkpoint`.
+Loading never runs code from the checkpoint, so an untrusted run directory can be resumed, replayed or exported:
+DCP's `.metadata` is a pickle (its FileSystemReader reads it with a bare `pickle.load`), so it is read here by an
+unpickler that admits only the globals DCP metadata references (`_DCP_METADATA_GLOBALS`) and handed to DCP ready-made;
+the non-tensor entries of the shards (LR schedule, optimizer hyper-parameters, update count), which DCP's default
+planner reads with `torch.load(weights_only=False)`, and the RNG files go through `torch.load(weights_only=True)`.
+Anything else raises `UnsafeCheckpointError` naming the file and the global it refused.
+
+Tests: `pytest tests/integration/test_fsdp.py -k checkpoint`, `pytest tests/integration/test_safe_loading.py`.
 """
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
 import random
+import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from rlbus.schemas.errors import RlbusError
-from rlbus.trainer.dist import barrier, rank
+from rlbus.trainer.dist import all_reduce, barrier, rank
 
 if TYPE_CHECKING:  # the engine imports FSDP and transformers' models; checkpoints need only its attributes
     from rlbus.trainer.engine import TrainEngine
@@ -37,6 +57,7 @@ if TYPE_CHECKING:  # the engine imports FSDP and transformers' models; checkpoin
 T = TypeVar("T")
 LATEST = "latest"
 _PREFIX = "step_"
+_NAME = re.compile(r"step_[0-9]+")
 
 
 class CheckpointError(RlbusError):
@@ -46,6 +67,168 @@ class CheckpointError(RlbusError):
         self.path = str(path)
         self.reason = reason
         super().__init__(f"checkpoint {self.path}: {reason}")
+
+    def __reduce__(self) -> tuple[Any, ...]:  # DCP gathers a rank's exception to every rank by pickling it
+        return type(self), (self.path, self.reason)
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file would run code when loaded, or holds what no checkpoint of ours holds: refused unread.
+
+    `path` is the file, `forbidden` the global it references (`module.name`), or "" when the file is malformed.
+    """
+
+    def __init__(self, path: str | os.PathLike, reason: str, forbidden: str = ""):
+        self.forbidden = forbidden
+        super().__init__(path, reason)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.path, self.reason, self.forbidden)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# safe loading
+
+#: Every global a DCP `.metadata` pickle references (found by saving a checkpoint and listing the pickle's
+#: globals): DCP's metadata dataclasses, the shard index entry, torch.Size, a layout by name, the checkpoint id as a
+#: path; dtypes (`torch.<dtype>`) are admitted by `_TORCH_DTYPES`. All of them only build plain values.
+_DCP_METADATA_GLOBALS = frozenset({
+    ("torch.distributed.checkpoint.metadata", "Metadata"),
+    ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+    ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+    ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "TensorProperties"),
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+})  # fmt: skip
+_TORCH_DTYPES = frozenset(name for name, value in vars(torch).items() if isinstance(value, torch.dtype))
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP `.metadata` file, refusing every global outside `_DCP_METADATA_GLOBALS` (and dtypes)."""
+
+    def __init__(self, file: IO[bytes], path: Path):
+        super().__init__(file)
+        self._path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _DCP_METADATA_GLOBALS or (module == "torch" and name in _TORCH_DTYPES):
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(
+            self._path,
+            f"refusing to unpickle `{module}.{name}`: DCP metadata references only its own dataclasses, "
+            "torch.Size, dtypes and layouts (a planted pickle would run code here)",
+            forbidden=f"{module}.{name}",
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafeCheckpointError(self._path, "a DCP metadata file holds no persistent ids")
+
+
+def _read_metadata(ckpt: Path) -> Metadata:
+    """The checkpoint's DCP metadata, unpickled by `_MetadataUnpickler` and checked for shape."""
+    file = ckpt / ".metadata"
+    try:
+        data = file.read_bytes()
+    except OSError as e:
+        raise CheckpointError(file, f"cannot read DCP metadata: {e}") from None
+    try:
+        md = _MetadataUnpickler(io.BytesIO(data), file).load()
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever a hostile file makes the unpickler raise is a bad file
+        raise UnsafeCheckpointError(file, f"not a DCP metadata file ({type(e).__name__}: {e})") from None
+    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
+        raise UnsafeCheckpointError(file, f"not a DCP metadata file (holds a {type(md).__name__})")
+    for key, item in md.state_dict_metadata.items():
+        if not isinstance(key, str) or not isinstance(item, (TensorStorageMetadata, BytesStorageMetadata)):
+            raise UnsafeCheckpointError(file, f"entry {key!r} is not DCP storage metadata")
+    if not isinstance(md.storage_data, dict):
+        raise UnsafeCheckpointError(file, "no shard index (storage_data)")
+    for index, info in md.storage_data.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
+            raise UnsafeCheckpointError(file, "shard index entries must be MetadataIndex -> _StorageInfo")
+        name = info.relative_path
+        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
+            # DCP opens `<checkpoint>/<relative_path>`: a path with a directory in it could read any file
+            raise UnsafeCheckpointError(file, f"shard file {name!r} is not a file name inside the checkpoint")
+    return md
+
+
+def _weights_only_failure(e: Exception) -> tuple[str, str]:
+    """(the global refused, as `module.name`, or ""; what was refused) from torch's weights-only unpickler error."""
+    text = str(e)  # a paragraph of torch's advice (to retry with weights_only=False: not here), then what failed
+    found = re.search(r"GLOBAL ([\w.]+)", text)  # "Unsupported global: GLOBAL getattr ..." / "... GLOBAL posix.system"
+    if found:
+        name = found.group(1) if "." in found.group(1) else f"builtins.{found.group(1)}"
+        return name, f"refusing to unpickle `{name}`"
+    paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()] or [text]
+    detail = next((p for p in paragraphs if "WeightsUnpickler error:" in p), paragraphs[min(1, len(paragraphs) - 1)])
+    return "", f"refusing to unpickle it ({detail.replace('WeightsUnpickler error:', '').strip()[:300]})"
+
+
+def _load_plain(src: str | os.PathLike | IO[bytes], path: Path, what: str) -> Any:
+    """`torch.load(weights_only=True)`: tensors and plain Python values only; anything else raises."""
+    try:
+        return torch.load(src, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        forbidden, reason = _weights_only_failure(e)
+        raise UnsafeCheckpointError(
+            path, f"{what}: {reason}; it may hold only tensors and plain values", forbidden=forbidden
+        ) from None
+    except Exception as e:  # noqa: BLE001 - not a torch file, truncated, ...: a bad file, whatever torch raises
+        raise UnsafeCheckpointError(path, f"{what} cannot be read ({type(e).__name__}: {e})") from None
+
+
+class _SafeLoadPlanner(dcp.DefaultLoadPlanner):
+    """DCP's default planner, but the non-tensor entries are read with `weights_only=True`, not a full unpickle."""
+
+    def __init__(self, ckpt: Path):
+        super().__init__()
+        self._ckpt = ckpt
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        info = getattr(getattr(self, "metadata", None), "storage_data", {}).get(read_item.storage_index)
+        obj = _load_plain(value, self._ckpt / info.relative_path if info else self._ckpt, f"entry {fqn!r}")
+        if self.flatten_state_dict:  # as DefaultLoadPlanner.load_bytes
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """DCP's file reader, handed metadata read by `_read_metadata` instead of unpickling `.metadata` itself."""
+
+    def __init__(self, ckpt: Path, metadata: Metadata):
+        super().__init__(ckpt)
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:  # per-rank metadata files (saves without collectives): never ours
+            raise CheckpointError(self.path, "has no global DCP metadata")
+        md = self._metadata
+        if getattr(md, "storage_meta", None) is None:  # as FileSystemReader.read_metadata
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+def _dcp_load(state: dict[str, Any], ckpt: Path) -> None:
+    """`dcp.load(state, checkpoint_id=ckpt)` without unpickling anything from the checkpoint beyond plain values."""
+    reader = _SafeReader(ckpt, _read_metadata(ckpt))
+    try:
+        dcp.load(state, checkpoint_id=ckpt, storage_reader=reader, planner=_SafeLoadPlanner(ckpt))
+    except CheckpointException as e:  # DCP gathers every rank's failure; ours say what was refused
+        ours = [exc for exc, _ in e.failures.values() if isinstance(exc, CheckpointError)]
+        if ours:
+            raise ours[0] from None
+        raise
 
 
 def _rng_state() -> dict[str, Any]:
@@ -60,6 +243,21 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _load_rng_state(file: Path) -> dict[str, Any]:
+    state = _load_plain(file, file, "RNG state")
+    cuda = state.get("cuda", []) if isinstance(state, dict) else None
+    ok = (isinstance(state, dict) and isinstance(state.get("torch"), torch.Tensor)
+          and state["torch"].dtype == torch.uint8 and isinstance(state.get("python"), tuple)
+          and isinstance(cuda, list) and all(isinstance(t, torch.Tensor) for t in cuda))  # fmt: skip
+    if not ok:
+        raise UnsafeCheckpointError(
+            file,
+            "RNG state must be {'torch': ByteTensor, 'python': random.getstate() "
+            "tuple, optionally 'cuda': [ByteTensor]}",
+        )
+    return state
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -77,7 +275,7 @@ def list_checkpoints(root: str | os.PathLike) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX))
+    return sorted(p for p in root.iterdir() if p.is_dir() and _NAME.fullmatch(p.name))
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
@@ -85,7 +283,10 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     pointer = Path(root) / LATEST
     if not pointer.is_file():
         return None
-    path = Path(root) / pointer.read_text().strip()
+    name = pointer.read_text(errors="replace").strip()
+    if not _NAME.fullmatch(name):  # a checkpoint beside the pointer, never a path elsewhere
+        raise CheckpointError(pointer, f"`latest` must name a step_<N> directory beside it, not {name[:80]!r}")
+    path = Path(root) / name
     if not (path / ".metadata").is_file():
         raise CheckpointError(path, "`latest` points at a directory that holds no complete checkpoint")
     return path
@@ -137,14 +338,28 @@ def load_checkpoint(engine: TrainEngine, path: str | os.PathLike, extra_type: ty
         path = found
     if not (path / ".metadata").is_file():
         raise CheckpointError(path, "no DCP metadata (not a checkpoint, or an incomplete one)")
-    state = engine.state_dict()
-    dcp.load(state, checkpoint_id=path)
-    engine.load_state_dict(state)
     rng_file = path / "rng" / f"rank_{rank():05d}.pt"
+    rng, refused = None, None
     if rng_file.is_file():  # absent when resuming with more ranks than saved: those ranks keep their seeds
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+        try:
+            rng = _load_rng_state(rng_file)
+        except CheckpointError as e:
+            refused = e
+    if all_reduce([1.0 if refused else 0.0], "max")[0] > 0:  # every rank stops, none waits in dcp.load for it
+        raise refused or CheckpointError(path, "another rank refused its RNG state file (see that rank's error)")
+    state = engine.state_dict()
+    _dcp_load(state, path)
+    engine.load_state_dict(state)
+    if rng is not None:
+        try:
+            _set_rng_state(rng)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise UnsafeCheckpointError(rng_file, f"RNG state does not fit ({type(e).__name__}: {e})") from None
     raw = (path / "extra.json").read_bytes()
-    return msgspec.json.decode(raw, type=extra_type) if extra_type is not None else msgspec.json.decode(raw)
+    try:
+        return msgspec.json.decode(raw, type=extra_type) if extra_type is not None else msgspec.json.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise CheckpointError(path / "extra.json", f"cannot decode: {e}") from None
 
 
 def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, tokenizer_src: str | os.PathLike) -> Path:
@@ -159,7 +374,7 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, tokenizer
     config = AutoConfig.from_pretrained(ckpt_dir / "hf")
     model = AutoModelForCausalLM.from_config(config)
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=ckpt_dir)
+    _dcp_load(state, ckpt_dir)
     model.load_state_dict(state["model"])
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)

@@ -26,7 +26,7 @@ from rich.table import Table
 
 from rlbus.consumers.event_log import RecordError, StepRecord, load_step_batch, read_steps
 from rlbus.schemas.config import RunConfig, load_config
-from rlbus.trainer.checkpoint import list_checkpoints, load_checkpoint
+from rlbus.trainer.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 from rlbus.trainer.engine import TrainEngine
 from rlbus.trainer.metrics import read_metrics
 
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     try:
         result, _ = replay(args.run_dir, args.from_step, args.steps, args.overrides)
-    except RecordError as e:  # the run directory lacks what the replay needs: say what, no traceback
+    except (RecordError, CheckpointError) as e:  # missing, or refused as unsafe: say what, no traceback
         console.print(f"[red]rlbus replay:[/red] {e}")
         return 2
     render(result, console, show_all=args.all)

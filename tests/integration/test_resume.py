@@ -6,17 +6,28 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
 import sys
 
 import pytest
 
+from rlbus.bus.auth import ROLES
 from rlbus.bus.client import Bus
 from rlbus.schemas.wire import StepCompleted
-from tests.support.runs import ROOT, small_run_config, start_role, stop, wait_exit, wait_for_steps, write_config
 from rlbus.trainer.checkpoint import checkpoint_name, latest_checkpoint
 from rlbus.trainer.metrics import read_metrics
+from tests.support.runs import (
+    ROOT,
+    files_holding,
+    small_run_config,
+    start_role,
+    stop,
+    wait_exit,
+    wait_for_steps,
+    write_config,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -95,6 +106,12 @@ def test_up_stopped_with_ctrl_c_resumes_to_the_end(tmp_path, tiny_model_dir, run
     assert [r["version"] for r in rows] == list(range(1, total + 1))
     for made in ("config.yaml", "metrics.jsonl", "curves.png", "feeder.json"):
         assert (run_dir / made).is_file(), made
+    # Secrets at rest: each role's password sits in its own 0600 file and nowhere else (config, launch.yaml,
+    # logs, metrics, the event archive, checkpoints).
+    role_files = sorted((run_dir / "bus" / "creds" / run_name).glob("*.json"))
+    assert [p.stem for p in role_files] == sorted(ROLES)
+    passwords = [json.loads(p.read_text())["password"] for p in role_files]
+    assert files_holding([run_dir, logs], passwords, skip=set(role_files)) == []
     assert any((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

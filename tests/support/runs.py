@@ -79,6 +79,16 @@ def start_role(role: str, cfg_path: Path, log_dir: Path, *extra: str, name: str 
     return proc
 
 
+def files_holding(roots: list[Path], secrets: list[str], skip: set[Path] = frozenset()) -> list[str]:
+    """Every file under `roots` (but `skip`) whose bytes contain one of `secrets`: "path: which"."""
+    found = []
+    for root in roots:
+        for path in sorted(p for p in Path(root).rglob("*") if p.is_file() and p not in skip):
+            data = path.read_bytes()
+            found += [f"{path}: {s[:4]}..." for s in secrets if s.encode() in data]
+    return found
+
+
 def log_tail(proc: subprocess.Popen, lines: int = 60) -> str:
     path: Path = proc.log_path  # type: ignore[attr-defined]
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.is_file() else ""

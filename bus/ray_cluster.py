@@ -9,11 +9,16 @@ Two Ray defaults are overridden for the clusters rlbus starts itself:
 - Ray advertises (and binds) the machine's routable IP even for a single-node cluster. Loopback-only is asked for
   here, and Ray's only switch for it is the environment variable `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, read when
   `ray` is imported -- so the head runs as a child process with that variable set.
-- Token authentication is off for these loopback-only heads (`RAY_AUTH_MODE=disabled`, said explicitly, since Ray
-  turns it on by default for new clusters): Ray reads the mode once per process, so a driver that imported Ray
-  before it learnt the address could not switch to token mode. A multi-machine cluster is started by the user with
-  `ray start` (token auth on, RAY_AUTH_MODE=token set for every rlbus process, as Ray documents) and given as
-  ray.address.
+- Token authentication is on, with a fresh random token per head (`ray start --head` would otherwise start without
+  it unless a token already exists in ~/.ray/auth_token). Ray's token mode is all environment: `RAY_AUTH_MODE=token`
+  turns it on, and every Ray process -- the head's GCS, raylet, agents and workers, and every driver -- finds the
+  token in, first to last, `RAY_AUTH_TOKEN` (the token itself), `RAY_AUTH_TOKEN_PATH` (a file holding it),
+  `~/.ray/auth_token`. The token is written to a 0600 file in a fresh 0700 directory, and `RayHead.env` carries
+  `RAY_AUTH_MODE=token` and `RAY_AUTH_TOKEN_PATH`: the secret itself is in no environment and on no command line.
+  Ray caches the mode (and the token) the first time it reads them in a process; `ensure_ray` re-reads both before
+  it connects, so a process that imported Ray before it learnt about the head still connects.
+  A multi-machine cluster is started by the user with `ray start` (RAY_AUTH_MODE=token and the same token on every
+  machine and for every rlbus process) and given as ray.address.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import atexit
 import ctypes
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -30,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,8 +54,19 @@ class RayHead:
 
     pid: int  # the `ray start --block` process; its process group holds every Ray process it started
     address: str  # GCS address "127.0.0.1:<port>" to hand to ray.init / child processes
-    temp_dir: str  # Ray's session files and logs
+    temp_dir: str  # ray-start.log, the token's folder (by default) and Ray's temp dir `ray/` (session files, logs)
     env: dict[str, str] = field(default_factory=dict)  # environment a process needs to connect to this head
+    token_path: str = ""  # the head's auth token (0600, in a 0700 directory of its own); "" = token auth off
+
+    def apply_env(self, environ: MutableMapping[str, str] | None = None) -> None:
+        """Put what a process needs to join this head into `environ` (default os.environ), for it and its children.
+
+        Also drops an inherited RAY_AUTH_TOKEN: Ray prefers it to RAY_AUTH_TOKEN_PATH, and it would belong to some
+        other cluster."""
+        environ = os.environ if environ is None else environ
+        environ.update(self.env)
+        if "RAY_AUTH_TOKEN_PATH" in self.env:
+            environ.pop("RAY_AUTH_TOKEN", None)
 
 
 def free_port() -> int:
@@ -70,26 +88,47 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def write_token(parent: str | None = None) -> str:
+    """Write a fresh random Ray auth token (256 bits, hex, as `ray get-auth-token --generate` makes) to a 0600 file
+    in a new 0700 directory under `parent` (default: the system temp dir); return the file's path."""
+    if parent:
+        os.makedirs(parent, mode=0o700, exist_ok=True)
+    folder = tempfile.mkdtemp(prefix="rlbus-ray-auth-", dir=parent)  # 0700, and new: nobody else can have it open
+    path = os.path.join(folder, "auth_token")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return path
+
+
 def start_ray_head(
     num_cpus: int = 0,
     object_store_memory: int = 0,
     temp_dir: str | None = None,
     timeout_s: float = 90.0,
     die_with_parent: bool = True,
+    token_dir: str | None = None,
 ) -> RayHead:
-    """Start a loopback-only Ray head as a child process and wait until it accepts drivers.
+    """Start a loopback-only Ray head with token authentication as a child process; wait until it accepts drivers.
 
     num_cpus / object_store_memory: 0 = Ray's default. die_with_parent: SIGTERM the head when the calling thread
     exits (Linux PR_SET_PDEATHSIG; call it from a thread that lives as long as the cluster should, e.g. the main one).
+    token_dir: where the token's private folder is made (e.g. the run directory); default: the head's temp dir.
+    Processes join the head with `head.apply_env()` (or head.env in their environment) and `ensure_ray`.
     """
-    head_env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
-    env = dict(os.environ, **head_env, RAY_USAGE_STATS_ENABLED="0")
-    # Short path: Ray puts unix sockets under it and their paths are limited to ~107 bytes.
+    # Short path: Ray puts unix sockets under it and their paths are limited to ~107 bytes. Ray makes its own temp
+    # dir (and the session, sockets and logs dirs in it) mode 0777, so it gets a subfolder of a private (0700) one:
+    # nobody else can read its logs or swap its unix sockets.
     root = temp_dir or tempfile.mkdtemp(prefix="rlbus-ray-", dir="/tmp")
+    ray_temp = os.path.join(root, "ray")
+    token_path = write_token(token_dir or root)
+    head_env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token_path}
+    env = dict(os.environ, **head_env, RAY_USAGE_STATS_ENABLED="0")
+    env.pop("RAY_AUTH_TOKEN", None)  # Ray would prefer it to the file: someone else's token
     port = free_port()
     cmd = [
         _ray_bin(), "start", "--head", "--block", "--disable-usage-stats",
-        "--node-ip-address=127.0.0.1", f"--port={port}", f"--temp-dir={root}",
+        "--node-ip-address=127.0.0.1", f"--port={port}", f"--temp-dir={ray_temp}",
         "--include-dashboard=false",
         # Every listening port explicit: several Ray clusters may share this machine, and Ray's defaults are fixed.
         f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}",
@@ -102,21 +141,26 @@ def start_ray_head(
     if object_store_memory > 0:
         cmd.append(f"--object-store-memory={object_store_memory}")
     log_path = Path(root) / "ray-start.log"
-    with open(log_path, "wb") as out:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,  # its own process group: stop_ray_head kills exactly what it started
-            preexec_fn=_die_with_parent if die_with_parent else None,
-        )
+    try:
+        with open(log_path, "wb") as out:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # its own process group: stop_ray_head kills exactly what it started
+                preexec_fn=_die_with_parent if die_with_parent else None,
+            )
+    except BaseException:
+        shutil.rmtree(Path(token_path).parent, ignore_errors=True)
+        raise
     _STARTED[proc.pid] = proc
     head = RayHead(
         pid=proc.pid,
         address=f"127.0.0.1:{port}",
         temp_dir=root,
         env=head_env,
+        token_path=token_path,
     )
     deadline = time.monotonic() + timeout_s
     while b"Ray runtime started" not in log_path.read_bytes():
@@ -167,6 +211,8 @@ def stop_ray_head(head: RayHead | int, timeout_s: float = 5.0, remove_temp_dir: 
     proc = _STARTED.pop(pid, None)
     if proc is not None:
         proc.wait(timeout=timeout_s)
+    if isinstance(head, RayHead) and head.token_path:  # the token's own folder, made by write_token
+        shutil.rmtree(Path(head.token_path).parent, ignore_errors=True)
     if remove_temp_dir and isinstance(head, RayHead) and Path(head.temp_dir).name.startswith("rlbus-ray-"):
         shutil.rmtree(head.temp_dir, ignore_errors=True)
 
@@ -190,6 +236,21 @@ def use_loopback() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
+def _reload_auth_settings() -> None:
+    """Make Ray in this process re-read RAY_AUTH_MODE and its token from the environment.
+
+    Ray caches both the first time it needs them (the mode in its C++ RayConfig, the token in its token loader), so
+    a process that touched Ray before it learnt about the head would keep sending no token (or a stale one). This is
+    what Ray itself does when `ray.init` turns token mode on (authentication_token_setup._enable_token_auth). Only
+    called before this process's ray.init."""
+    from ray._raylet import AuthenticationMode, AuthenticationTokenLoader, Config, get_authentication_mode
+
+    wanted = os.environ.get("RAY_AUTH_MODE", "").lower() == "token"
+    if wanted != (get_authentication_mode() == AuthenticationMode.TOKEN):
+        Config.initialize("")  # re-reads every RAY_<setting> variable; the cluster's own settings come with ray.init
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
 def ensure_ray(cfg: RayConfig) -> str:
     """Initialise Ray in this process unless it already is, and return the cluster's GCS address.
 
@@ -211,10 +272,11 @@ def ensure_ray(cfg: RayConfig) -> str:
         )
         # Registered before ray.init, so it runs after Ray's own shutdown hook (atexit is last-in, first-out).
         atexit.register(stop_ray_head, head)
-        os.environ.update(head.env)
+        head.apply_env()
         address = head.address
     if _is_loopback(address):
         use_loopback()
+    _reload_auth_settings()
     ray.init(
         address=address,
         namespace=cfg.namespace,

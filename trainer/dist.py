@@ -1,27 +1,40 @@
 """Process-group set-up for the FSDP2 trainer: under torchrun, spawned locally, or a single rank with no launcher.
 
     torchrun --nproc-per-node 2 -m rlbus.cli trainer CONFIG        # env:// (RANK, WORLD_SIZE, MASTER_ADDR/PORT)
-    rlbus trainer CONFIG trainer.num_ranks=2                       # spawn_local() picks a free loopback port
+    rlbus trainer CONFIG trainer.num_ranks=2                       # spawn_local(): a store on 127.0.0.1 only
     rlbus trainer CONFIG                                           # one rank, an in-process store, no network
 
 gloo on CPU, NCCL on CUDA. World size 1 still gets a (one-member) process group so FSDP2 runs the same code path.
+
+What listens where. torch's TCPStore server binds every interface ([::], dual-stack) whatever host name it is
+given (torch 2.13, libuv and classic backends alike); only a socket it is handed (`master_listen_fd`) limits it.
+So spawn_local serves the rendezvous store from the parent process, on a socket bound to 127.0.0.1, and the ranks
+are its clients; it also sets GLOO_SOCKET_IFNAME=lo, since gloo otherwise binds its pair sockets to whatever the
+machine's host name resolves to. Under torchrun the store is the elastic agent's, and it listens on [::]:PORT
+whatever --master-addr / --rdzv-endpoint / --local-addr say: keep single-machine torchrun runs behind a firewall
+(or in a network namespace), and set GLOO_SOCKET_IFNAME=lo (NCCL: NCCL_SOCKET_IFNAME=lo) for the ranks' sockets.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue
+import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from rlbus.bus.ray_cluster import free_port
+from torch.distributed.constants import default_pg_timeout
 
 Device = Literal["cpu", "cuda"]
+
+LOOPBACK = "127.0.0.1"
+# Set in spawn_local's children: the rendezvous store is served by the parent (on loopback), not by rank 0.
+_parent_store: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -45,7 +58,17 @@ def init_distributed(device: Device = "cpu") -> DistInfo:
     dev = _device_for(device, local_rank)
     backend = "nccl" if device == "cuda" else "gloo"
     if not dist.is_initialized():
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if _parent_store is not None:  # spawn_local: every rank is a client of the parent's loopback store
+            host, port = _parent_store
+            store = dist.TCPStore(host, port, is_master=False, timeout=default_pg_timeout)
+            dist.init_process_group(
+                backend,
+                store=store,
+                rank=int(os.environ["RANK"]),
+                world_size=int(os.environ["WORLD_SIZE"]),
+                device_id=dev if device == "cuda" else None,
+            )
+        elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             if "MASTER_PORT" not in os.environ:
                 raise ValueError("MASTER_PORT: must be set when RANK and WORLD_SIZE are (torchrun sets all three)")
@@ -95,9 +118,12 @@ def all_reduce(
 def _spawned_entry(
     local_rank: int, num_ranks: int, port: int, results: Any, fn: Callable[..., Any], args: tuple[Any, ...]
 ) -> None:
+    global _parent_store
+    _parent_store = (LOOPBACK, port)
     os.environ.update(
         RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(num_ranks),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port),  # for whoever reads them; init_distributed uses _parent_store
+        GLOO_SOCKET_IFNAME="lo",  # gloo's pair sockets on loopback, not on the host name's address
     )  # fmt: skip
     out = fn(*args)
     # Plain pickle bytes: torch's queue reductions would pass tensors as shared-memory handles that die with
@@ -108,18 +134,45 @@ def _spawned_entry(
 def spawn_local(num_ranks: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
     """Run `fn(*args)` on `num_ranks` fresh local processes wired as one process group; return their results by rank.
 
-    Each child gets RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR=127.0.0.1 / MASTER_PORT (a free port) in its
-    environment and calls `init_distributed` itself (inside `fn`). `fn` must be importable (a module-level function)
-    and its return value picklable. A child's exception is re-raised here (torch's ProcessRaisedException).
+    Each child gets RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR=127.0.0.1 / MASTER_PORT in its environment and
+    calls `init_distributed` itself (inside `fn`), which joins the rendezvous store this process serves meanwhile on
+    127.0.0.1 only (module docstring). `fn` must be importable (a module-level function) and its return value
+    picklable. A child's exception is re-raised here (torch's ProcessRaisedException).
     """
     if num_ranks < 1:
         raise ValueError("num_ranks: must be >= 1")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
-    procs = mp.start_processes(
-        _spawned_entry, args=(num_ranks, port, results, fn, args), nprocs=num_ranks, join=False, start_method="spawn"
-    )
+    store = _loopback_store()
+    try:
+        procs = mp.start_processes(
+            _spawned_entry, args=(num_ranks, store.port, results, fn, args), nprocs=num_ranks, join=False,
+            start_method="spawn",
+        )  # fmt: skip
+        return _collect(procs, results, num_ranks)
+    finally:
+        del store  # its server stops with the last reference
+
+
+def _loopback_store() -> dist.TCPStore:
+    """A TCPStore server listening on 127.0.0.1 only (and on a port it holds from the start: no free-port race)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((LOOPBACK, 0))
+        sock.listen(128)
+        store = dist.TCPStore(
+            LOOPBACK, sock.getsockname()[1], is_master=True, wait_for_workers=False,
+            timeout=default_pg_timeout, master_listen_fd=sock.fileno(),
+        )  # fmt: skip
+    except BaseException:
+        with contextlib.suppress(OSError):
+            sock.close()
+        raise
+    sock.detach()  # the store owns (and closes) the descriptor now
+    return store
+
+
+def _collect(procs: Any, results: Any, num_ranks: int) -> list[Any]:
     collected: dict[int, Any] = {}
     # Drain while waiting: a child blocks on a full pipe until its result is read, so join() alone could hang.
     while True:

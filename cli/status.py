@@ -1,6 +1,6 @@
 """`rlbus status CONFIG [overrides]`: what a run is doing, read from the bus alone.
 
-    rlbus status configs/quickstart.yaml bus.url=nats://127.0.0.1:4222 bus.creds_file=.rlbus/bus/creds.json
+    rlbus status configs/quickstart.yaml bus.url=nats://127.0.0.1:4222 bus.creds_file=.rlbus/bus/creds/quickstart/observer.json
 
 Shows the trainer's step and version (last StepCompleted, the KV bucket's latest weights), every producer's id,
 weight version, groups per minute and last heartbeat, the queue depths, and the staleness of recent steps.

@@ -34,10 +34,10 @@ class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class BusConfig(_Section):
     url: str = ""  # NATS URL(s), comma-separated; "" = `rlbus up` starts the embedded server
-    creds_file: str = ""  # credentials file written by `rlbus bus up` (holds token or user/password)
+    creds_file: str = ""  # this role's credentials file (`rlbus bus up` writes creds/<run>/<role>.json)
     token: str = ""  # auth token (overrides creds_file)
     user: str = ""  # user name (with password)
-    password: str = ""  # password (with user)
+    password: str = ""  # password (with user); never written out: `rlbus up` moves it to a 0600 file
     tls_ca: str = ""  # CA bundle; setting any tls_* turns TLS on
     tls_cert: str = ""  # client certificate (mutual TLS)
     tls_key: str = ""  # client key (mutual TLS)

@@ -191,7 +191,7 @@ def test_poisoned_non_tensor_shard_entry_is_refused(recorded, run_copy: Path, tm
     assert marker.exists()
 
 
-def test_replay_and_export_refuse_poisoned_metadata(recorded, run_copy: Path, tmp_path: Path) -> None:
+def test_replay_and_export_refuse_poisoned_metadata(recorded, run_copy: Path, tmp_path: Path, capsys) -> None:
     from rlbus.cli.export import export_checkpoint
     from rlbus.trainer.checkpoint import UnsafeCheckpointError, export_hf
     from rlbus.trainer.replay import main
@@ -199,8 +199,10 @@ def test_replay_and_export_refuse_poisoned_metadata(recorded, run_copy: Path, tm
     marker = tmp_path / "marker"
     ckpt = run_copy / CKPT
     _poisoned_metadata(ckpt, Shell(marker))
-    with pytest.raises(UnsafeCheckpointError, match="refusing to unpickle `posix.system`"):
-        main([str(run_copy), "--from-step", "3"])  # `rlbus replay RUN --from-step 3`
+    # `rlbus replay RUN --from-step 3`: one clear line and exit code 2, no traceback, nothing run
+    assert main([str(run_copy), "--from-step", "3"]) == 2
+    said = " ".join(capsys.readouterr().out.split())
+    assert "rlbus replay:" in said and "refusing to unpickle `posix.system`" in said
     with pytest.raises(UnsafeCheckpointError, match="refusing to unpickle"):
         export_hf(ckpt, tmp_path / "hf", recorded["cfg"].model.path)
     with pytest.raises(UnsafeCheckpointError, match="refusing to unpickle"):

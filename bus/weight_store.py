@@ -6,7 +6,7 @@
 
 The actor ray.put's each version itself and keeps the reference: it owns the object (the trainer that sent it may
 die), and every producer on a node maps the same object-store copy (weights are large and read by many). It keeps
-the newest `ray.weight_versions_kept` versions. A version's checksum is blake2b over names, dtypes, shapes and bytes
+the `ray.weight_versions_kept` versions put last (a resumed trainer's lower version included). A version's checksum is blake2b over names, dtypes, shapes and bytes
 (`state_dict_checksum`); `check_checksum` is the one place that compares a state dict with the digest it should
 have, and its error carries the version, the expected and the actual digest. State dicts handed out by `get` are
 read-only views (load_state_dict and ops that produce new tensors are fine).
@@ -86,7 +86,11 @@ def check_checksum(version: int, packed: Mapping[str, Packed], expected: str) ->
 
 
 class _WeightStore:
-    """Keeps the newest `keep` versions; each is one object the actor ray.put itself, so the actor owns it."""
+    """Keeps the `keep` versions put last; each is one object the actor ray.put itself, so the actor owns it.
+
+    "Last put", not "highest number": a trainer resumed from an older checkpoint puts a lower version than the
+    store holds, and that version (the one producers are told to load) must stay.
+    """
 
     def __init__(self, keep: int, name: str):
         self.keep = keep
@@ -95,8 +99,9 @@ class _WeightStore:
 
     def put(self, version: int, packed: dict[str, Packed], info: WeightsInfo) -> list[int]:
         # ray.put copies out of the call's argument buffer (owned by the trainer) into an object this actor owns.
+        self.versions.pop(version, None)  # a re-put moves to the end: dicts keep insertion order
         self.versions[version] = ([ray.put(packed)], info)
-        evicted = sorted(self.versions)[: -self.keep]
+        evicted = list(self.versions)[: -self.keep]
         for v in evicted:
             del self.versions[v]
         return evicted
@@ -105,7 +110,7 @@ class _WeightStore:
         """([ref], info), or the versions held when `version` is not. The ref travels inside a list so that Ray
         hands the caller the reference (to fetch zero-copy) instead of resolving it here."""
         if version is None and self.versions:
-            version = max(self.versions)
+            version = next(reversed(self.versions))  # the one put last
         held = self.versions.get(version) if version is not None else None
         return held if held is not None else sorted(self.versions)
 
@@ -175,7 +180,7 @@ class WeightStore:
 
     async def get(self, version: int | None = None, *, expect: str | None = None,
                   verify: bool = False) -> dict[str, torch.Tensor]:
-        """The state dict of `version` (None = newest) as read-only tensors. Raises WeightsMissing.
+        """The state dict of `version` (None = the one put last) as read-only tensors. Raises WeightsMissing.
 
         `expect` is the checksum the caller was told (WeightsPublished.checksum); `verify` checks against the
         store's own record. Either way a mismatch raises WeightsChecksumMismatch; hashing runs in a thread, so

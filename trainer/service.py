@@ -24,6 +24,7 @@ import os
 import signal
 import socket
 import time
+import uuid
 from typing import Any
 
 import msgspec
@@ -65,6 +66,7 @@ class TrainerService:
     recorder: Recorder | None
     _stopping: asyncio.Event
     _feeder_task: asyncio.Task | None
+    _incarnation: str  # this trainer process, in its weights announcements' message ids
 
     def __init__(self, cfg: RunConfig, worker: StepWorker):
         self.cfg, self.worker = cfg, worker
@@ -72,6 +74,7 @@ class TrainerService:
         self.bus = self.weight_store = self.feeder = self.batcher = self.metrics = self.recorder = None
         self._stopping = asyncio.Event()
         self._feeder_task = None
+        self._incarnation = uuid.uuid4().hex[:12]
 
     async def start(self) -> None:
         cfg = self.cfg
@@ -237,7 +240,11 @@ class TrainerService:
         msg = WeightsPublished(version=self.version, step=self.step, num_bytes=info.num_bytes,
                                checksum=info.checksum, num_tensors=info.num_tensors, dtype=info.dtype,
                                store=f"{self.cfg.name}")
-        await self.bus.publish(self.bus.subjects.weights, msg, msg_id=f"weights-v{self.version}-s{self.step}")
+        # The id names this trainer process too: a trainer resumed from a checkpoint republishes that checkpoint's
+        # version, and JetStream must not drop it as a duplicate of the dead process's announcement (whose
+        # timeline is gone); within one process the id still de-duplicates a retried publish.
+        await self.bus.publish(self.bus.subjects.weights, msg,
+                               msg_id=f"weights-v{self.version}-s{self.step}-{self._incarnation}")
         await self.bus.kv_put("latest", msg)
 
     async def _checkpoint(self) -> None:

@@ -183,3 +183,15 @@ async def test_weights_that_do_not_match_their_announcement_are_refused(ray_conf
     with pytest.raises(WeightsChecksumMismatch):
         ws.get_sync(5, expect=forged)
     assert torch.equal((await ws.get(5, expect=info.checksum))["w"], torch.full((4, 4), 5.0))
+
+
+async def test_a_republished_lower_version_is_kept_not_evicted(ray_config, run_name):
+    # A trainer resumed from the step-2 checkpoint after reaching 4 puts version 2 again: it must survive, and be
+    # what "newest" means, although 3 and 4 are higher numbers.
+    ws = WeightStore.connect(run_name, ray_config)  # keeps 2
+    for version in (1, 2, 3, 4):
+        await ws.put(version, {"w": torch.full((2,), float(version))})
+    await ws.put(2, {"w": torch.full((2,), 20.0)})
+    assert sorted(await ws.versions()) == [2, 4]
+    assert torch.equal((await ws.get())["w"], torch.full((2,), 20.0))
+    assert torch.equal((await ws.get(2))["w"], torch.full((2,), 20.0))

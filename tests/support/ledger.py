@@ -1,0 +1,68 @@
+"""The ledger check every fault test ends with: every released prompt trained exactly once, or accounted for.
+
+Read from a run directory alone (the event archive, docs/event-log.md), after the run:
+
+- released: every PromptTask the feeder released (events/prompts.jsonl), by task id `e<epoch>-i<index>-a<attempt>`;
+- trained: the groups of each step's final record (events/steps.jsonl; a step redone after a crash replaces its
+  record), which must hold no group twice, and only groups that were released;
+- the rest are accounted for by name: re-issued (a later attempt of the same example was released), dead-lettered
+  (events/dead_letters.jsonl), or still in flight when the run ended (at most what admission allows).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlbus.consumers.event_log import read_entries, read_steps
+from rlbus.schemas.wire import PromptTask, TypedDecoder
+
+_TASK = re.compile(r"^e(\d+)-i(\d+)-a(\d+)$")
+
+
+@dataclass
+class Ledger:
+    released: list[str]
+    trained: list[str]
+    reissued: set[str] = field(default_factory=set)
+    dead_lettered: set[str] = field(default_factory=set)
+
+    @property
+    def in_flight(self) -> set[str]:
+        return set(self.released) - set(self.trained) - self.reissued - self.dead_lettered
+
+    def problems(self, max_in_flight: int) -> list[str]:
+        out = []
+        twice = [g for g, n in Counter(self.trained).items() if n > 1]
+        if twice:
+            out.append(f"trained more than once: {sorted(twice)[:10]}")
+        unreleased = set(self.trained) - set(self.released)
+        if unreleased:
+            out.append(f"trained but never released: {sorted(unreleased)[:10]}")
+        dup_releases = [t for t, n in Counter(self.released).items() if n > 1]
+        if dup_releases:
+            out.append(f"released more than once: {sorted(dup_releases)[:10]}")
+        if len(self.in_flight) > max_in_flight:
+            out.append(f"{len(self.in_flight)} released prompts unaccounted for (more than the {max_in_flight} "
+                       f"admission lets be in flight): {sorted(self.in_flight)[:10]}")
+        return out
+
+
+def read_ledger(run_dir: str | Path) -> Ledger:
+    released = [e.msg.task_id for e in read_entries(run_dir, "prompts")]
+    trained = [g.group_id for rec in read_steps(run_dir) for g in rec.groups]
+    attempts: dict[tuple[int, int], int] = {}
+    for task_id in released:
+        m = _TASK.match(task_id)
+        if m:
+            key = (int(m[1]), int(m[2]))
+            attempts[key] = max(attempts.get(key, -1), int(m[3]))
+    reissued = {t for t in released if (m := _TASK.match(t)) and attempts[(int(m[1]), int(m[2]))] > int(m[3])}
+    decoder = TypedDecoder(PromptTask)
+    dead = set()
+    for e in read_entries(run_dir, "dead-letter"):
+        if e.msg.original_subject.endswith(".prompts"):
+            dead.add(decoder.decode(e.msg.payload).task_id)
+    return Ledger(released=released, trained=trained, reissued=reissued, dead_lettered=dead)

@@ -152,6 +152,14 @@ class EmbeddedServer:
         self._proc = None
         return proc.returncode
 
+    def restart(self, timeout: float = 20.0) -> "EmbeddedServer":
+        """Start again after the server died (or was stopped), on the same store and the same port, so that clients
+        reconnect to the URL they know. Credentials and streams are kept."""
+        self.stop(timeout=5)
+        if self.url:
+            self.port = int(self.url.rsplit(":", 1)[1])
+        return self.start(timeout)
+
     def add_run(self, run: str, timeout: float = 10.0) -> None:
         """Serve one more run: create its four users and reload the running server's config (SIGHUP), keeping
         every connection and stream. Returns once the new run's admin can log in."""

@@ -38,9 +38,10 @@ from rlbus.schemas.config import BusConfig, RunConfig, to_yaml
 
 #: Seconds a stopping child gets before SIGKILL.
 STOP_TIMEOUT_S = 60.0
-#: A producer that dies this many times within RESTART_WINDOW_S makes the launcher give up on it.
-MAX_RESTARTS = 5
-RESTART_WINDOW_S = 120.0
+#: A role that dies this many times in a row before it got going (announced RoleStarted) makes the launcher give
+#: up: that is a role that cannot start (a bad config, a missing model), not a fault to ride out. Deaths after it
+#: got going are faults (a SIGKILL, an OOM): they are restarted however often they happen.
+MAX_START_FAILURES = 5
 
 
 class Child:
@@ -50,14 +51,24 @@ class Child:
     argv: list[str]
     log_path: Path
     proc: subprocess.Popen | None
-    restarts: list[float]
+    start_failures: int  # deaths in a row before the process got going
+    restarts: int  # every restart, for the record
+    started_at: float  # wall time of the last start
     _log: IO[bytes] | None
 
     def __init__(self, name: str, argv: list[str], log_path: Path):
         self.name, self.argv, self.log_path = name, argv, log_path
-        self.proc, self.restarts, self._log = None, [], None
+        self.proc, self.start_failures, self.restarts, self._log = None, 0, 0, None
+        self.started_at = 0.0
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
 
     def start(self) -> None:
+        self.started_at = time.time()
+        if self._log is not None:
+            self._log.close()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -198,34 +209,47 @@ class Launcher:
         async with monitor:
             while True:
                 code = self.trainer.poll()
-                if code is not None:
+                if code == 0:
                     monitor.stop()
-                    if code == 0:
-                        return self._finish()
-                    self._console.print(f"[red]trainer exited with code {code}[/red]; its log "
-                                        f"({self.trainer.log_path}) ends with:\n{self.trainer.log_tail()}")
-                    return 1
+                    return self._finish()
                 if self._stop.is_set():
                     monitor.stop()
                     self._console.print("[yellow]stopping: the trainer checkpoints, producers give back their "
                                         "tasks; run the same command again to resume[/yellow]")
                     await self._stop_children()
                     return 130
-                self._restart_dead_producers()
+                self._restart_dead_bus()
+                # The trainer resumes from its checkpoint; the groups of the steps it lost are redelivered to it.
+                for child, key in [(self.trainer, "trainer"), *((p, f"p{i}") for i, p in enumerate(self.producers))]:
+                    if not self._restart_if_dead(child, got_going=monitor.started.get(key, 0.0) >= child.started_at):
+                        monitor.stop()
+                        return 1
                 await asyncio.sleep(0.5)
 
-    def _restart_dead_producers(self) -> None:
-        now = time.monotonic()
-        for p in self.producers:
-            code = p.poll()
-            if code is None:
-                continue
-            p.restarts = [t for t in p.restarts if now - t < RESTART_WINDOW_S] + [now]
-            if len(p.restarts) > MAX_RESTARTS:
-                raise RuntimeError(f"{p.name} died {MAX_RESTARTS} times in {RESTART_WINDOW_S:.0f}s; last log:\n"
-                                   f"{p.log_tail()}")
-            self._console.print(f"[yellow]{p.name} exited with code {code}; restarting[/yellow] (log {p.log_path})")
-            p.start()
+    def _restart_if_dead(self, child: Child, *, got_going: bool) -> bool:
+        """Restart `child` if it died; False when it keeps dying before it gets going (the launcher gives up)."""
+        code = child.poll()
+        if code is None:
+            return True
+        child.start_failures = 0 if got_going else child.start_failures + 1
+        if child.start_failures >= MAX_START_FAILURES:
+            self._console.print(f"[red]{child.name} exited with code {code} {child.start_failures} times in a row "
+                                f"before it got going[/red]; its log ({child.log_path}) ends with:\n"
+                                f"{child.log_tail()}")
+            return False
+        child.restarts += 1
+        self._console.print(f"[yellow]{child.name} exited with code {code}; restarting[/yellow] "
+                            f"(restart {child.restarts}, log {child.log_path})")
+        child.start()
+        return True
+
+    def _restart_dead_bus(self) -> None:
+        """An embedded nats-server that died is started again on its store and port: clients reconnect to the same
+        URL with their own backoff, and JetStream's file store keeps every stream and consumer."""
+        if self.server is None or self.server.is_running():
+            return
+        self._console.print(f"[yellow]nats-server exited; restarting it on {self.server.store_dir}[/yellow]")
+        self.server.restart()
 
     async def _stop_children(self) -> None:
         # All at once: the trainer checkpoints after the step in hand, producers nak what they hold. Stopping

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import nats.errors
 from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -20,7 +21,8 @@ from rich.table import Table
 
 from rlbus.bus.client import Bus
 from rlbus.schemas.config import RunConfig
-from rlbus.schemas.wire import ProducerHeartbeat
+from rlbus.schemas.errors import BusError
+from rlbus.schemas.wire import Event, ProducerHeartbeat, RoleStarted
 from rlbus.trainer.metrics import read_metrics
 
 #: A producer whose last heartbeat is older than this many heartbeat intervals counts as offline.
@@ -47,6 +49,7 @@ class RunMonitor:
 
     cfg: RunConfig
     heartbeats: dict[str, tuple[float, ProducerHeartbeat]]
+    started: dict[str, float]  # "trainer" / a producer id -> wall time of its last RoleStarted (the supervisor reads it)
     queue: dict[str, int]
     _children: list[Any]
     _console: Console
@@ -58,7 +61,7 @@ class RunMonitor:
 
     def __init__(self, cfg: RunConfig, children: list[Any], console: Console):
         self.cfg, self._children, self._console = cfg, children, console
-        self.heartbeats, self.queue = {}, {}
+        self.heartbeats, self.started, self.queue = {}, {}, {}
         self._bus, self._tasks, self._live = None, [], None
         self._progress = Progress(TextColumn("[bold]step"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                                   TextColumn("eta"), TimeRemainingColumn(), console=console)
@@ -69,7 +72,8 @@ class RunMonitor:
         await self._bus.await_streams()
         self._live = Live(self._render(), console=self._console, refresh_per_second=2, transient=False)
         self._live.__enter__()
-        self._tasks = [asyncio.create_task(self._watch_heartbeats()), asyncio.create_task(self._refresh())]
+        self._tasks = [asyncio.create_task(self._watch_heartbeats()), asyncio.create_task(self._watch_starts()),
+                       asyncio.create_task(self._refresh())]
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -90,13 +94,23 @@ class RunMonitor:
         async for hb in self._bus.watch(self._bus.subjects.event("heartbeat.*"), ProducerHeartbeat, deliver="new"):
             self.heartbeats[hb.producer_id] = (time.monotonic(), hb)
 
+    async def _watch_starts(self) -> None:
+        # From the start of the stream: a role may come up before this watch does.
+        async for e in self._bus.watch(self._bus.subjects.event("lifecycle"), Event, deliver="all"):
+            if isinstance(e, RoleStarted):
+                key = "trainer" if e.role == "trainer" else e.role_id
+                self.started[key] = max(self.started.get(key, 0.0), e.created_at)
+
     async def _refresh(self) -> None:
         s = self._bus.subjects
         while True:
-            self.queue["prompts"] = await self._bus.stream_msgs(s.prompts_stream)
-            pending, ack_pending = await self._bus.consumer_pending(s.traj_stream, s.traj_consumer)
-            self.queue["traj"] = pending
-            self.queue["traj_held"] = ack_pending
+            try:
+                self.queue["prompts"] = await self._bus.stream_msgs(s.prompts_stream)
+                pending, ack_pending = await self._bus.consumer_pending(s.traj_stream, s.traj_consumer)
+                self.queue["traj"] = pending
+                self.queue["traj_held"] = ack_pending
+            except (BusError, nats.errors.Error, asyncio.TimeoutError):
+                pass  # the bus is restarting (the supervisor sees to it); the view shows the last numbers meanwhile
             if self._live is not None:
                 self._live.update(self._render())
             await asyncio.sleep(1.0)

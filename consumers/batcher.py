@@ -23,6 +23,7 @@ from rlbus.bus.loop import raise_if_failed
 from rlbus.bus.transfer_queue import TransferQueue
 from rlbus.schemas import staleness
 from rlbus.schemas.config import RunConfig
+from rlbus.schemas.errors import BusError
 from rlbus.schemas.wire import TrajectoryGroup
 
 log = logging.getLogger("rlbus.batcher")
@@ -183,9 +184,14 @@ class Batcher:
         keys: list[str] = []
         for gid in done:
             held = self._held.pop(gid)
-            await held.delivery.ack()
-            self.trained.add(gid)
+            self.trained.add(gid)  # the step is durable: whatever happens to the ack, this group is trained
             keys.extend(held.delivery.data.keys)
+            try:
+                await held.delivery.ack()
+            except BusError as e:
+                # Not confirmed (the bus restarted under us): JetStream redelivers the group after ack_wait, and its
+                # redelivery meets `trained` and is acked then (`_admit`). Nothing is lost or trained twice.
+                log.warning("ack of trained group %s not confirmed (%s); its redelivery will be acked", gid, e)
         if keys:
             await self._tq.delete(keys)
         return len(done)

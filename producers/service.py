@@ -222,7 +222,17 @@ class Producer:
     async def _await_weights(self, released_version: int) -> None:
         """Do not start a task on weights older than those it was released for: the announcement of that version
         may still be loading, and a rollout begun now would be stale on arrival. A trainer that rolled back (it
-        restarted from an older checkpoint) announces a lower version, which lowers the bar."""
+        restarted from an older checkpoint) announces a lower version, which lowers the bar.
+
+        A task released for a version this producer has not heard of means its weights watch lags (a bus restart
+        stalls it for a while): it reads the newest announcement from the KV bucket instead of rolling out on old
+        weights, which the trainer would only drop."""
+        if released_version > self.trainer_version:
+            latest = await self.bus.kv_get("latest", WeightsPublished)
+            if latest is not None and latest.version != self.trainer_version:
+                log.info("task released at v%d, newer than v%d this producer heard of: catching up from the KV bucket",
+                         released_version, self.trainer_version)
+                await self._load_version(latest)
         async with self._weights_changed:
             try:
                 await asyncio.wait_for(self._weights_changed.wait_for(

@@ -10,16 +10,14 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from rlbus.trainer.checkpoint import latest_checkpoint
 from rlbus.trainer.metrics import read_metrics
 from tests.support.ledger import read_ledger
-from tests.support.runs import ROOT, small_run_config, start_role, stop, wait_for_steps, write_config
+from tests.support.runs import small_run_config, start_role, stop, wait_for_steps, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -31,48 +29,90 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _child_running(launcher: subprocess.Popen, role: str, timeout: float = 60.0) -> int:
-    """The pid of the launcher's child whose command line runs `role`."""
+def _child_running(launcher: subprocess.Popen, role: str, timeout: float = 60.0, argv_index: int = 3) -> int:
+    """The pid of a live child of the launcher whose argv[argv_index] names `role` (`python -m rlbus.cli ROLE`, or the
+    nats-server binary)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for pid in _children(launcher.pid):
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            if role.encode() in argv[3:4]:
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except FileNotFoundError:
+                continue  # exited meanwhile
+            if len(argv) > argv_index and argv[argv_index].endswith(role.encode()):
                 return pid
         time.sleep(0.2)
     pytest.fail(f"no {role} child of the launcher within {timeout}s")
 
 
-def test_trainer_sigkilled_then_the_same_rlbus_up_again_finishes(tmp_path, tiny_model_dir, run_name):
-    # The checkpoint is at step 3; the trainer dies at step 5. Resumed at once -- well inside JetStream's
-    # duplicate window -- it republishes version 3, producers must follow it down, and steps 4-5 are redone.
+def _up(tmp_path: Path, tiny_model_dir, run_name: str, total: int, **sections) -> tuple[Path, dict, Path]:
     run_dir = tmp_path / "run"
-    total = 8
-    cfg = small_run_config(run_name, run_dir, tiny_model_dir, "", "", "",
-                           trainer={"total_steps": total, "checkpoint_interval": 3}, rollout={"num_producers": 2})
-    cfg_path = write_config(tmp_path / "run.yaml", cfg)
-    logs = tmp_path / "logs"
-    first = start_role("up", cfg_path, logs, name="up-1")
-    try:
-        trainer = _child_running(first, "trainer")
-        wait_for_steps(run_dir, 5, [first], timeout=400)
-        os.kill(trainer, signal.SIGKILL)  # our launcher's own child, by pid
-        code = first.wait(timeout=180)  # a dead trainer stops the run
-    finally:
-        stop(first, signal.SIGKILL)
-    assert code != 0
-    assert latest_checkpoint(run_dir / "checkpoints").name.endswith("3")
-    lost_at = read_metrics(run_dir)[-1]["step"]
-    assert lost_at >= 5
+    cfg = small_run_config(run_name, run_dir, tiny_model_dir, "", "", "", **sections)
+    cfg["trainer"].update(total_steps=total)
+    return run_dir, cfg, write_config(tmp_path / "run.yaml", cfg)
 
-    second = subprocess.run([sys.executable, "-m", "rlbus.cli", "up", str(cfg_path)], cwd=ROOT, capture_output=True,
-                            text=True, timeout=900)
-    assert second.returncode == 0, second.stderr[-4000:] + second.stdout[-4000:]
+
+def _check_ledger(run_dir: Path, cfg: dict) -> None:
+    total, groups_per_step = cfg["trainer"]["total_steps"], cfg["trainer"]["groups_per_step"]
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, total + 1))
     assert [r["version"] for r in rows] == list(range(1, total + 1))  # versions follow the checkpoint
     ledger = read_ledger(run_dir)
-    groups_per_step = cfg["trainer"]["groups_per_step"]
     assert len(ledger.trained) == total * groups_per_step
     max_in_flight = (cfg["trainer"]["max_staleness"] + 2) * groups_per_step
     assert ledger.problems(max_in_flight) == [], ledger
+
+
+def test_trainer_sigkilled_under_rlbus_up_is_restarted_and_the_run_finishes(tmp_path, tiny_model_dir, run_name):
+    # The checkpoint is at step 3; the trainer dies after step 5. The launcher starts it again at once -- well
+    # inside JetStream's duplicate window -- it republishes version 3, producers follow it down, steps 4-5 are redone.
+    run_dir, cfg, cfg_path = _up(tmp_path, tiny_model_dir, run_name, 8, trainer={"checkpoint_interval": 3},
+                                 rollout={"num_producers": 2})
+    up = start_role("up", cfg_path, tmp_path / "logs", name="up")
+    try:
+        trainer = _child_running(up, "trainer")
+        wait_for_steps(run_dir, 5, [up], timeout=400)
+        os.kill(trainer, signal.SIGKILL)  # our launcher's own child, by pid
+        assert up.wait(timeout=600) == 0
+    finally:
+        stop(up, signal.SIGKILL)
+    assert "trainer exited with code -9; restarting" in (tmp_path / "logs" / "up.log").read_text()
+    _check_ledger(run_dir, cfg)
+
+
+def test_producers_killed_again_and_again_do_not_stop_the_run(tmp_path, tiny_model_dir, run_name):
+    # More kills than the launcher's start-failure budget: each producer dies after it got going, so every death
+    # is a fault to ride out, not a role that cannot start.
+    run_dir, cfg, cfg_path = _up(tmp_path, tiny_model_dir, run_name, 400, rollout={"num_producers": 2})
+    up = start_role("up", cfg_path, tmp_path / "logs", name="up")
+    kills = 0
+    try:
+        wait_for_steps(run_dir, 1, [up], timeout=400)
+        while kills < 7 and up.poll() is None:
+            victim = _child_running(up, "producer")
+            time.sleep(2.0)  # let it get going (RoleStarted) and take a task
+            try:
+                os.kill(victim, signal.SIGKILL)
+            except ProcessLookupError:
+                continue  # it had gone meanwhile (restarted by the launcher): pick a live one
+            kills += 1
+        assert up.wait(timeout=600) == 0
+    finally:
+        stop(up, signal.SIGKILL)
+    assert kills == 7
+    _check_ledger(run_dir, cfg)
+
+
+def test_embedded_nats_server_sigkilled_mid_run_is_restarted(tmp_path, tiny_model_dir, run_name):
+    run_dir, cfg, cfg_path = _up(tmp_path, tiny_model_dir, run_name, 8, trainer={"checkpoint_interval": 2},
+                                 rollout={"num_producers": 2})
+    up = start_role("up", cfg_path, tmp_path / "logs", name="up")
+    try:
+        server = _child_running(up, "nats-server", argv_index=0)
+        wait_for_steps(run_dir, 3, [up], timeout=400)
+        os.kill(server, signal.SIGKILL)
+        assert up.wait(timeout=600) == 0
+    finally:
+        stop(up, signal.SIGKILL)
+    assert "nats-server exited; restarting" in (tmp_path / "logs" / "up.log").read_text()
+    _check_ledger(run_dir, cfg)

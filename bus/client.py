@@ -43,7 +43,7 @@ from rlbus.bus.auth import load_creds
 from rlbus.schemas.config import BusConfig
 from rlbus.schemas.errors import BusError, SchemaError
 from rlbus.schemas.subjects import Subjects
-from rlbus.schemas.wire import EVENT_SUBJECT_KIND, DeadLetter, TypedDecoder, encode
+from rlbus.schemas.wire import DEAD_LETTER_EXCERPT, EVENT_SUBJECT_KIND, DeadLetter, TypedDecoder, encode
 
 __all__ = ["Bus", "Delivery", "PubAck"]
 
@@ -135,8 +135,9 @@ class Delivery(Generic[T]):
 def dead_letter_of(msg: Msg, reason: str, *, consumer: str) -> DeadLetter:
     """The DeadLetter of a delivered JetStream message: its bytes, subject, stream sequence and delivery count."""
     meta = msg.metadata
-    return DeadLetter(reason=reason, original_subject=msg.subject, payload=bytes(msg.data),
-                      stream_seq=meta.sequence.stream, num_delivered=meta.num_delivered, consumer=consumer)
+    return DeadLetter(reason=reason, original_subject=msg.subject, payload=bytes(msg.data[:DEAD_LETTER_EXCERPT]),
+                      payload_bytes=len(msg.data), stream_seq=meta.sequence.stream, num_delivered=meta.num_delivered,
+                      consumer=consumer)
 
 
 def _msg_id(msg: Msg) -> str:
@@ -539,7 +540,8 @@ class Bus:
                 letter = DeadLetter(
                     reason=f"not acknowledged after {deliveries} deliveries (max_deliver)",
                     original_subject=raw.subject or subject,
-                    payload=bytes(raw.data or b""),
+                    payload=bytes((raw.data or b"")[:DEAD_LETTER_EXCERPT]),
+                    payload_bytes=len(raw.data or b""),
                     stream_seq=seq,
                     num_delivered=deliveries,
                     consumer=durable,

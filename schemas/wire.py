@@ -180,11 +180,17 @@ class DeadLetter(Wire, tag="dead_letter"):
 
     reason: str
     original_subject: str
-    payload: bytes
-    stream_seq: int = 0
+    payload: bytes  # the original's bytes, or their first DEAD_LETTER_EXCERPT bytes (see payload_bytes)
+    stream_seq: int = 0  # where the whole original was in its stream
     num_delivered: int = 0
     consumer: str = ""
     created_at: float = msgspec.field(default_factory=now)
+    payload_bytes: int = 0  # size of the original (more than len(payload) when it was cut to an excerpt)
+
+
+#: A dead letter keeps at most this much of the original: a letter must fit under the server's message size limit
+#: even when the original was near it (the stream sequence still says where the whole message was).
+DEAD_LETTER_EXCERPT = 64 * 1024
 
 
 #: Everything published on `events.*`.

@@ -15,6 +15,7 @@ from nats.js.api import AckPolicy, RetentionPolicy, StorageType
 from rlbus.bus.client import Bus
 from rlbus.schemas.config import BusConfig
 from rlbus.schemas.wire import (
+    DEAD_LETTER_EXCERPT,
     ChatMessage,
     DeadLetter,
     PromptTask,
@@ -147,6 +148,24 @@ async def test_garbage_is_dead_lettered_and_consumer_goes_on(bus_config: BusConf
         assert letter.original_subject == s.traj and letter.consumer == s.traj_consumer
         assert letter.stream_seq == 1 and letter.num_delivered == 1
         assert "TrajectoryGroup" in letter.reason
+
+
+async def test_garbage_near_the_size_limit_is_dead_lettered_as_an_excerpt(bus_config: BusConfig, run_name: str) -> None:
+    # ~1 MiB of garbage, under the server's message limit: the whole of it plus the letter's fields would not be.
+    garbage = b"\xc1" + bytes(range(256)) * (1_000_000 // 256)
+    async with await _bus(bus_config, run_name) as bus:
+        s = bus.subjects
+        await bus.publish_raw(s.traj, garbage)
+        await bus.publish(s.traj, _group(3))
+        async with aclosing(bus.pull(s.traj, s.traj_consumer, TrajectoryGroup, batch=4, timeout=0.5)) as it:
+            d = await asyncio.wait_for(it.__anext__(), 10)
+        assert d.data == _group(3)  # the consumer went on
+        await d.ack()
+        assert await bus.consumer_pending(s.traj_stream, s.traj_consumer) == (0, 0)  # the garbage was terminated
+        async with aclosing(bus.watch(s.dead_letter, DeadLetter, deliver="all")) as letters:
+            letter = await asyncio.wait_for(letters.__anext__(), 10)
+        assert letter.payload == garbage[:DEAD_LETTER_EXCERPT] and letter.payload_bytes == len(garbage)
+        assert letter.stream_seq == 1 and letter.original_subject == s.traj
 
 
 async def test_caller_dead_letters_a_delivery(bus_config: BusConfig, run_name: str) -> None:

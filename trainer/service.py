@@ -187,6 +187,14 @@ class TrainerService:
                                                    metrics={k: float(v) for k, v in row.items()
                                                             if isinstance(v, (int, float))}))
         self.feeder.notify()
+        skipped = int(row.get("actor/skipped_updates", 0))
+        if skipped:  # the engine refused a non-finite gradient: the weights are safe, but someone should look
+            message = (f"step {self.step}: {skipped} optimizer update(s) skipped, the loss or gradient was not finite "
+                       f"(pg_loss {row.get('actor/pg_loss')}, grad_norm {row.get('actor/grad_norm')}); "
+                       f"`rlbus replay {self.cfg.run_dir} --from-step {self.step}` reproduces it")
+            log.error(message)
+            await self.bus.publish_event(ErrorRaised(role="trainer", role_id=f"trainer-{os.getpid()}",
+                                                     error="NonFiniteUpdate", message=message, fatal=False))
         log.info("step %d/%d reward %.3f staleness %.2f pg_loss %.4f", self.step, self.cfg.trainer.total_steps,
                  row["reward/mean"], row["staleness/mean"], row.get("actor/pg_loss", float("nan")))
         return row
@@ -218,6 +226,7 @@ class TrainerService:
             "response_length/mean": resp.mean().item(),
             "tool_calls/mean": sum(s.num_tool_calls for s in samples) / len(samples),
             "batch/groups": len(groups),
+            "batch/dead_lettered": counts.dead_lettered,
             "batch/dropped_stale": counts.dropped_stale,
             "batch/skipped_uniform": counts.skipped_uniform,
             "batch/duplicates": counts.duplicates,

@@ -11,13 +11,15 @@ Read from a run directory alone (the event archive, docs/event-log.md), after th
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlbus.consumers.event_log import read_entries, read_steps
-from rlbus.schemas.wire import PromptTask, TypedDecoder
+from rlbus.schemas.errors import SchemaError
+from rlbus.schemas.wire import PromptTask, TrajectoryGroup, TypedDecoder
 
 _TASK = re.compile(r"^e(\d+)-i(\d+)-a(\d+)$")
 
@@ -62,7 +64,11 @@ def read_ledger(run_dir: str | Path) -> Ledger:
     reissued = {t for t in released if (m := _TASK.match(t)) and attempts[(int(m[1]), int(m[2]))] > int(m[3])}
     decoder = TypedDecoder(PromptTask)
     dead = set()
+    groups = TypedDecoder(TrajectoryGroup)
     for e in read_entries(run_dir, "dead-letter"):
         if e.msg.original_subject.endswith(".prompts"):
             dead.add(decoder.decode(e.msg.payload).task_id)
+        elif e.msg.original_subject.endswith(".traj") and e.msg.payload_bytes <= len(e.msg.payload):
+            with contextlib.suppress(SchemaError):  # garbage on traj names no prompt
+                dead.add(groups.decode(e.msg.payload).task_id)
     return Ledger(released=released, trained=trained, reissued=reissued, dead_lettered=dead)

@@ -41,6 +41,7 @@ class MemoryDelivery:
         self.naks: list[float | None] = []
         self.terms = 0
         self.in_progress_calls = 0
+        self.dead_letters: list[str] = []  # reasons of dead_letter() calls (the real one publishes, then terms)
 
     @property
     def settled(self) -> bool:
@@ -63,6 +64,11 @@ class MemoryDelivery:
 
     async def term(self) -> None:
         self._settle("term")
+        self.terms += 1
+
+    async def dead_letter(self, reason: str) -> None:
+        self._settle("dead_letter")
+        self.dead_letters.append(reason)
         self.terms += 1
 
     def __repr__(self) -> str:

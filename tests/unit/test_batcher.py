@@ -251,3 +251,14 @@ async def test_ledger_every_delivered_group_is_trained_abandoned_or_held(bus, tq
         (1, 1, 1, 1)
     assert await b.commit(2) == 2 and b.trained == trained | held
     assert all(sum(d.acks for d in by_gid[gid]) == 1 for gid in held)
+
+
+async def test_a_group_with_a_non_finite_reward_is_dead_lettered_not_trained(bus, tq, releases):
+    b = batcher(bus, tq, releases)
+    bad = bus.deliver_group(group(0, rewards=(1.0, float("nan"))))
+    bus.deliver_group(group(1))
+    assert ids(await b.next_batch(version=0, need=1)) == ["e0-i1-a0"]
+    assert bad.dead_letters == ["group e0-i0-a0 (task e0-i0-a0) has non-finite rewards for ['e0-i0-a0/1']"]
+    assert tq.deleted == [["e0-i0-a0/0", "e0-i0-a0/1"]]
+    assert releases.calls == [(0, 0, 0, False)]  # its slot is freed; the prompt is accounted for by the letter
+    assert b.counts.dead_lettered == 1

@@ -291,8 +291,12 @@ class Bus:
 
     # -- streams -----------------------------------------------------------------------------------------------------
 
-    async def ensure_streams(self) -> None:
-        """Create or update the run's streams, KV bucket and durable consumers. Idempotent and safe to race."""
+    async def ensure_streams(self, traj_max_ack_pending: int | None = None) -> None:
+        """Create or update the run's streams, KV bucket and durable consumers. Idempotent and safe to race.
+
+        `traj_max_ack_pending` (RunConfig.traj_max_ack_pending) bounds the groups the trainer may hold unacked; left
+        at the server's default (1000), a trainer holding a few checkpoints' worth would stop getting groups.
+        """
         s, cfg = self.subjects, self.cfg
         max_age = cfg.max_age_s or None
         common: dict[str, Any] = dict(
@@ -330,6 +334,7 @@ class Bus:
                 ack_wait=cfg.ack_wait_s,
                 max_deliver=-1,  # a group is retried until the trainer acks it; it never expires into a dead letter
                 filter_subject=s.traj,
+                max_ack_pending=traj_max_ack_pending,
             ),
         )
 

@@ -77,20 +77,31 @@ class quiet_readonly(warnings.catch_warnings):
 
 
 def run_sync(plan: Plan[T]) -> T:
+    """Drive `plan` with ray.get. A failed call is thrown into the plan, at its `yield`, for it to handle."""
     try:
         refs = next(plan)
         while True:
-            refs = plan.send(ray.get(refs))
+            try:
+                results = ray.get(refs)
+            except ray.exceptions.RayError as e:
+                refs = plan.throw(e)
+            else:
+                refs = plan.send(results)
     except StopIteration as done:
         return done.value
 
 
 async def run_async(plan: Plan[T]) -> T:
+    """Drive `plan` on the event loop; failures are thrown into it as in run_sync."""
     try:
         refs = next(plan)
         while True:
-            results = list(await asyncio.gather(*refs))
-            refs = plan.send(results)
+            try:
+                results = list(await asyncio.gather(*refs))
+            except ray.exceptions.RayError as e:
+                refs = plan.throw(e)
+            else:
+                refs = plan.send(results)
     except StopIteration as done:
         return done.value
 

@@ -23,6 +23,7 @@ committed only when every shard accepted it, so a rejected batch leaves nothing 
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 import uuid
@@ -47,6 +48,8 @@ from rlbus.bus.ray_store import (
 )
 from rlbus.schemas.config import RayConfig
 from rlbus.schemas.errors import PayloadMissing, TransferQueueFull
+
+log = logging.getLogger("rlbus.transfer_queue")
 
 STAGE_EXPIRY_S = 300.0  # staged (uncommitted) puts older than this belong to a crashed client and are dropped
 
@@ -241,7 +244,12 @@ class TransferQueue:
         for pos, key in enumerate(keys):
             by_shard.setdefault(self.shard_of(key), []).append(pos)
         order = list(by_shard)
-        replies = yield [self.shards[i].get.remote([keys[p] for p in by_shard[i]]) for i in order]
+        try:
+            replies = yield [self.shards[i].get.remote([keys[p] for p in by_shard[i]]) for i in order]
+        except ray.exceptions.RayActorError as e:
+            # A shard that died (or is being restarted empty by Ray) took its tensors with it: for the caller that
+            # is a missing payload, whose prompts are re-issued, not a crash.
+            raise PayloadMissing(list(dict.fromkeys(keys))) from e
         missing = {k for r in replies for k in r.get("missing", ())}
         if missing:
             raise PayloadMissing([k for k in dict.fromkeys(keys) if k in missing])
@@ -265,7 +273,12 @@ class TransferQueue:
         by_shard: dict[int, list[str]] = {}
         for key in keys:
             by_shard.setdefault(self.shard_of(key), []).append(key)
-        counts = yield [self.shards[i].delete.remote(ks) for i, ks in by_shard.items()]
+        try:
+            counts = yield [self.shards[i].delete.remote(ks) for i, ks in by_shard.items()]
+        except ray.exceptions.RayActorError as e:
+            # A dead shard's memory is gone with it: nothing left to free there.
+            log.warning("TransferQueue %s: a shard is down (%s); its keys are gone with it", self.run, e)
+            return 0
         return sum(counts)
 
     def _stats_plan(self) -> Plan[dict]:

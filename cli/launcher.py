@@ -166,7 +166,7 @@ class Launcher:
 
     async def _ensure_streams(self, cfg: RunConfig) -> None:
         async with await Bus.connect(cfg.bus, cfg.name, name="launcher") as bus:
-            await bus.ensure_streams()
+            await bus.ensure_streams(traj_max_ack_pending=cfg.traj_max_ack_pending)
 
     def _stop_infrastructure(self) -> None:
         if self.ray_head is not None:

@@ -49,6 +49,7 @@ class BusConfig(_Section):
     replicas: int = 1  # JetStream stream replicas (3 on a NATS cluster)
     max_age_s: float = 0.0  # age limit of the traj / weights / events streams; 0 keeps everything
     embedded_dir: str = ""  # store of the server `rlbus up` starts; "" = <run_dir>/bus
+    max_ack_pending: int = 0  # traj consumer's unacked-group limit; 0 = sized from the trainer config
 
     def __post_init__(self) -> None:
         _need(self.connect_timeout_s > 0, "connect_timeout_s", "must be > 0")
@@ -58,6 +59,7 @@ class BusConfig(_Section):
         _need(self.max_deliver >= 1, "max_deliver", "must be >= 1")
         _need(self.replicas in (1, 3, 5), "replicas", "must be 1, 3 or 5")
         _need(self.max_age_s >= 0, "max_age_s", "must be >= 0")
+        _need(self.max_ack_pending >= 0, "max_ack_pending", "must be >= 0 (0 = sized from the trainer config)")
         _need(not (self.user and not self.password), "password", "is required when user is set")
         for name in ("token", "password"):
             _need(getattr(self, name) != REDACTED, name, "was redacted when this config was written: give the secret "
@@ -291,6 +293,31 @@ class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             check_run_name(self.name)
         except ValueError as e:
             raise ValueError(f"name: {e}") from None
+        t = self.trainer
+        # Weights published every N steps leave a producer's tokens up to N - 1 versions behind at best: beyond
+        # max_staleness, the drop policy would discard every group and the run would never train.
+        if t.staleness_policy == "drop" and t.weight_sync_interval - 1 > t.max_staleness:
+            raise ValueError(f"trainer.weight_sync_interval: {t.weight_sync_interval} leaves tokens "
+                             f"{t.weight_sync_interval - 1} versions behind, more than trainer.max_staleness="
+                             f"{t.max_staleness}: every group would be dropped (raise max_staleness, or use "
+                             "staleness_policy: correct)")
+        if self.bus.max_ack_pending and self.bus.max_ack_pending < self.min_ack_pending:
+            raise ValueError(f"bus.max_ack_pending: {self.bus.max_ack_pending} is below the "
+                             f"{self.min_ack_pending} groups the trainer holds unacked between checkpoints "
+                             f"((trainer.checkpoint_interval + trainer.max_staleness + 2) x trainer.groups_per_step): "
+                             "delivery would stop for good")
+
+    @property
+    def min_ack_pending(self) -> int:
+        """Groups the trainer may hold unacked at once: a checkpoint interval's worth, plus what admission lets be
+        in flight behind it."""
+        t = self.trainer
+        return (t.checkpoint_interval + t.max_staleness + 2) * t.groups_per_step
+
+    @property
+    def traj_max_ack_pending(self) -> int:
+        """The `traj` consumer's max_ack_pending: bus.max_ack_pending, or twice what the trainer needs."""
+        return self.bus.max_ack_pending or 2 * self.min_ack_pending
 
     @property
     def run_dir(self) -> Path:

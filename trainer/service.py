@@ -82,7 +82,7 @@ class TrainerService:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
         self.bus = await Bus.connect(cfg.bus, cfg.name, name="trainer")
-        await self.bus.ensure_streams()
+        await self.bus.ensure_streams(traj_max_ack_pending=cfg.traj_max_ack_pending)
         self.weight_store = WeightStore.connect(cfg.name, cfg.ray)
         extra = self.worker.restored
         self.step = int(extra.get("step", 0))

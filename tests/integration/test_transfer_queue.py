@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import subprocess
 import sys
@@ -195,3 +196,25 @@ async def test_a_republished_lower_version_is_kept_not_evicted(ray_config, run_n
     assert sorted(await ws.versions()) == [2, 4]
     assert torch.equal((await ws.get())["w"], torch.full((2,), 20.0))
     assert torch.equal((await ws.get(2))["w"], torch.full((2,), 20.0))
+
+
+async def test_a_killed_shard_is_a_missing_payload_not_a_crash(ray_config, run_name):
+    # Ray restarts the shard actor empty (max_restarts=-1): what it held is gone, and readers must be told so in
+    # the one way the trainer handles -- PayloadMissing, whose prompts are re-issued.
+    import ray
+
+    tq = TransferQueue.connect(run_name, ray_config)
+    await tq.put_many({f"k/{i}": {"x": torch.full((3,), float(i))} for i in range(6)})
+    ray.kill(tq.shards[0], no_restart=False)
+    with pytest.raises(PayloadMissing):
+        await tq.get_list([f"k/{i}" for i in range(6)])
+    with pytest.raises(PayloadMissing):
+        tq.get_list_sync([f"k/{i}" for i in range(6)])
+    await tq.delete([f"k/{i}" for i in range(6)])  # never raises for a dead or restarting shard
+    for _ in range(100):  # once Ray has restarted it, the queue works again
+        try:
+            await tq.put("again", {"x": torch.ones(2)})
+            break
+        except ray.exceptions.RayActorError:
+            await asyncio.sleep(0.1)
+    assert torch.equal((await tq.get_list(["again"]))[0]["x"], torch.ones(2))

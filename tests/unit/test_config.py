@@ -67,3 +67,23 @@ def test_resolved_yaml_round_trips(tmp_path):
     cfg = load_config(write(tmp_path, "model: {path: /m}\n"), ["trainer.total_steps=7"])
     again = load_config(write(tmp_path, to_yaml(cfg)))
     assert again == cfg and isinstance(again, RunConfig)
+
+
+def test_impossible_schedules_are_refused_naming_the_field():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["model.path=m", "trainer.weight_sync_interval=3", "trainer.max_staleness=1"])
+    assert err.value.field == "trainer.weight_sync_interval" and "every group would be dropped" in str(err.value)
+    # with importance correction instead of dropping, stale groups are kept: allowed
+    load_config(None, ["model.path=m", "trainer.weight_sync_interval=3", "trainer.max_staleness=1",
+                       "trainer.staleness_policy=correct"])
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["model.path=m", "bus.max_ack_pending=10", "trainer.checkpoint_interval=5",
+                           "trainer.groups_per_step=8"])
+    assert err.value.field == "bus.max_ack_pending" and "delivery would stop for good" in str(err.value)
+
+
+def test_the_traj_ack_pending_limit_is_sized_from_the_trainer():
+    cfg = load_config(None, ["model.path=m", "trainer.checkpoint_interval=5", "trainer.groups_per_step=8",
+                             "trainer.max_staleness=1"])
+    assert cfg.min_ack_pending == (5 + 1 + 2) * 8 and cfg.traj_max_ack_pending == 2 * 64
+    assert load_config(None, ["model.path=m", "bus.max_ack_pending=500"]).traj_max_ack_pending == 500

@@ -588,6 +588,14 @@ class Bus:
         info = await self.js.consumer_info(stream, durable)
         return int(info.num_pending or 0), int(info.num_ack_pending or 0)
 
+    async def stream_last_seq(self, stream: str) -> int:
+        """Sequence of the last message `stream` holds (0 if it never held one)."""
+        try:
+            info = await self.js.stream_info(stream)
+        except (nats.errors.TimeoutError, nats.js.errors.Error) as e:
+            raise BusError(f"stream info of {stream} on {self.cfg.url}: {e}") from e
+        return int(info.state.last_seq)
+
     async def stream_msgs(self, stream: str) -> int:
         """Messages currently stored in `stream`."""
         info = await self.js.stream_info(stream)

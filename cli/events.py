@@ -39,6 +39,7 @@ from rlbus.consumers.event_log import (
     read_entries,
     read_steps,
 )
+from rlbus.consumers.ledger import admission_bound, read_ledger
 from rlbus.schemas.config import load_config
 from rlbus.schemas.wire import Event, TrajectoryGroup, WeightsPublished
 
@@ -354,6 +355,29 @@ async def follow(run_dir: Path, f: Filters, *, config: str | None, overrides: li
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def print_ledger(run_dir: Path, console: Any, *, as_json: bool = False) -> int:
+    """`--ledger`: the run's prompt accounting; 1 when a prompt is trained twice or not accounted for."""
+    config = run_dir / "config.yaml"
+    if not config.is_file():
+        raise RecordError(run_dir, f"{config} not found (the trainer writes it at start)")
+    ledger = read_ledger(run_dir)
+    problems = ledger.problems(admission_bound(load_config(config)))
+    if as_json:
+        print(json.dumps({**ledger.counts(), "in_flight_ids": sorted(ledger.in_flight), "problems": problems}))
+    else:
+        table = Table(title=f"prompt ledger of {run_dir}")
+        table.add_column("prompts")
+        table.add_column("count", justify="right")
+        for name, n in ledger.counts().items():
+            table.add_row(name, str(n))
+        console.print(table)
+        for problem in problems:
+            console.print(f"[red]{problem}[/red]")
+        if not problems:
+            console.print("[green]every released prompt is trained once or accounted for[/green]")
+    return 1 if problems else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rlbus events", description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir")
@@ -365,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode", action="store_true", help="with --group: its trajectories as text")
     p.add_argument("--export", default=None, metavar="PATH.parquet", help="one row per trained trajectory")
     p.add_argument("--follow", action="store_true", help="tail the live run from the bus")
+    p.add_argument("--ledger", action="store_true", help="every released prompt: trained once, re-issued, "
+                   "dead-lettered, given up or in flight; exit 1 on any unaccounted for")
     p.add_argument("--config", default=None, help="run config for --follow (default RUN_DIR/launch.yaml)")
     p.add_argument("overrides", nargs="*", help="config overrides for --follow, e.g. bus.url=...")
     args = p.parse_intermixed_args(argv)
@@ -380,6 +406,8 @@ def _run(p: argparse.ArgumentParser, args: argparse.Namespace, console: Any) -> 
     run_dir = Path(args.run_dir)
     f = Filters(kinds=tuple(args.kind) if args.kind else ALL_KINDS, steps=args.steps, producer=args.producer,
                 group=args.group)
+    if args.ledger:
+        return print_ledger(run_dir, console, as_json=args.json)
     if args.follow:
         try:
             asyncio.run(follow(run_dir, f, config=args.config, overrides=args.overrides, as_json=args.json,

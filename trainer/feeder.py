@@ -48,7 +48,13 @@ class FeederState(msgspec.Struct, kw_only=True):
     abandoned: int = 0
     reissues: list[Reissue] = []
     given_up: int = 0  # examples dropped after max_attempts releases
+    gave_up: list[str] = []  # their last task ids, so that the ledger accounts for each by name
     exhausted: bool = False  # all epochs released
+
+
+def task_id(index: int, epoch: int, attempt: int) -> str:
+    """The deterministic id of one release of an example (also its group's id and Nats-Msg-Id)."""
+    return f"e{epoch}-i{index}-a{attempt}"
 
 
 def permutation(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
@@ -104,6 +110,7 @@ class Feeder:
                 self.state.reissues.append(Reissue(index=index, epoch=epoch, attempt=attempt + 1))
             else:
                 self.state.given_up += 1
+                self.state.gave_up.append(task_id(index, epoch, attempt))
                 log.warning("example %d (epoch %d) given up after %d releases", index, epoch, attempt + 1)
         # Saved now, not at the next release: the group is already acked, so a crash before the next release would
         # lose the re-issue and keep the admission slot held for good.
@@ -160,7 +167,7 @@ class Feeder:
         return index, s.epoch, 0
 
     def _task(self, index: int, epoch: int, attempt: int) -> PromptTask:
-        return example_to_task(self._dataset[index], task_id=f"e{epoch}-i{index}-a{attempt}",
+        return example_to_task(self._dataset[index], task_id=task_id(index, epoch, attempt),
                                n=self.cfg.rollout.n, epoch=epoch, attempt=attempt,
                                released_version=self._version_fn())
 

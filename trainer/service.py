@@ -41,6 +41,7 @@ from rlbus.consumers.batcher import Batcher
 from rlbus.consumers.recorder import Recorder
 from rlbus.schemas import staleness
 from rlbus.schemas.config import RunConfig, to_yaml
+from rlbus.schemas.errors import BusError
 from rlbus.schemas.wire import ErrorRaised, RoleStarted, RoleStopped, StepCompleted, TrajectoryGroup, WeightsPublished
 from rlbus.trainer.dist import spawn_local
 from rlbus.trainer.feeder import Feeder
@@ -286,10 +287,23 @@ class TrainerService:
                 await self.bus.publish_event(ErrorRaised(role="trainer", role_id=f"trainer-{os.getpid()}",
                                                          error="TrainerFailed", message=reason, fatal=True))
             try:
-                if self.recorder is not None:  # what it has not archived yet stays in JetStream; a restart resumes
+                if self.recorder is not None:
+                    if self.recorder.enabled:
+                        await self._archive_to_the_end()
                     await self.recorder.stop()
             finally:
                 await self.bus.close()
+
+    async def _archive_to_the_end(self, timeout: float = 15.0) -> None:
+        """Let the recorder catch up with everything the streams hold now (the last groups, this RoleStopped)
+        before it stops; what it still misses after `timeout` stays in JetStream, and a restart archives it."""
+        s = self.bus.subjects
+        try:
+            ends = {stream: await self.bus.stream_last_seq(stream)
+                    for stream in (s.traj_stream, s.weights_stream, s.events_stream)}
+            await self.recorder.drain(ends, timeout=timeout)
+        except (TimeoutError, BusError) as e:
+            log.warning("event archive not complete at stop (%s); a restart archives the rest", e)
 
 
 async def run_controller(cfg: RunConfig, worker: StepWorker) -> None:

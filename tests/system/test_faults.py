@@ -7,16 +7,19 @@ Only processes this test started are signalled, by pid: the launcher, and its tr
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from rlbus.consumers.ledger import admission_bound, read_ledger
+from rlbus.schemas.config import load_config
 from rlbus.trainer.metrics import read_metrics
-from tests.support.ledger import read_ledger
 from tests.support.runs import small_run_config, start_role, stop, wait_for_steps, write_config
 
 pytestmark = pytest.mark.slow
@@ -59,8 +62,13 @@ def _check_ledger(run_dir: Path, cfg: dict) -> None:
     assert [r["version"] for r in rows] == list(range(1, total + 1))  # versions follow the checkpoint
     ledger = read_ledger(run_dir)
     assert len(ledger.trained) == total * groups_per_step
-    max_in_flight = (cfg["trainer"]["max_staleness"] + 2) * groups_per_step
-    assert ledger.problems(max_in_flight) == [], ledger
+    assert ledger.problems(admission_bound(load_config(run_dir / "config.yaml"))) == [], ledger.counts()
+    # and the same from the command line, as a user checks a run
+    proc = subprocess.run([sys.executable, "-m", "rlbus.cli", "events", str(run_dir), "--ledger", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    said = json.loads(proc.stdout)
+    assert said["trained"] == total * groups_per_step and said["problems"] == []
 
 
 def test_trainer_sigkilled_under_rlbus_up_is_restarted_and_the_run_finishes(tmp_path, tiny_model_dir, run_name):

@@ -1,12 +1,17 @@
-"""The ledger check every fault test ends with: every released prompt trained exactly once, or accounted for.
+"""The prompt ledger of a run: every released prompt trained exactly once, or accounted for by name.
 
-Read from a run directory alone (the event archive, docs/event-log.md), after the run:
+    rlbus events runs/quickstart --ledger            # exits 1 on any prompt not accounted for
+
+Read from a run directory alone (the event archive, docs/event-log.md, and the feeder's feeder.json):
 
 - released: every PromptTask the feeder released (events/prompts.jsonl), by task id `e<epoch>-i<index>-a<attempt>`;
 - trained: the groups of each step's final record (events/steps.jsonl; a step redone after a crash replaces its
   record), which must hold no group twice, and only groups that were released;
 - the rest are accounted for by name: re-issued (a later attempt of the same example was released), dead-lettered
-  (events/dead_letters.jsonl), or still in flight when the run ended (at most what admission allows).
+  (events/dead_letters.jsonl: a prompt, or a group), given up after feeder.max_attempts releases (feeder.json), or
+  in flight when the archive ends -- at most what admission lets be released ahead of training.
+
+The fault tests (tests/system/test_faults.py) end with this check.
 """
 
 from __future__ import annotations
@@ -17,7 +22,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
+
 from rlbus.consumers.event_log import read_entries, read_steps
+from rlbus.schemas.config import RunConfig
 from rlbus.schemas.errors import SchemaError
 from rlbus.schemas.wire import PromptTask, TrajectoryGroup, TypedDecoder
 
@@ -30,10 +38,16 @@ class Ledger:
     trained: list[str]
     reissued: set[str] = field(default_factory=set)
     dead_lettered: set[str] = field(default_factory=set)
+    given_up: set[str] = field(default_factory=set)
 
     @property
     def in_flight(self) -> set[str]:
-        return set(self.released) - set(self.trained) - self.reissued - self.dead_lettered
+        return set(self.released) - set(self.trained) - self.reissued - self.dead_lettered - self.given_up
+
+    def counts(self) -> dict[str, int]:
+        return {"released": len(self.released), "trained": len(self.trained), "re-issued": len(self.reissued),
+                "dead-lettered": len(self.dead_lettered), "given up": len(self.given_up),
+                "in flight": len(self.in_flight)}
 
     def problems(self, max_in_flight: int) -> list[str]:
         out = []
@@ -71,4 +85,18 @@ def read_ledger(run_dir: str | Path) -> Ledger:
         elif e.msg.original_subject.endswith(".traj") and e.msg.payload_bytes <= len(e.msg.payload):
             with contextlib.suppress(SchemaError):  # garbage on traj names no prompt
                 dead.add(groups.decode(e.msg.payload).task_id)
-    return Ledger(released=released, trained=trained, reissued=reissued, dead_lettered=dead)
+    feeder = Path(run_dir) / "feeder.json"
+    given_up = set(msgspec.json.decode(feeder.read_bytes(), type=FeederLedger).gave_up) if feeder.is_file() else set()
+    return Ledger(released=released, trained=trained, reissued=reissued, dead_lettered=dead, given_up=given_up)
+
+
+class FeederLedger(msgspec.Struct):
+    """The part of trainer/feeder.py's FeederState the ledger reads (consumers/ does not import the trainer)."""
+
+    gave_up: list[str] = []
+
+
+def admission_bound(cfg: RunConfig) -> int:
+    """How many releases admission lets be ahead of training: (max_staleness + 1) steps' groups, plus a step's
+    groups being trained."""
+    return (cfg.trainer.max_staleness + 2) * cfg.trainer.groups_per_step

@@ -1,0 +1,30 @@
+"""consumers/ledger.py: the accounting every fault test (and `rlbus events RUN --ledger`) ends with.
+
+    .venv/bin/python -m pytest -q tests/unit/test_ledger.py
+"""
+
+from __future__ import annotations
+
+from rlbus.consumers.ledger import Ledger
+
+
+def test_a_clean_ledger_accounts_for_every_release():
+    ledger = Ledger(released=["e0-i0-a0", "e0-i1-a0", "e0-i1-a1", "e0-i2-a0", "e0-i3-a0", "e0-i4-a0"],
+                    trained=["e0-i0-a0", "e0-i1-a1"], reissued={"e0-i1-a0"}, dead_lettered={"e0-i2-a0"},
+                    given_up={"e0-i3-a0"})
+    assert ledger.in_flight == {"e0-i4-a0"}
+    assert ledger.problems(max_in_flight=1) == []
+    assert ledger.counts() == {"released": 6, "trained": 2, "re-issued": 1, "dead-lettered": 1, "given up": 1,
+                               "in flight": 1}
+
+
+def test_each_way_a_ledger_can_be_wrong_is_named():
+    twice = Ledger(released=["e0-i0-a0"], trained=["e0-i0-a0", "e0-i0-a0"])
+    assert twice.problems(10) == ["trained more than once: ['e0-i0-a0']"]
+    phantom = Ledger(released=[], trained=["e0-i9-a0"])
+    assert phantom.problems(10) == ["trained but never released: ['e0-i9-a0']"]
+    lost = Ledger(released=[f"e0-i{i}-a0" for i in range(5)], trained=[])
+    (problem,) = lost.problems(max_in_flight=2)
+    assert problem.startswith("5 released prompts unaccounted for (more than the 2")
+    rereleased = Ledger(released=["e0-i0-a0", "e0-i0-a0"], trained=["e0-i0-a0"])
+    assert rereleased.problems(10) == ["released more than once: ['e0-i0-a0']"]

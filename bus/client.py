@@ -18,7 +18,7 @@ import contextlib
 import logging
 import ssl
 from types import TracebackType
-from typing import Any, AsyncIterator, Generic, Literal, TypeVar
+from typing import Any, AsyncIterator, Literal, TypeVar
 
 import msgspec
 import nats
@@ -40,6 +40,7 @@ from nats.js.api import (
 from nats.js.kv import KeyValue
 
 from rlbus.bus.auth import load_creds
+from rlbus.bus.delivery import ACK_TIMEOUT_S, MSG_ID_HEADER, Delivery, dead_letter_of
 from rlbus.schemas.config import BusConfig
 from rlbus.schemas.errors import BusError, SchemaError
 from rlbus.schemas.subjects import Subjects
@@ -51,13 +52,11 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-MSG_ID_HEADER = "Nats-Msg-Id"
 #: Window in which JetStream drops a re-published message with the same Nats-Msg-Id (seconds).
 DUPLICATE_WINDOW_S = 300.0
 #: Attempts of a publish whose JetStream ack timed out (a retry with the same msg_id is de-duplicated).
 PUBLISH_ATTEMPTS = 3
 PUBLISH_TIMEOUT_S = 5.0
-ACK_TIMEOUT_S = 5.0
 #: nats-server error code: "stream name already in use with a different configuration".
 _STREAM_NAME_IN_USE = 10058
 
@@ -68,81 +67,6 @@ _DELIVER = {
     "last": DeliverPolicy.LAST,
     "last_per_subject": DeliverPolicy.LAST_PER_SUBJECT,  # e.g. each producer's last heartbeat
 }
-
-
-class Delivery(Generic[T]):
-    """One message of a durable pull consumer, decoded into its type. Settle it once: ack, nak, or term."""
-
-    __slots__ = ("data", "subject", "consumer", "_msg", "_bus")
-
-    data: T
-    subject: str
-    consumer: str
-
-    def __init__(self, data: T, msg: Msg, consumer: str, bus: "Bus"):
-        self.data = data
-        self.subject = msg.subject
-        self.consumer = consumer
-        self._msg = msg
-        self._bus = bus
-
-    # Sequence numbers and the header are read on demand: parsing the ack subject for every message is a
-    # measurable share of the client's per-message cost (bench/bus.py), and most consumers never look.
-    @property
-    def stream_seq(self) -> int:
-        return self._msg.metadata.sequence.stream
-
-    @property
-    def num_delivered(self) -> int:
-        """1 on first delivery."""
-        return self._msg.metadata.num_delivered
-
-    @property
-    def msg_id(self) -> str:
-        """The Nats-Msg-Id header ("" if the publisher set none)."""
-        return _msg_id(self._msg)
-
-    async def ack(self) -> None:
-        """Acknowledge and wait for JetStream to confirm (double ack): once this returns, no redelivery."""
-        try:
-            await self._msg.ack_sync(timeout=ACK_TIMEOUT_S)
-        except nats.errors.TimeoutError as e:
-            raise BusError(
-                f"ack of {self.subject} seq {self.stream_seq} ({self.consumer}) not confirmed within {ACK_TIMEOUT_S}s"
-            ) from e
-
-    async def nak(self, delay: float | None = None) -> None:
-        """Ask for redelivery, after `delay` seconds if given (else at once); returns once JetStream confirmed."""
-        payload = b"-NAK" if delay is None else b'-NAK {"delay": %d}' % int(delay * 1e9)
-        await self._bus._settle(self._msg, payload, self.consumer)
-
-    async def in_progress(self) -> None:
-        """Still working on it: resets the consumer's ack_wait timer for this message."""
-        await self._msg.in_progress()
-
-    async def term(self) -> None:
-        """Never redeliver this message (confirmed by JetStream before returning)."""
-        await self._bus._settle(self._msg, b"+TERM", self.consumer)
-
-    async def dead_letter(self, reason: str) -> None:
-        """Publish a DeadLetter carrying this message's bytes and `reason`, then terminate it."""
-        await self._bus._dead_letter(self._msg, reason, self.consumer)
-
-    def __repr__(self) -> str:
-        return f"Delivery({type(self.data).__name__}, subject={self.subject!r}, seq={self.stream_seq}, n={self.num_delivered})"
-
-
-def dead_letter_of(msg: Msg, reason: str, *, consumer: str) -> DeadLetter:
-    """The DeadLetter of a delivered JetStream message: its bytes, subject, stream sequence and delivery count."""
-    meta = msg.metadata
-    return DeadLetter(reason=reason, original_subject=msg.subject, payload=bytes(msg.data[:DEAD_LETTER_EXCERPT]),
-                      payload_bytes=len(msg.data), stream_seq=meta.sequence.stream, num_delivered=meta.num_delivered,
-                      consumer=consumer)
-
-
-def _msg_id(msg: Msg) -> str:
-    h = msg.headers
-    return h.get(MSG_ID_HEADER, "") if h else ""
 
 
 def _is_auth_error(e: Exception) -> bool:

@@ -19,7 +19,8 @@ from typing import Protocol
 
 import msgspec
 
-from rlbus.bus.client import Bus, Delivery
+from rlbus.bus.client import Bus
+from rlbus.bus.delivery import Delivery
 from rlbus.bus.loop import raise_if_failed
 from rlbus.bus.transfer_queue import TransferQueue
 from rlbus.schemas import staleness

@@ -30,7 +30,8 @@ from nats.js.client import JetStreamContext
 from safetensors.torch import save_file
 from tensordict import TensorDict
 
-from rlbus.bus.client import Bus, dead_letter_of
+from rlbus.bus.client import Bus
+from rlbus.bus.delivery import dead_letter_of
 from rlbus.consumers.event_log import (
     EVENT_KIND,
     KINDS,

@@ -23,7 +23,8 @@ import signal
 import socket
 import time
 
-from rlbus.bus.client import Bus, Delivery
+from rlbus.bus.client import Bus
+from rlbus.bus.delivery import Delivery
 from rlbus.bus.loop import raise_if_failed, run
 from rlbus.bus.ray_cluster import ensure_ray
 from rlbus.bus.transfer_queue import TransferQueue
@@ -34,8 +35,8 @@ from rlbus.producers.build import build_rollout
 from rlbus.producers.engines import RolloutEngine
 from rlbus.schemas import staleness
 from rlbus.schemas.config import RunConfig
-from rlbus.schemas.staleness import generated_span
 from rlbus.schemas.errors import WeightsChecksumMismatch, WeightsMissing
+from rlbus.schemas.staleness import generated_span
 from rlbus.schemas.wire import (
     DeadLetter,
     ErrorRaised,

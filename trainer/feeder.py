@@ -30,7 +30,8 @@ from rlbus.bus.client import Bus
 from rlbus.common.data import PromptDataset, example_to_task
 from rlbus.schemas import staleness
 from rlbus.schemas.config import RunConfig
-from rlbus.schemas.wire import PromptTask, TypedDecoder
+from rlbus.schemas.errors import SchemaError
+from rlbus.schemas.wire import DeadLetter, PromptTask, TypedDecoder
 
 log = logging.getLogger("rlbus.feeder")
 
@@ -49,6 +50,7 @@ class FeederState(msgspec.Struct, kw_only=True):
     reissues: list[Reissue] = []
     given_up: int = 0  # examples dropped after max_attempts releases
     gave_up: list[str] = []  # their last task ids, so that the ledger accounts for each by name
+    dead_lettered: list[str] = []  # task ids whose dead letter was handled (re-issued once)
     exhausted: bool = False  # all epochs released
 
 
@@ -171,13 +173,37 @@ class Feeder:
                                n=self.cfg.rollout.n, epoch=epoch, attempt=attempt,
                                released_version=self._version_fn())
 
-    async def reissue_exhausted(self) -> None:
-        """Tasks that producers failed to finish `bus.max_deliver` times are dead-lettered; release them again."""
+    async def move_exhausted(self) -> None:
+        """Tasks that reached `bus.max_deliver` unacked sit in the work queue for good: move each into the dead
+        letters (`reissue_dead_letters` takes it from there)."""
+        subjects = self._bus.subjects
+        async for _ in self._bus.exhausted(subjects.prompts, subjects.prompts_consumer):
+            pass
+
+    async def reissue_dead_letters(self) -> None:
+        """Release again every task that ended in the dead letters, once, by name.
+
+        A task gets there two ways: a producer gave up on it after its last delivery (and terminated it, which
+        raises no max-deliveries advisory), or it reached max_deliver unacked (`move_exhausted`). Both are read
+        from the events stream from its start, so a letter written while this feeder was down is not missed, and
+        the task ids already handled (saved with the state) are not released twice.
+        """
         decoder = TypedDecoder(PromptTask)
         subjects = self._bus.subjects
-        async for letter in self._bus.exhausted(subjects.prompts, subjects.prompts_consumer):
-            task = decoder.decode(letter.payload)
-            self.abandon(task.index, task.epoch, task.attempt, reissue=True)
+        handled = set(self.state.dead_lettered)
+        async for letter in self._bus.watch(subjects.dead_letter, DeadLetter, deliver="all"):
+            if letter.original_subject != subjects.prompts or letter.payload_bytes > len(letter.payload):
+                continue  # not a prompt, or garbage cut to an excerpt: no task to name
+            try:
+                task = decoder.decode(letter.payload)
+            except SchemaError:
+                continue  # garbage on the prompts subject names no example
+            if task.task_id in handled:
+                continue
+            handled.add(task.task_id)
+            self.state.dead_lettered.append(task.task_id)
+            log.warning("task %s was dead-lettered (%s); releasing it again", task.task_id, letter.reason)
+            self.abandon(task.index, task.epoch, task.attempt, reissue=True)  # saves the state
 
     # -------------------------------------------------------------- persistence
 

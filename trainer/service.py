@@ -118,7 +118,7 @@ class TrainerService:
         self._stopping.set()
 
     async def _feed(self) -> None:
-        await asyncio.gather(self.feeder.run(), self.feeder.reissue_exhausted())
+        await asyncio.gather(self.feeder.run(), self.feeder.move_exhausted(), self.feeder.reissue_dead_letters())
 
     async def _groups_of_lost_steps(self) -> list[str]:
         """Group ids of steps a previous trainer completed after its last checkpoint (so they were never acked)."""

@@ -125,6 +125,14 @@ class MemoryBus:
             d.data = decoder.decode(d.payload)
         return out
 
+    async def watch(self, subject: str, typ: Any, *, deliver: str = "new") -> AsyncIterator[Any]:
+        """deliver="all": what was published on `subject` so far, in order, then the iterator ends (a snapshot:
+        enough for the pure logic tested here)."""
+        assert deliver == "all", "the in-memory watch only replays what was published"
+        for published_subject, msg, _ in list(self.published):
+            if published_subject == subject:
+                yield TypedDecoder(typ).decode(encode(msg))
+
     def push_exhausted(self, letter: DeadLetter) -> None:
         self._dead.put_nowait(letter)
 

@@ -124,3 +124,29 @@ def test_embedded_nats_server_sigkilled_mid_run_is_restarted(tmp_path, tiny_mode
         stop(up, signal.SIGKILL)
     assert "nats-server exited; restarting" in (tmp_path / "logs" / "up.log").read_text()
     _check_ledger(run_dir, cfg)
+
+
+def test_a_prompt_producers_keep_failing_is_dead_lettered_reissued_then_given_up_by_name(tmp_path, tiny_model_dir,
+                                                                                         run_name, monkeypatch):
+    # A reward service that refuses one prompt: every producer fails that task, the last delivery dead-letters it
+    # (terminated: no max-deliveries advisory fires), the feeder releases it again from the dead letters, and
+    # after feeder.max_attempts releases it is given up -- each step of that named in the ledger.
+    (tmp_path / "refusing_reward.py").write_text(  # refuses example 0: the first released, with shuffle off
+        "def reward(response, ground_truth, *, task):\n"
+        "    if task.index == 0:\n"
+        "        raise RuntimeError('the reward service refuses this prompt')\n"
+        "    return 1.0 if response.strip().startswith(str(ground_truth)) else 0.0\n")
+    run_dir, cfg, cfg_path = _up(tmp_path, tiny_model_dir, run_name, 30, bus={"max_deliver": 2},
+                                 rollout={"num_producers": 2, "reward": "refusing_reward:reward"},
+                                 feeder={"max_attempts": 2, "shuffle": False})
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the launcher's children import the user's reward from here
+    up = start_role("up", cfg_path, tmp_path / "logs", name="up")
+    try:
+        assert up.wait(timeout=900) == 0
+    finally:
+        stop(up, signal.SIGKILL)
+    _check_ledger(run_dir, cfg)
+    ledger = read_ledger(run_dir)
+    assert {"e0-i0-a0", "e0-i0-a1"} <= ledger.dead_lettered
+    assert "e0-i0-a0" in ledger.reissued and ledger.given_up == {"e0-i0-a1"}
+    assert "e0-i0-a0" not in ledger.trained and "e0-i0-a1" not in ledger.trained

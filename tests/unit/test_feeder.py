@@ -220,16 +220,33 @@ async def test_on_release_is_called_for_new_publishes_only(tmp_path, bus, versio
     assert task_ids(bus) == [f"e0-i{i}-a0" for i in range(4)] and g.state.released == 4
 
 
-async def test_dead_lettered_task_is_reissued(tmp_path, bus, version):
+async def test_exhausted_tasks_are_only_moved_to_the_dead_letters(tmp_path, bus, version):
+    f = feeder(tmp_path, bus, version)
+    bus.push_exhausted(DeadLetter(reason="not acknowledged after 5 deliveries (max_deliver)",
+                                  original_subject=bus.subjects.prompts, payload=b"", consumer="producers"))
+    bus.end_exhausted()
+    await f.move_exhausted()
+    assert bus.exhausted_calls == [(bus.subjects.prompts, "producers")]
+    assert f.state.abandoned == 0  # re-issuing is reissue_dead_letters' job, from the letter on the stream
+
+
+async def test_dead_lettered_tasks_are_reissued_once_by_name(tmp_path, bus, version):
+    # A producer gave up on task 1 after its last delivery (no advisory), and the letter may be seen again after a
+    # restart: it is re-issued exactly once. Garbage and other subjects' letters are skipped.
     f = feeder(tmp_path, bus, version)
     await f._release(2)
     task = bus.published[1][1]
-    bus.push_exhausted(DeadLetter(reason="not acknowledged after 5 deliveries (max_deliver)",
-                                  original_subject=bus.subjects.prompts, payload=encode(task), num_delivered=5,
-                                  consumer="producers"))
-    bus.end_exhausted()
-    await f.reissue_exhausted()
-    assert bus.exhausted_calls == [(bus.subjects.prompts, "producers")]
+    letter = DeadLetter(reason="producer p0: RewardError: boom", original_subject=bus.subjects.prompts,
+                        payload=encode(task), num_delivered=5, consumer="producers")
+    for msg in (letter, letter, DeadLetter(reason="x", original_subject=bus.subjects.prompts, payload=b"\xc1"),
+                DeadLetter(reason="y", original_subject=bus.subjects.traj, payload=encode(task))):
+        await bus.publish(bus.subjects.dead_letter, msg)
+    await f.reissue_dead_letters()
     assert f.state.abandoned == 1 and f.state.reissues == [Reissue(index=1, epoch=0, attempt=1)]
-    await f._release(2)
-    assert task_ids(bus) == ["e0-i0-a0", "e0-i1-a0", "e0-i1-a1", "e0-i2-a0"]
+    assert f.state.dead_lettered == ["e0-i1-a0"]
+    restarted = feeder(tmp_path, bus, version)  # the state was saved with the abandon
+    await restarted.reissue_dead_letters()  # reads every letter again from the start of the stream
+    assert restarted.state.abandoned == 1
+    await restarted._release(2)
+    released = [m.task_id for subject, m, _ in bus.published if subject == bus.subjects.prompts]
+    assert released == ["e0-i0-a0", "e0-i1-a0", "e0-i1-a1", "e0-i2-a0"]

@@ -24,7 +24,6 @@ Two Ray defaults are overridden for the clusters rlbus starts itself:
 from __future__ import annotations
 
 import atexit
-import ctypes
 import logging
 import os
 import secrets
@@ -40,11 +39,11 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlbus.bus.proc import die_with_parent as kill_with_parent
 from rlbus.schemas.config import RayConfig
 
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _STARTED: dict[int, subprocess.Popen] = {}  # heads this process started, by pid, so that stop can reap them
 
 
@@ -81,11 +80,6 @@ def _ray_bin() -> str:
     candidate = Path(sys.executable).with_name("ray")
     return str(candidate) if candidate.exists() else "ray"
 
-
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: SIGTERM it when the process (thread) that started it dies, so a
-    # crashed launcher does not leave a Ray cluster behind. `ray start --block` stops its children on SIGTERM.
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def write_token(parent: str | None = None) -> str:
@@ -149,7 +143,8 @@ def start_ray_head(
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,  # its own process group: stop_ray_head kills exactly what it started
-                preexec_fn=_die_with_parent if die_with_parent else None,
+                # `ray start --block` stops its children on SIGTERM
+                preexec_fn=kill_with_parent if die_with_parent else None,
             )
     except BaseException:
         shutil.rmtree(Path(token_path).parent, ignore_errors=True)

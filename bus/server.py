@@ -29,6 +29,7 @@ from types import TracebackType
 from typing import Any
 
 from rlbus.bus.auth import ROLES, Role, RunCredentials, private_dir, write_private
+from rlbus.bus.proc import die_with_parent
 from rlbus.schemas.errors import BusError
 
 LOG_NAME = "nats-server.log"
@@ -125,8 +126,10 @@ class EmbeddedServer:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=self.store_dir,
-                # Own process group: a Ctrl-C in the terminal reaches `rlbus bus up`, which stops the server in order.
+                # Own process group: a Ctrl-C in the terminal reaches `rlbus bus up`, which stops the server in order;
+                # and if its starter dies without doing so (a SIGKILLed `rlbus up`), the kernel stops it too.
                 start_new_session=True,
+                preexec_fn=die_with_parent,
             )
         finally:
             log.close()

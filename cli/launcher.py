@@ -28,6 +28,7 @@ from rich.console import Console
 from rlbus.bus.auth import Role, private_dir, write_private
 from rlbus.bus.client import Bus
 from rlbus.bus.loop import run
+from rlbus.bus.proc import die_with_parent
 from rlbus.bus.ray_cluster import RayHead, start_ray_head, stop_ray_head
 from rlbus.bus.server import EmbeddedServer
 from rlbus.cli.export import export_checkpoint
@@ -72,8 +73,11 @@ class Child:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # Its own session keeps a terminal's Ctrl-C for the launcher, which stops every child at once; if the
+        # launcher dies without doing so, the kernel SIGTERMs the child (the trainer checkpoints, producers give
+        # their tasks back), so a launcher started again meets no leftover roles.
         self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=die_with_parent)
 
     def poll(self) -> int | None:
         return None if self.proc is None else self.proc.poll()

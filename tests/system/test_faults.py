@@ -150,3 +150,36 @@ def test_a_prompt_producers_keep_failing_is_dead_lettered_reissued_then_given_up
     assert {"e0-i0-a0", "e0-i0-a1"} <= ledger.dead_lettered
     assert "e0-i0-a0" in ledger.reissued and ledger.given_up == {"e0-i0-a1"}
     assert "e0-i0-a0" not in ledger.trained and "e0-i0-a1" not in ledger.trained
+
+
+def test_rlbus_up_sigkilled_leaves_nothing_behind_and_the_same_command_resumes(tmp_path, tiny_model_dir, run_name):
+    # The launcher itself dies: its children (trainer, producers, the embedded nats-server) stop with it rather
+    # than linger holding the run's store, and `rlbus up` again picks the run up from its checkpoint.
+    run_dir, cfg, cfg_path = _up(tmp_path, tiny_model_dir, run_name, 12, trainer={"checkpoint_interval": 3},
+                                 rollout={"num_producers": 2})
+    first = start_role("up", cfg_path, tmp_path / "logs", name="up-1")
+    try:
+        children = [_child_running(first, role) for role in ("trainer", "producer")]
+        children.append(_child_running(first, "nats-server", argv_index=0))
+        wait_for_steps(run_dir, 4, [first], timeout=400)
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+    finally:
+        stop(first, signal.SIGKILL)
+    # They shut down as on a Ctrl-C (the trainer checkpoints, producers give tasks back); with the bus and Ray gone
+    # too, their bounded retries take a while.
+    deadline = time.monotonic() + 240
+    while any(Path(f"/proc/{pid}").exists() and _state(pid) != "Z" for pid in children):
+        assert time.monotonic() < deadline, f"left behind: {[p for p in children if Path(f'/proc/{p}').exists()]}"
+        time.sleep(0.5)
+    second = subprocess.run([sys.executable, "-m", "rlbus.cli", "up", str(cfg_path)], capture_output=True,
+                            text=True, timeout=900)
+    assert second.returncode == 0, second.stderr[-4000:] + second.stdout[-4000:]
+    _check_ledger(run_dir, cfg)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"

@@ -69,6 +69,47 @@ _DELIVER = {
 }
 
 
+def stream_configs(s: Subjects, cfg: BusConfig) -> list[StreamConfig]:
+    """The run's streams as `Bus.ensure_streams` creates them (also what `rlbus schema` documents)."""
+    common: dict[str, Any] = {"storage": StorageType.FILE, "num_replicas": cfg.replicas,
+                              "duplicate_window": DUPLICATE_WINDOW_S}
+    # Prompts are a work queue: a task leaves the stream once a producer acks it; no age limit, never lost.
+    out = [StreamConfig(name=s.prompts_stream, subjects=[s.prompts], retention=RetentionPolicy.WORK_QUEUE, **common)]
+    for name, subject in ((s.traj_stream, s.traj), (s.weights_stream, s.weights), (s.events_stream, s.events)):
+        out.append(StreamConfig(name=name, subjects=[subject], retention=RetentionPolicy.LIMITS,
+                                max_age=cfg.max_age_s or None, **common))
+    return out
+
+
+def kv_config(s: Subjects, cfg: BusConfig) -> KeyValueConfig:
+    """The weights bucket: key `latest` holds the newest WeightsPublished, for late joiners."""
+    return KeyValueConfig(bucket=s.weights_bucket, history=1, storage=StorageType.FILE, replicas=cfg.replicas)
+
+
+def consumer_configs(s: Subjects, cfg: BusConfig,
+                     traj_max_ack_pending: int | None = None) -> list[tuple[str, ConsumerConfig]]:
+    """The run's durable consumers, each with the stream it reads."""
+    return [
+        (s.prompts_stream, ConsumerConfig(
+            name=s.prompts_consumer,
+            durable_name=s.prompts_consumer,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=cfg.ack_wait_s,
+            max_deliver=cfg.max_deliver,
+            filter_subject=s.prompts,
+        )),
+        (s.traj_stream, ConsumerConfig(
+            name=s.traj_consumer,
+            durable_name=s.traj_consumer,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=cfg.ack_wait_s,
+            max_deliver=-1,  # a group is retried until the trainer acks it; it never expires into a dead letter
+            filter_subject=s.traj,
+            max_ack_pending=traj_max_ack_pending,
+        )),
+    ]
+
+
 def _is_auth_error(e: Exception) -> bool:
     # nats-py reports a refused CONNECT as a plain Error carrying the server's "-ERR 'Authorization Violation'".
     return isinstance(e, nats.errors.AuthorizationError) or "authorization violation" in str(e).lower()
@@ -221,46 +262,12 @@ class Bus:
         `traj_max_ack_pending` (RunConfig.traj_max_ack_pending) bounds the groups the trainer may hold unacked; left
         at the server's default (1000), a trainer holding a few checkpoints' worth would stop getting groups.
         """
-        s, cfg = self.subjects, self.cfg
-        max_age = cfg.max_age_s or None
-        common: dict[str, Any] = dict(
-            storage=StorageType.FILE, num_replicas=cfg.replicas, duplicate_window=DUPLICATE_WINDOW_S
-        )
-        # Prompts are a work queue: a task leaves the stream once a producer acks it; no age limit, never lost.
-        await self._ensure_stream(
-            StreamConfig(name=s.prompts_stream, subjects=[s.prompts], retention=RetentionPolicy.WORK_QUEUE, **common)
-        )
-        for name, subject in ((s.traj_stream, s.traj), (s.weights_stream, s.weights), (s.events_stream, s.events)):
-            await self._ensure_stream(
-                StreamConfig(name=name, subjects=[subject], retention=RetentionPolicy.LIMITS, max_age=max_age, **common)
-            )
-        self._kv = await self.js.create_key_value(
-            KeyValueConfig(bucket=s.weights_bucket, history=1, storage=StorageType.FILE, replicas=cfg.replicas)
-        )
+        for config in stream_configs(self.subjects, self.cfg):
+            await self._ensure_stream(config)
+        self._kv = await self.js.create_key_value(kv_config(self.subjects, self.cfg))
         # `name` + `durable_name` uses the create-or-update API: a changed ack_wait is applied, not refused.
-        await self.js.add_consumer(
-            s.prompts_stream,
-            ConsumerConfig(
-                name=s.prompts_consumer,
-                durable_name=s.prompts_consumer,
-                ack_policy=AckPolicy.EXPLICIT,
-                ack_wait=cfg.ack_wait_s,
-                max_deliver=cfg.max_deliver,
-                filter_subject=s.prompts,
-            ),
-        )
-        await self.js.add_consumer(
-            s.traj_stream,
-            ConsumerConfig(
-                name=s.traj_consumer,
-                durable_name=s.traj_consumer,
-                ack_policy=AckPolicy.EXPLICIT,
-                ack_wait=cfg.ack_wait_s,
-                max_deliver=-1,  # a group is retried until the trainer acks it; it never expires into a dead letter
-                filter_subject=s.traj,
-                max_ack_pending=traj_max_ack_pending,
-            ),
-        )
+        for stream, config in consumer_configs(self.subjects, self.cfg, traj_max_ack_pending):
+            await self.js.add_consumer(stream, config)
 
     async def await_streams(self, timeout: float = 120.0) -> None:
         """Wait until the run's streams, KV bucket and the producers' consumer exist (roles that may not create them:

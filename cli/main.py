@@ -130,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
                         add_help=False)
     rp.add_argument("rest", nargs=argparse.REMAINDER)
     rp.set_defaults(func=cmd_replay)
+    sc = sub.add_parser("schema", help="the wire contract: JSON Schema of every wire type, docs/wire.md",
+                        add_help=False)
+    sc.add_argument("rest", nargs=argparse.REMAINDER)
+    sc.set_defaults(func=cmd_schema)
 
     pr = with_config(sub.add_parser("producer", help="run a rollout producer (any number, any time)"))
     pr.add_argument("--id", default="", help="producer id (default: <host>-<pid>)")
@@ -162,8 +166,15 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return int(replay_main(args.rest) or 0)
 
 
+def cmd_schema(args: argparse.Namespace) -> int:
+    from rlbus.cli.schema import main as schema_main
+
+    return int(schema_main(args.rest) or 0)
+
+
 #: Subcommands whose modules own all their flags; their arguments are handed over untouched (`--help` included).
-PASSTHROUGH = {"init-model": cmd_init_model, "rollout": cmd_rollout, "events": cmd_events, "replay": cmd_replay}
+PASSTHROUGH = {"init-model": cmd_init_model, "rollout": cmd_rollout, "events": cmd_events, "replay": cmd_replay,
+               "schema": cmd_schema}
 
 
 def main(argv: list[str] | None = None) -> int:

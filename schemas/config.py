@@ -172,6 +172,7 @@ class RolloutConfig(_Section):
     in_progress_interval_s: float = 10.0  # how often a producer tells JetStream it still works on a task
     max_inflight_tasks: int = 1  # prompt tasks a producer rolls out at once
     tool_timeout_s: float = 30.0  # a tool call running longer answers "error: ... timed out" to the model
+    torch_threads: int = 0  # torch CPU threads of each producer; 0 = auto (OMP_NUM_THREADS, else CPUs / processes)
 
     def __post_init__(self) -> None:
         _need(self.n >= 1, "n", "must be >= 1")
@@ -187,6 +188,7 @@ class RolloutConfig(_Section):
         _need(self.in_progress_interval_s > 0, "in_progress_interval_s", "must be > 0")
         _need(self.max_inflight_tasks >= 1, "max_inflight_tasks", "must be >= 1")
         _need(self.tool_timeout_s > 0, "tool_timeout_s", "must be > 0")
+        _need(self.torch_threads >= 0, "torch_threads", "must be >= 0 (0 = auto)")
 
 
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -240,6 +242,7 @@ class TrainerConfig(_Section):
     checkpoint_interval: int = 5  # steps between checkpoints
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
     seed: int = 0  # torch seed of the trainer
+    torch_threads: int = 0  # torch CPU threads of each trainer rank; 0 = auto (OMP_NUM_THREADS, else CPUs / processes)
 
     def __post_init__(self) -> None:
         _need(self.total_steps >= 1, "total_steps", "must be >= 1")
@@ -255,6 +258,7 @@ class TrainerConfig(_Section):
         _need(self.weight_sync_interval >= 1, "weight_sync_interval", "must be >= 1")
         _need(self.checkpoint_interval >= 1, "checkpoint_interval", "must be >= 1")
         _need(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
+        _need(self.torch_threads >= 0, "torch_threads", "must be >= 0 (0 = auto)")
 
 
 class FeederConfig(_Section):

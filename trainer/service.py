@@ -37,6 +37,7 @@ from rlbus.bus.weight_store import WeightStore
 from rlbus.common.data import load_dataset
 from rlbus.common.logs import setup_logging
 from rlbus.common.model.ensure import ensure_model
+from rlbus.common.threads import apply_torch_threads
 from rlbus.consumers.batcher import Batcher
 from rlbus.consumers.recorder import Recorder
 from rlbus.schemas import staleness
@@ -324,6 +325,10 @@ async def run_controller(cfg: RunConfig, worker: StepWorker) -> None:
 def run_rank(cfg: RunConfig, model_path: str) -> int:
     """Entry of one rank (spawned locally, under torchrun, or the only one)."""
     setup_logging(cfg.logging.level)
+    # Before any torch work: every rank and producer of the run shares the machine's CPUs (common/threads.py).
+    apply_torch_threads(cfg.trainer.torch_threads, cfg.trainer.num_ranks + cfg.rollout.num_producers,
+                        role=f"trainer rank {os.environ.get('RANK', '0')}",
+                        takes_remainder=os.environ.get("RANK", "0") == "0")
     worker = StepWorker(cfg, model_path)
     try:
         if worker.rank == 0:

@@ -41,6 +41,7 @@ from nats.js.kv import KeyValue
 
 from rlbus.bus.auth import load_creds
 from rlbus.bus.delivery import ACK_TIMEOUT_S, MSG_ID_HEADER, Delivery, dead_letter_of
+from rlbus.bus.retry import is_transient, retrying
 from rlbus.schemas.config import BusConfig
 from rlbus.schemas.errors import BusError, SchemaError
 from rlbus.schemas.subjects import Subjects
@@ -54,8 +55,7 @@ T = TypeVar("T")
 
 #: Window in which JetStream drops a re-published message with the same Nats-Msg-Id (seconds).
 DUPLICATE_WINDOW_S = 300.0
-#: Attempts of a publish whose JetStream ack timed out (a retry with the same msg_id is de-duplicated).
-PUBLISH_ATTEMPTS = 3
+#: How long one JetStream publish waits for its ack; a publish is retried for `bus.retry_s` (bus/retry.py).
 PUBLISH_TIMEOUT_S = 5.0
 #: nats-server error code: "stream name already in use with a different configuration".
 _STREAM_NAME_IN_USE = 10058
@@ -153,6 +153,7 @@ class Bus:
     _kv: KeyValue | None
     _streams: dict[str, str]  # subject -> stream name
     _fetch_subs: dict[tuple[str, str], JetStreamContext.PullSubscription]  # (stream, durable) -> fetch()'s inbox
+    _fetch_failing_since: dict[str, float]  # durable -> loop time its fetches began to fail transiently
 
     def __init__(self, cfg: BusConfig, run: str, name: str, nc: NATS):
         self.cfg = cfg
@@ -163,6 +164,7 @@ class Bus:
         self.js = nc.jetstream(timeout=PUBLISH_TIMEOUT_S)
         self._kv = None
         self._fetch_subs = {}
+        self._fetch_failing_since = {}
         s = self.subjects
         self._streams = {
             s.prompts: s.prompts_stream,
@@ -264,10 +266,16 @@ class Bus:
         """
         for config in stream_configs(self.subjects, self.cfg):
             await self._ensure_stream(config)
-        self._kv = await self.js.create_key_value(kv_config(self.subjects, self.cfg))
+        kv = kv_config(self.subjects, self.cfg)
+        self._kv = await self._retry(f"create KV bucket {kv.bucket}", lambda: self.js.create_key_value(kv))
         # `name` + `durable_name` uses the create-or-update API: a changed ack_wait is applied, not refused.
         for stream, config in consumer_configs(self.subjects, self.cfg, traj_max_ack_pending):
-            await self.js.add_consumer(stream, config)
+            await self._retry(f"create consumer {config.durable_name} of {stream}",
+                              lambda: self.js.add_consumer(stream, config))  # noqa: B023 (awaited at once)
+
+    async def _retry(self, what: str, call: Any, describe: Any = None) -> Any:
+        """`call()` retried through transient JetStream errors for `bus.retry_s` (bus/retry.py)."""
+        return await retrying(f"bus {self.name}: {what}", call, budget_s=self.cfg.retry_s, describe=describe)
 
     async def await_streams(self, timeout: float = 120.0) -> None:
         """Wait until the run's streams, KV bucket and the producers' consumer exist (roles that may not create them:
@@ -285,7 +293,9 @@ class Bus:
                 missing = f"consumer {s.prompts_consumer} of {s.prompts_stream}"
                 await self.js.consumer_info(s.prompts_stream, s.prompts_consumer)
                 return
-            except (nats.js.errors.NotFoundError, nats.errors.TimeoutError):
+            except Exception as e:
+                if not (isinstance(e, nats.js.errors.NotFoundError) or is_transient(e)):
+                    raise
                 if loop.time() > deadline:
                     raise BusError(f"{missing} of run {self.run!r} does not exist on {self.cfg.url} after {timeout:.0f}s: "
                                    "the trainer (or `rlbus up`) creates the run's streams") from None
@@ -296,11 +306,11 @@ class Bus:
 
     async def _ensure_stream(self, config: StreamConfig) -> None:
         try:
-            await self.js.add_stream(config)
+            await self._retry(f"create stream {config.name}", lambda: self.js.add_stream(config))
         except nats.js.errors.BadRequestError as e:
             if e.err_code != _STREAM_NAME_IN_USE:
                 raise BusError(f"cannot create stream {config.name} on {self.cfg.url}: {e}") from e
-            await self.js.update_stream(config)
+            await self._retry(f"update stream {config.name}", lambda: self.js.update_stream(config))
 
     def stream_of(self, subject: str) -> str:
         """The stream that stores `subject` (events.<kind> belongs to the events stream)."""
@@ -319,21 +329,25 @@ class Bus:
     async def publish_raw(self, subject: str, payload: bytes, msg_id: str | None = None) -> PubAck:
         """Publish already-encoded bytes (dead letters, tools, benchmarks) with the same retry and ack rules."""
         headers = {MSG_ID_HEADER: msg_id} if msg_id else None
-        last: Exception | None = None
-        for _ in range(PUBLISH_ATTEMPTS):
-            try:
-                return await self.js.publish(subject, payload, timeout=PUBLISH_TIMEOUT_S, headers=headers)
-            except nats.errors.TimeoutError as e:
-                # Lost ack or a reconnect in progress: publish again. With a msg_id the server drops the copy if the
-                # first one was stored; without one a retry may store the message twice (at-least-once).
-                last = e
-            except nats.js.errors.NoStreamResponseError as e:
-                raise BusError(f"no stream stores {subject!r} on {self.cfg.url} (ensure_streams not run?)") from e
-            except nats.js.errors.APIError as e:
-                raise BusError(f"JetStream refused a publish on {subject!r}: {e}") from e
-        raise BusError(
-            f"publish on {subject!r} not acknowledged by JetStream at {self.cfg.url} after {PUBLISH_ATTEMPTS} attempts"
-        ) from last
+        if len(payload) > self.nc.max_payload:
+            raise BusError(f"a {len(payload)}-byte message on {subject!r} exceeds the server's max_payload "
+                           f"({self.nc.max_payload} bytes)")
+
+        def describe(e: BaseException) -> str:
+            if isinstance(e, nats.js.errors.NoStreamResponseError):
+                return f"no stream stores {subject!r} on {self.cfg.url} (ensure_streams not run, or no stream leader)"
+            return f"not acknowledged by JetStream at {self.cfg.url}: {type(e).__name__}: {e}"
+
+        # A lost ack, a reconnect or a leader election: publish again. With a msg_id the server drops the copy if the
+        # first one was stored; without one a retry may store the message twice (at-least-once).
+        try:
+            return await self._retry(
+                f"publish on {subject!r}",
+                lambda: self.js.publish(subject, payload, timeout=PUBLISH_TIMEOUT_S, headers=headers),
+                describe,
+            )
+        except nats.js.errors.APIError as e:
+            raise BusError(f"JetStream refused a publish on {subject!r}: {e}") from e
 
     async def publish_event(self, event: Any) -> PubAck:
         """Publish an Event on `events.<kind>`."""
@@ -352,12 +366,10 @@ class Bus:
     async def _settle(self, msg: Msg, payload: bytes, consumer: str) -> None:
         # Sent as a request, JetStream answers once it applied the ack/nak/term (like ack_sync), so a caller that
         # goes on to count pending messages, or exits, sees the effect.
-        try:
-            await self.nc.request(msg.reply, payload, timeout=ACK_TIMEOUT_S)
-        except nats.errors.TimeoutError as e:
-            raise BusError(
-                f"{payload.split()[0].decode()} of {msg.subject} ({consumer}) not confirmed within {ACK_TIMEOUT_S}s"
-            ) from e
+        # Retried through a failover: a delivery's ack / nak / term applies once, whoever leads its consumer.
+        verb = payload.split()[0].decode()
+        await self._retry(f"{verb} of {msg.subject} seq {msg.metadata.sequence.stream} ({consumer})",
+                          lambda: self.nc.request(msg.reply, payload, timeout=ACK_TIMEOUT_S))
 
     # -- consuming ---------------------------------------------------------------------------------------------------
 
@@ -395,7 +407,23 @@ class Bus:
         except asyncio.TimeoutError:
             # Idle: nothing to deliver within `timeout`. nats-py raises its own TimeoutError (a subclass) or, from a
             # batched fetch whose first probe outlasts the timeout on a loaded machine, asyncio's.
+            self._fetch_failing_since.pop(durable, None)
             return []
+        except Exception as e:
+            # No consumer leader (an election on a cluster) or a reconnect: nothing to deliver now; try again, for
+            # as long as bus.retry_s allows.
+            if not is_transient(e):
+                raise
+            now = asyncio.get_running_loop().time()
+            since = self._fetch_failing_since.setdefault(durable, now)
+            if now - since > self.cfg.retry_s:
+                raise BusError(f"bus {self.name}: fetch from {durable} failing for {now - since:.0f}s: "
+                               f"{type(e).__name__}: {e}") from e
+            if since == now:
+                log.warning("bus %s: fetch from %s: %s: %s; retrying", self.name, durable, type(e).__name__, e)
+            await asyncio.sleep(min(timeout, 0.5))
+            return []
+        self._fetch_failing_since.pop(durable, None)
         out: list[Delivery[Any]] = []
         for m in msgs:
             try:
@@ -411,9 +439,7 @@ class Bus:
         if deliver not in _DELIVER:
             raise BusError(f"watch deliver={deliver!r}; expected one of {sorted(_DELIVER)}")
         decoder = TypedDecoder(typ)
-        sub = await self.js.subscribe(
-            subject, stream=self.stream_of(subject), ordered_consumer=True, deliver_policy=_DELIVER[deliver]
-        )
+        sub = await self._ordered(subject, deliver)
         try:
             async for m in sub.messages:
                 try:
@@ -424,6 +450,11 @@ class Bus:
         finally:
             if not self.nc.is_closed:
                 await sub.unsubscribe()
+
+    async def _ordered(self, subject: str, deliver: DeliverFrom) -> Any:
+        # An ordered consumer re-creates itself after a failover (nats-py resets it on missed heartbeats).
+        return await self._retry(f"ordered consumer on {subject}", lambda: self.js.subscribe(
+            subject, stream=self.stream_of(subject), ordered_consumer=True, deliver_policy=_DELIVER[deliver]))
 
     async def snapshot(self, subject: str, typ: type[T] | Any, *, deliver: DeliverFrom = "all",
                        timeout: float = 30.0) -> list[T]:
@@ -436,12 +467,10 @@ class Bus:
         if deliver not in ("all", "last", "last_per_subject"):
             raise BusError(f"snapshot deliver={deliver!r}; expected all, last or last_per_subject")
         decoder = TypedDecoder(typ)
-        sub = await self.js.subscribe(
-            subject, stream=self.stream_of(subject), ordered_consumer=True, deliver_policy=_DELIVER[deliver]
-        )
+        sub = await self._ordered(subject, deliver)
         out: list[T] = []
         try:
-            info = await sub.consumer_info()
+            info = await self._retry(f"consumer info of a snapshot of {subject}", sub.consumer_info)
             if info.num_pending == 0 and info.delivered.consumer_seq == 0:
                 return out
             async with asyncio.timeout(timeout):
@@ -470,7 +499,7 @@ class Bus:
                 advisory = msgspec.json.decode(m.data)
                 seq, deliveries = int(advisory["stream_seq"]), int(advisory.get("deliveries", 0))
                 try:
-                    raw = await self.js.get_msg(stream, seq)
+                    raw = await self._retry(f"get {stream} seq {seq}", lambda: self.js.get_msg(stream, seq))
                 except nats.js.errors.NotFoundError:
                     continue  # acked or removed meanwhile: nothing was lost
                 letter = DeadLetter(
@@ -483,7 +512,10 @@ class Bus:
                     consumer=durable,
                 )
                 await self.publish(self.subjects.dead_letter, letter)
-                await self.js.delete_msg(stream, seq)
+                try:
+                    await self._retry(f"delete {stream} seq {seq}", lambda: self.js.delete_msg(stream, seq))
+                except nats.js.errors.NotFoundError:
+                    pass  # another watcher moved it first; the letter's msg_id-less copy is harmless
                 log.warning("bus %s: %s seq %d dead-lettered after %d deliveries", self.name, subject, seq, deliveries)
                 yield letter
         finally:
@@ -495,19 +527,22 @@ class Bus:
     async def _bucket(self) -> KeyValue:
         if self._kv is None:
             try:
-                self._kv = await self.js.key_value(self.subjects.weights_bucket)
+                self._kv = await self._retry(f"KV bucket {self.subjects.weights_bucket}",
+                                             lambda: self.js.key_value(self.subjects.weights_bucket))
             except nats.js.errors.BucketNotFoundError as e:
                 raise BusError(f"KV bucket {self.subjects.weights_bucket} does not exist (ensure_streams not run?)") from e
         return self._kv
 
     async def kv_put(self, key: str, msg: Any) -> int:
         """Store a wire struct under `key` in the weights bucket; returns the revision."""
-        return await (await self._bucket()).put(key, encode(msg))
+        bucket, value = await self._bucket(), encode(msg)
+        return await self._retry(f"KV put {key}", lambda: bucket.put(key, value))
 
     async def kv_get(self, key: str, typ: type[T] | Any) -> T | None:
         """The struct stored under `key` in the weights bucket, or None if there is none."""
         try:
-            entry = await (await self._bucket()).get(key)
+            bucket = await self._bucket()
+            entry = await self._retry(f"KV get {key}", lambda: bucket.get(key))
         except nats.js.errors.KeyNotFoundError:
             return None
         if entry.value is None:
@@ -516,18 +551,18 @@ class Bus:
 
     async def consumer_pending(self, stream: str, durable: str) -> tuple[int, int]:
         """(num_pending, num_ack_pending) of a durable consumer: not yet delivered, delivered but not acked."""
-        info = await self.js.consumer_info(stream, durable)
+        info = await self._retry(f"consumer info {stream}/{durable}", lambda: self.js.consumer_info(stream, durable))
         return int(info.num_pending or 0), int(info.num_ack_pending or 0)
 
     async def stream_last_seq(self, stream: str) -> int:
         """Sequence of the last message `stream` holds (0 if it never held one)."""
         try:
-            info = await self.js.stream_info(stream)
-        except (nats.errors.TimeoutError, nats.js.errors.Error) as e:
+            info = await self._retry(f"stream info {stream}", lambda: self.js.stream_info(stream))
+        except nats.js.errors.Error as e:
             raise BusError(f"stream info of {stream} on {self.cfg.url}: {e}") from e
         return int(info.state.last_seq)
 
     async def stream_msgs(self, stream: str) -> int:
         """Messages currently stored in `stream`."""
-        info = await self.js.stream_info(stream)
+        info = await self._retry(f"stream info {stream}", lambda: self.js.stream_info(stream))
         return int(info.state.messages)

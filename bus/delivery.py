@@ -9,10 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Generic, TypeVar
 
-import nats.errors
 from nats.aio.msg import Msg
 
-from rlbus.schemas.errors import BusError
 from rlbus.schemas.wire import DEAD_LETTER_EXCERPT, DeadLetter
 
 if TYPE_CHECKING:
@@ -59,12 +57,7 @@ class Delivery(Generic[T]):
 
     async def ack(self) -> None:
         """Acknowledge and wait for JetStream to confirm (double ack): once this returns, no redelivery."""
-        try:
-            await self._msg.ack_sync(timeout=ACK_TIMEOUT_S)
-        except nats.errors.TimeoutError as e:
-            raise BusError(
-                f"ack of {self.subject} seq {self.stream_seq} ({self.consumer}) not confirmed within {ACK_TIMEOUT_S}s"
-            ) from e
+        await self._bus._settle(self._msg, b"+ACK", self.consumer)
 
     async def nak(self, delay: float | None = None) -> None:
         """Ask for redelivery, after `delay` seconds if given (else at once); returns once JetStream confirmed."""

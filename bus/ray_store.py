@@ -7,7 +7,8 @@ integer view and are viewed back. Arrays that come out of the object store are r
 Every client operation is written once, as a plan: a generator that yields the Ray calls (ObjectRefs) it must wait
 for and receives their results; its return value is the operation's result. `run_async` drives a plan on an event
 loop (producers, the trainer's controller), `run_sync` with ray.get (trainer ranks), so the async methods and their
-`*_sync` twins cannot drift apart.
+`*_sync` twins cannot drift apart. A plan may also yield a number: the driver sleeps that long (time.sleep or
+asyncio.sleep) and sends None back; `retried` uses it to wait out an actor's restart.
 
     .venv/bin/python -m pytest -q tests/integration/test_transfer_queue.py
 """
@@ -15,8 +16,10 @@ loop (producers, the trainer's controller), `run_sync` with ray.get (trainer ran
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 import warnings
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any, TypeVar
 
 import numpy as np
@@ -26,10 +29,14 @@ import torch
 from rlbus.bus.ray_cluster import ensure_ray
 from rlbus.schemas.config import RayConfig
 
+log = logging.getLogger(__name__)
+
 T = TypeVar("T")
-# A plan yields the Ray calls (ObjectRefs) it must wait for and receives their results; its return value is the
-# operation's result.
-Plan = Generator[list[ray.ObjectRef], list[Any], T]
+# A plan yields the Ray calls (ObjectRefs) it must wait for and receives their results, or a pause in seconds; its
+# return value is the operation's result.
+Plan = Generator["list[ray.ObjectRef] | float", Any, T]
+#: How long a call to a restarting actor (its node died; Ray restarts it elsewhere) is retried.
+ACTOR_RESTART_WAIT_S = 60.0
 Packed = tuple[str, np.ndarray]  # (torch dtype name, array); the array may be an integer view of that dtype
 
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -79,14 +86,18 @@ class quiet_readonly(warnings.catch_warnings):
 def run_sync(plan: Plan[T]) -> T:
     """Drive `plan` with ray.get. A failed call is thrown into the plan, at its `yield`, for it to handle."""
     try:
-        refs = next(plan)
+        step = next(plan)
         while True:
+            if isinstance(step, (int, float)):
+                time.sleep(step)
+                step = plan.send(None)
+                continue
             try:
-                results = ray.get(refs)
+                results = ray.get(step)
             except ray.exceptions.RayError as e:
-                refs = plan.throw(e)
+                step = plan.throw(e)
             else:
-                refs = plan.send(results)
+                step = plan.send(results)
     except StopIteration as done:
         return done.value
 
@@ -94,16 +105,38 @@ def run_sync(plan: Plan[T]) -> T:
 async def run_async(plan: Plan[T]) -> T:
     """Drive `plan` on the event loop; failures are thrown into it as in run_sync."""
     try:
-        refs = next(plan)
+        step = next(plan)
         while True:
+            if isinstance(step, (int, float)):
+                await asyncio.sleep(step)
+                step = plan.send(None)
+                continue
             try:
-                results = list(await asyncio.gather(*refs))
+                results = list(await asyncio.gather(*step))
             except ray.exceptions.RayError as e:
-                refs = plan.throw(e)
+                step = plan.throw(e)
             else:
-                refs = plan.send(results)
+                step = plan.send(results)
     except StopIteration as done:
         return done.value
+
+
+def retried(calls: Callable[[], list[ray.ObjectRef]], what: str,
+            budget_s: float = ACTOR_RESTART_WAIT_S) -> Plan[list[Any]]:
+    """A plan step that makes `calls()` again while an actor is restarting (ActorUnavailableError), with doubling
+    pauses, for at most `budget_s`. Only for calls that may run twice: a restarted actor starts empty, and an
+    unavailable one may or may not have run the call."""
+    deadline = time.monotonic() + budget_s
+    pause = 0.2
+    while True:
+        try:
+            return (yield calls())
+        except ray.exceptions.ActorUnavailableError as e:
+            if time.monotonic() + pause > deadline:
+                raise
+            log.warning("%s: actor unavailable (%s); retrying in %.1fs", what, type(e).__name__, pause)
+            yield pause
+            pause = min(pause * 2, 5.0)
 
 
 def actor_name(run: str, what: str) -> str:

@@ -42,6 +42,7 @@ from rlbus.bus.ray_store import (
     actor_name,
     pack_tensor,
     quiet_readonly,
+    retried,
     run_async,
     run_sync,
     unpack_tensor,
@@ -220,11 +221,14 @@ class TransferQueue:
         # One shard: its put is atomic by itself. Several: stage everywhere, commit only if all accepted.
         txn = uuid.uuid4().hex if len(by_shard) > 1 else None
         order = list(by_shard)
-        rejections = yield [self.shards[i].put.remote(by_shard[i], txn) for i in order]
+        # A put may run twice (a shard restarting when called): it replaces the key, and a txn is staged again.
+        rejections = yield from retried(lambda: [self.shards[i].put.remote(by_shard[i], txn) for i in order],
+                                        f"TransferQueue {self.run} put")
         if txn is not None:
             commit = all(r is None for r in rejections)
             accepted = [i for i, r in zip(order, rejections) if r is None]
-            yield [self.shards[i].finish.remote(txn, commit) for i in accepted]
+            yield from retried(lambda: [self.shards[i].finish.remote(txn, commit) for i in accepted],
+                               f"TransferQueue {self.run} commit")
         refused = [r for r in rejections if r is not None]
         if refused:
             raise TransferQueueFull(self._full_message(refused[0], len(items)))
@@ -245,7 +249,9 @@ class TransferQueue:
             by_shard.setdefault(self.shard_of(key), []).append(pos)
         order = list(by_shard)
         try:
-            replies = yield [self.shards[i].get.remote([keys[p] for p in by_shard[i]]) for i in order]
+            replies = yield from retried(
+                lambda: [self.shards[i].get.remote([keys[p] for p in by_shard[i]]) for i in order],
+                f"TransferQueue {self.run} get")
         except ray.exceptions.RayActorError as e:
             # A shard that died (or is being restarted empty by Ray) took its tensors with it: for the caller that
             # is a missing payload, whose prompts are re-issued, not a crash.
@@ -274,7 +280,8 @@ class TransferQueue:
         for key in keys:
             by_shard.setdefault(self.shard_of(key), []).append(key)
         try:
-            counts = yield [self.shards[i].delete.remote(ks) for i, ks in by_shard.items()]
+            counts = yield from retried(lambda: [self.shards[i].delete.remote(ks) for i, ks in by_shard.items()],
+                                        f"TransferQueue {self.run} delete")
         except ray.exceptions.RayActorError as e:
             # A dead shard's memory is gone with it: nothing left to free there.
             log.warning("TransferQueue %s: a shard is down (%s); its keys are gone with it", self.run, e)
@@ -282,7 +289,7 @@ class TransferQueue:
         return sum(counts)
 
     def _stats_plan(self) -> Plan[dict]:
-        shards = yield [s.stats.remote() for s in self.shards]
+        shards = yield from retried(lambda: [s.stats.remote() for s in self.shards], f"TransferQueue {self.run} stats")
         total = {k: sum(s[k] for s in shards) for k in ("items", "bytes", "capacity_items", "capacity_bytes")}
         return {**total, "shards": shards}
 

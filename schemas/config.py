@@ -44,6 +44,7 @@ class BusConfig(_Section):
     connect_timeout_s: float = 5.0  # per connection attempt
     reconnect_wait_s: float = 0.5  # first reconnect backoff; doubles up to max_reconnect_wait_s, forever
     max_reconnect_wait_s: float = 8.0  # longest reconnect backoff
+    retry_s: float = 30.0  # how long a JetStream call is retried through a leader election or reconnect
     ack_wait_s: float = 60.0  # prompt consumer ack_wait; producers send in_progress() while they generate
     max_deliver: int = 5  # deliveries of one prompt before it is dead-lettered
     replicas: int = 1  # JetStream stream replicas (3 on a NATS cluster)
@@ -56,6 +57,7 @@ class BusConfig(_Section):
         _need(self.reconnect_wait_s > 0, "reconnect_wait_s", "must be > 0")
         _need(self.max_reconnect_wait_s >= self.reconnect_wait_s, "max_reconnect_wait_s", "must be >= reconnect_wait_s")
         _need(self.ack_wait_s >= 1, "ack_wait_s", "must be >= 1 second")
+        _need(self.retry_s >= 0, "retry_s", "must be >= 0 seconds")
         _need(self.max_deliver >= 1, "max_deliver", "must be >= 1")
         _need(self.replicas in (1, 3, 5), "replicas", "must be 1, 3 or 5")
         _need(self.max_age_s >= 0, "max_age_s", "must be >= 0")

@@ -124,15 +124,18 @@ class RunMonitor:
         m = last_metrics(self.cfg.run_dir)
         self._progress.update(self._task_id, completed=m.get("step", 0))
         table = Table.grid(padding=(0, 3))
-        for _ in range(6):
+        for _ in range(7):
             table.add_column()
 
         def fmt(key: str, spec: str = ".3f") -> str:
             v = m.get(key)
             return "-" if v is None else format(v, spec)
 
-        table.add_row("reward", "tokens/s", "staleness", "producers", "prompts queued", "groups waiting")
-        table.add_row(fmt("reward/mean"), fmt("perf/tokens_per_s", ".0f"), fmt("staleness/mean", ".2f"),
+        # clip: the share of tokens whose PPO ratio left [1 - low, 1 + high] (actor/clipfrac); it stays 0 with one
+        # update per step (trainer.mini_batches 1), where the ratio is 1 by construction.
+        table.add_row("reward", "clip", "tokens/s", "staleness", "producers", "prompts queued", "groups waiting")
+        table.add_row(fmt("reward/mean"), fmt("actor/clipfrac"), fmt("perf/tokens_per_s", ".0f"),
+                      fmt("staleness/mean", ".2f"),
                       f"{self.online()}/{len(self._children)}", str(self.queue.get("prompts", "-")),
                       str(self.queue.get("traj", "-")))
         return Group(self._progress, table)
@@ -154,7 +157,7 @@ def summary_table(run_dir: Path) -> Table:
         return f"{sum(vals) / len(vals):.3f}" if vals else "-"
 
     for key in ("reward/mean", "tool_calls/mean", "response_length/mean", "staleness/mean", "actor/pg_loss",
-                "actor/entropy", "actor/grad_norm", "perf/tokens_per_s", "time/step"):
+                "actor/entropy", "actor/clipfrac", "actor/grad_norm", "perf/tokens_per_s", "time/step"):
         table.add_row(key, avg(rows[:5], key), avg(rows[-10:], key))
     table.caption = f"{len(rows)} steps; metrics.jsonl, tensorboard/, curves.png, checkpoints/, final_model/"
     return table

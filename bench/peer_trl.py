@@ -1,0 +1,457 @@
+"""rlbus against TRL's GRPOTrainer: same machine, model, data, reward and budget, in one run, alternating.
+
+    .venv/bin/python bench/peer_trl.py --setup            # once: .bench/trl-venv (torch 2.13.0 CPU, trl 1.16.0)
+                                                          #       and the peer model (rlbus's own builder)
+    .venv/bin/python bench/peer_trl.py [--seeds 0 1 2] [--steps 100] [--docs docs/benchmarks.md]
+
+The task (bench/peer_task.py): two-digit addition in the quickstart's chat format, 8 prompts x 8 samples per step,
+at most 8 new tokens, temperature 1, lr 2e-4 constant, no KL, one update per batch, token-mean loss, grad clip 1.
+The model: a warm-started 0.8M-parameter Qwen2 (hidden 128, 4 layers, the quickstart's tokenizer: digits one per
+token) built by `common/model/init_model.py` with direct answers only, so it starts with some reward to climb.
+
+- TRL: `bench/peer_trl_side.py` under the TRL venv's python, one process (generation and training in turn).
+- rlbus: `rlbus up` of a config this bench writes (RUN_DIR/peer.yaml): embedded nats-server, local Ray, the trainer
+  and 2 producers as their own processes, `max_staleness` 1 -- the whole system a user runs, started from nothing.
+
+Seeds alternate which side goes first. Per run: whole-process wall time (process start to exit, start-up included),
+start-up (process start to the first step's end), steady-state steps/min (steps after a warm-up over the wall time
+they span), the reward curve, reward over the first 5 and last 10 steps, and the time to reach a reward (the first
+step whose 10-step running mean reaches the target; the target is the lower of the two sides' mean final reward,
+times 0.9, so both can reach it). For rlbus, the start-up breakdown from its own logs (each line stamped as it
+lands) and the per-step time split from metrics.jsonl. Writes bench/results/peer_trl.json and the
+`## Against TRL's GRPOTrainer` section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: the repository root, for `bench.*`
+
+from bench.common import machine, write_section
+from bench.peer_task import messages, problems, write_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV = ROOT / ".bench" / "trl-venv"
+TRL_PY = VENV / "bin" / "python"
+TRL_SIDE = ROOT / "bench" / "peer_trl_side.py"
+MODEL = ROOT / ".rlbus" / "models" / "peer-adder"
+RESULTS = ROOT / "bench" / "results" / "peer_trl.json"
+DOCS = ROOT / "docs" / "benchmarks.md"
+HEADING = "## Against TRL's GRPOTrainer"
+TORCH_PIN, TRL_PIN = "torch==2.13.0", "trl==1.16.0"
+#: The peer model: the quickstart's tokenizer and Qwen2 classes, 6.5x the quickstart's width x depth (0.8M).
+MODEL_SPEC = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4}
+MODEL_WARM_STEPS = 400
+#: Log lines that mark the stages of an `rlbus up` start (file, substring) -> stage; the bench stamps each on arrival.
+STARTUP_MARKS = [
+    ("launcher.out", "bus ", "bus up"),
+    ("launcher.out", "ray ", "Ray head up"),
+    ("logs/trainer.log", "torch thread(s)", "trainer imported"),
+    ("logs/trainer.log", "trainer up at step", "trainer ready"),
+    ("logs/producer-0.log", "torch thread(s)", "producer 0 imported"),
+    ("logs/producer-0.log", " up (weights v", "producer 0 ready"),
+    ("logs/producer-1.log", " up (weights v", "producer 1 ready"),
+]
+#: Per-step timings of the rlbus trainer (metrics.jsonl), in the order of a step.
+STEP_PARTS = ("time/wait_data", "time/fetch", "time/record", "time/train", "time/publish_weights")
+
+
+# ---------------------------------------------------------------------------------------------------------- setup
+
+
+def setup(model: Path, force_model: bool = False) -> None:
+    """Make the TRL venv (torch's CPU build first, so trl cannot pull a CUDA one) and build the peer model."""
+    if not TRL_PY.is_file():
+        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+    pip = [str(TRL_PY), "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, TORCH_PIN], check=True)
+    import transformers  # the same transformers as rlbus's, so both load and render the model alike
+
+    subprocess.run([*pip, TRL_PIN, f"transformers=={transformers.__version__}"], check=True)
+    if force_model or not (model / "config.json").is_file():
+        build_model(model)
+
+
+def build_model(out: Path) -> Path:
+    from rlbus.common.model.init_model import init_model
+    from rlbus.common.model.tiny import TinyModelSpec
+    from rlbus.common.model.warm_start import WarmStartConfig
+
+    # Direct answers only (no tool calls, no copy drills): a start that answers "<answer>57</answer>" and is right
+    # on some sums, which RL can then improve.
+    return init_model(out, steps=MODEL_WARM_STEPS, force=True, spec=TinyModelSpec(**MODEL_SPEC),
+                      warm=WarmStartConfig(tool_fraction=0.0, drill_batch_size=0), num_threads=2)
+
+
+def check_same_prompts(model: Path) -> None:
+    """The TRL side renders prompts with the tokenizer's chat template; rlbus with common/chat.py. Same ids?"""
+    from transformers import AutoTokenizer
+
+    from rlbus.common.chat import prompt_token_ids
+    from rlbus.schemas.wire import ChatMessage
+
+    tok = AutoTokenizer.from_pretrained(model)
+    for q, _ in problems(4, 0):
+        ours = prompt_token_ids(tok, [ChatMessage(role=m["role"], content=m["content"]) for m in messages(q)])
+        theirs = tok.apply_chat_template(messages(q), add_generation_prompt=True, tokenize=True, return_dict=False)
+        if list(ours) != list(theirs):
+            raise SystemExit(f"prompt ids differ between the two sides for {q!r}: {ours} vs {theirs}")
+
+
+# ----------------------------------------------------------------------------------------------------------- runs
+
+
+@dataclass
+class SideRun:
+    side: str  # "trl" or "rlbus"
+    seed: int
+    ok: bool
+    rewards: list[float] = field(default_factory=list)
+    step_t: list[float] = field(default_factory=list)  # seconds since the process started, per step
+    wall_s: float = 0.0  # process start to exit
+    startup_s: float = 0.0  # process start to the end of the first step
+    steps_per_min: float = 0.0  # steady state: steps after the warm-up over the wall time they span
+    startup: dict[str, float] = field(default_factory=dict)  # stage -> seconds since the process started
+    step_split: dict[str, float] = field(default_factory=dict)  # rlbus: median seconds per step of each part
+    clipfrac: float = 0.0  # rlbus: mean actor/clipfrac
+    entropy_last: float = 0.0
+    load_before: float = 0.0
+    error: str = ""
+
+
+def steady_steps_per_min(step_t: list[float], warmup: int) -> float:
+    """Steps after the first `warmup` ones over the wall time from the end of step `warmup` to the last step."""
+    if len(step_t) <= warmup + 1:
+        return 0.0
+    span = step_t[-1] - step_t[warmup - 1] if warmup > 0 else step_t[-1] - step_t[0]
+    n = len(step_t) - warmup if warmup > 0 else len(step_t) - 1
+    return 60.0 * n / span if span > 0 else 0.0
+
+
+def time_to_reward(rewards: list[float], step_t: list[float], target: float, window: int = 10) -> float | None:
+    """Seconds (since the process started) at the end of the first step whose `window`-step running mean reward
+    reaches `target`; None if none does."""
+    for i in range(window - 1, len(rewards)):
+        if statistics.fmean(rewards[i - window + 1:i + 1]) >= target:
+            return step_t[i]
+    return None
+
+
+def mean(xs: list[float]) -> float:
+    return statistics.fmean(xs) if xs else float("nan")
+
+
+def run_trl(model: Path, seed: int, steps: int, work: Path, timeout: float) -> SideRun:
+    out = work / f"trl-s{seed}.json"
+    argv = [str(TRL_PY), str(TRL_SIDE), "--model", str(model), "--out", str(out), "--seed", str(seed),
+            "--steps", str(steps)]
+    load = os.getloadavg()[0]
+    with open(work / f"trl-s{seed}.log", "wb") as log:
+        t0 = time.time()
+        proc = subprocess.run(argv, check=False, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+        t_end = time.time()
+    if proc.returncode != 0 or not out.is_file():
+        tail = (work / f"trl-s{seed}.log").read_text(errors="replace").strip().splitlines()[-3:]
+        return SideRun("trl", seed, ok=False, error=f"exit {proc.returncode}: {' | '.join(tail)}", load_before=load)
+    d = json.loads(out.read_text())
+    rows = d["steps"]
+    run = SideRun("trl", seed, ok=True, rewards=[r["reward"] for r in rows], step_t=[r["t"] - t0 for r in rows],
+                  wall_s=t_end - t0, load_before=load, entropy_last=rows[-1]["entropy"] if rows else 0.0)
+    run.startup = {"python + torch + trl imported": d["t_imported"] - t0, "trainer built": d["t_built"] - t0}
+    run.startup_s = run.step_t[0] if run.step_t else 0.0
+    return run
+
+
+def rlbus_config(model: Path, data: Path, seed: int, steps: int, run_dir: Path, name: str) -> dict[str, Any]:
+    """The rlbus side's run: the peer task on 2 producers, max_staleness 1, nothing recorded or plotted."""
+    return {
+        "name": name,
+        "model": {"path": str(model)},
+        "data": {"type": "jsonl", "path": str(data)},
+        "rollout": {"engine": {"type": "hf", "max_batch_size": 64}, "agent_loop": "single_turn", "tools": [],
+                    "reward": "bench.peer_task:reward", "n": 8, "temperature": 1.0, "max_new_tokens": 8,
+                    "max_response_tokens": 8, "max_turns": 1, "num_producers": 2},
+        "algorithm": {"adv_estimator": "grpo", "off_policy": "decoupled", "kl_coef": 0.0,
+                      "loss_agg_mode": "token-mean"},
+        "trainer": {"total_steps": steps, "groups_per_step": 8, "max_staleness": 1, "micro_batch_size": 64,
+                    "mini_batches": 1, "lr": 2e-4, "grad_clip": 1.0, "checkpoint_interval": steps, "seed": seed},
+        "feeder": {"seed": seed},
+        "ray": {"num_storage_actors": 1, "object_store_memory": 500_000_000},
+        "logging": {"run_dir": str(run_dir), "record": "off", "tensorboard": False, "plot": False},
+    }
+
+
+class Stamper:
+    """Polls files and stamps (time since t0) the first line holding each marker, and each new metrics row."""
+
+    def __init__(self, run_dir: Path, t0: float):
+        self.run_dir, self.t0 = run_dir, t0
+        self.marks: dict[str, float] = {}
+        self.rows: list[dict] = []
+        self.row_t: list[float] = []
+        self._offset = 0
+        self._pending = ""
+
+    def poll(self) -> None:
+        now = time.time() - self.t0
+        for rel, needle, stage in STARTUP_MARKS:
+            if stage in self.marks:
+                continue
+            path = self.run_dir / rel
+            if path.is_file() and needle in path.read_text(errors="replace"):
+                self.marks[stage] = now
+        metrics = self.run_dir / "metrics.jsonl"
+        if metrics.is_file():
+            with metrics.open() as f:
+                f.seek(self._offset)
+                self._pending += f.read()
+                self._offset = f.tell()
+            *lines, self._pending = self._pending.split("\n")
+            for line in lines:
+                if line.strip():
+                    self.rows.append(json.loads(line))
+                    self.row_t.append(now)
+
+
+def run_rlbus(model: Path, data: Path, seed: int, steps: int, work: Path, timeout: float) -> SideRun:
+    name = f"peer-s{seed}-{os.getpid()}"
+    run_dir = work / name
+    run_dir.mkdir(parents=True)
+    cfg_path = run_dir / "peer.yaml"
+    import yaml
+
+    cfg_path.write_text(yaml.safe_dump(rlbus_config(model, data, seed, steps, run_dir, name), sort_keys=False))
+    argv = [sys.executable, "-m", "rlbus.cli", "up", str(cfg_path)]
+    load = os.getloadavg()[0]
+    with open(run_dir / "launcher.out", "wb") as out:
+        t0 = time.time()
+        stamper = Stamper(run_dir, t0)
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        while proc.poll() is None:
+            stamper.poll()
+            if time.time() - t0 > timeout:
+                proc.terminate()
+                proc.wait(timeout=120)
+                break
+            time.sleep(0.02)
+        t_end = time.time()
+        stamper.poll()
+    rows = stamper.rows
+    if proc.returncode != 0 or len(rows) < steps:
+        tail = (run_dir / "launcher.out").read_text(errors="replace").strip().splitlines()[-3:]
+        return SideRun("rlbus", seed, ok=False, error=f"exit {proc.returncode} after {len(rows)} steps: "
+                       f"{' | '.join(tail)}", load_before=load)
+    run = SideRun("rlbus", seed, ok=True, rewards=[r["reward/mean"] for r in rows], step_t=stamper.row_t,
+                  wall_s=t_end - t0, startup_s=stamper.row_t[0], load_before=load,
+                  startup={**stamper.marks, "first step done": stamper.row_t[0]},
+                  entropy_last=rows[-1].get("actor/entropy", 0.0),
+                  clipfrac=mean([r.get("actor/clipfrac", 0.0) for r in rows]))
+    run.step_split = {k: statistics.median(r.get(k, 0.0) for r in rows[5:] or rows) for k in (*STEP_PARTS, "time/step")}
+    return run
+
+
+# -------------------------------------------------------------------------------------------------------- reports
+
+
+@dataclass
+class Bench:
+    command: str
+    steps: int
+    warmup: int
+    seeds: list[int]
+    model: str
+    machine: dict[str, Any]
+    versions: dict[str, str]
+    rlbus_commit: str
+    runs: list[SideRun] = field(default_factory=list)
+    target: float = 0.0
+    wall_s: float = 0.0
+
+    def side(self, name: str) -> list[SideRun]:
+        return [r for r in self.runs if r.side == name and r.ok]
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for side in ("trl", "rlbus"):
+            runs = self.side(side)
+            for r in runs:
+                r.steps_per_min = steady_steps_per_min(r.step_t, self.warmup)
+            reach = [time_to_reward(r.rewards, r.step_t, self.target) for r in runs]
+            out[side] = {
+                "runs": len(runs),
+                "steps_per_min": [r.steps_per_min for r in runs],
+                "wall_s": [r.wall_s for r in runs],
+                "startup_s": [r.startup_s for r in runs],
+                "first5": [mean(r.rewards[:5]) for r in runs],
+                "last10": [mean(r.rewards[-10:]) for r in runs],
+                "reach_s": reach,
+            }
+        return out
+
+
+def spread(xs: list[float | None], fmt: str = ".1f") -> str:
+    vals = [x for x in xs if x is not None]
+    if not vals:
+        return "-"
+    missed = len(xs) - len(vals)
+    s = f"{statistics.fmean(vals):{fmt}}"
+    if len(vals) > 1:
+        s += f" ± {statistics.stdev(vals):{fmt}}"
+    return s + (f" ({missed} never)" if missed else "")
+
+
+def report(b: Bench) -> str:
+    s = b.summary()
+    t, r = s["trl"], s["rlbus"]
+
+    def ratio(key: str, inverse: bool = False) -> str:
+        a = [x for x in r[key] if x is not None]
+        c = [x for x in t[key] if x is not None]
+        if not a or not c:
+            return "-"
+        v = statistics.fmean(a) / statistics.fmean(c)
+        return f"**{(1 / v if inverse else v):.2f}x**"
+
+    lines = [
+        HEADING, "",
+        ("TRL's `GRPOTrainer` (one process) against `rlbus up` (embedded bus, local Ray, trainer and 2 producers as "
+        "their own processes, `max_staleness` 1) on the same model, data, reward and budget, in one run of the "
+        "bench, alternating which goes first per seed. Task (`bench/peer_task.py`): two-digit addition in the "
+        "quickstart's chat format, reward 1 when the reply's first number is the sum; 8 prompts x 8 samples per "
+        f"step, at most 8 new tokens, temperature 1, lr 2e-4 constant, no KL, one update per batch, token-mean loss, "
+        f"grad clip 1, {b.steps} steps. Model: `{b.model}`, a warm-started 0.8M-parameter Qwen2 (hidden 128, 4 "
+        "layers, the quickstart's tokenizer, digits one per token) built by `common/model/init_model.py` "
+        "(`bench/peer_trl.py --setup`). Both sides render the same prompt token ids (checked by the bench)."),
+        "",
+        f"Command: `{b.command}`  ",
+        f"Machine: {b.machine['cpu_model']}, {b.machine['cores']} cores, shared with other work (1-minute load at "
+        f"the runs' starts {min(x.load_before for x in b.runs):.1f} to {max(x.load_before for x in b.runs):.1f}); "
+        f"{b.machine['platform']}; Python {b.machine['python']}; "
+        + ", ".join(f"{k} {v}" for k, v in b.versions.items())
+        + f"; rlbus at commit `{b.rlbus_commit}`. The bench took {b.wall_s / 60:.1f} min.",
+        "",
+        (f"Mean ± standard deviation over seeds {', '.join(map(str, b.seeds))} ({t['runs']} TRL runs, {r['runs']} "
+        f"rlbus runs). Steady-state steps/min: the steps after the first {b.warmup} over the wall time they span. "
+        f"Time to reward {b.target:.3f}: process start to the end of the first step whose 10-step running mean "
+        "reward reaches it (0.9 x the lower of the two sides' mean final reward)."),
+        "",
+        ("| | steps/min (steady) | whole process (s) | start-up to first step (s) | "
+         f"time to reward {b.target:.3f} (s) | reward first 5 | reward last 10 |"),
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, row in (("TRL 1.16 GRPOTrainer", t), ("`rlbus up`, 2 producers", r)):
+        lines.append(f"| {name} | {spread(row['steps_per_min'])} | {spread(row['wall_s'])} | "
+                     f"{spread(row['startup_s'])} | {spread(row['reach_s'])} | {spread(row['first5'], '.3f')} | "
+                     f"{spread(row['last10'], '.3f')} |")
+    lines.append(f"| rlbus / TRL | {ratio('steps_per_min')} | {ratio('wall_s')} | {ratio('startup_s')} | "
+                 f"{ratio('reach_s')} | | |")
+    lines += ["", "Per seed (steps/min, whole process s, reward first 5 -> last 10):", ""]
+    for x in sorted(b.runs, key=lambda x: (x.seed, x.side)):
+        if not x.ok:
+            lines.append(f"- seed {x.seed} {x.side}: failed ({x.error[:200]})")
+            continue
+        lines.append(f"- seed {x.seed} {x.side}: {x.steps_per_min:.0f} steps/min, {x.wall_s:.1f} s, "
+                     f"{mean(x.rewards[:5]):.3f} -> {mean(x.rewards[-10:]):.3f} (entropy at the end "
+                     f"{x.entropy_last:.3f})")
+    rl = b.side("rlbus")
+    if rl:
+        stages = sorted({k for x in rl for k in x.startup}, key=lambda k: statistics.fmean(
+            [x.startup[k] for x in rl if k in x.startup]))
+        lines += ["", ("rlbus start-up, seconds since `rlbus up` began (mean over its runs; each log line "
+                       "stamped when it landed):"), "", "| stage | s |", "|---|---:|"]
+        lines += [f"| {k} | {statistics.fmean([x.startup[k] for x in rl if k in x.startup]):.1f} |" for k in stages]
+        parts = {k: statistics.fmean([x.step_split[k] for x in rl]) for k in rl[0].step_split}
+        lines += ["", "rlbus trainer, median seconds per step after step 5 (mean over runs): "
+                  + ", ".join(f"{k.removeprefix('time/')} {v:.3f}" for k, v in parts.items())
+                  + f"; mean clip fraction {statistics.fmean([x.clipfrac for x in rl]):.3f}."]
+    tr = b.side("trl")
+    if tr:
+        lines += ["", "TRL start-up, seconds since its process began (mean): "
+                  + ", ".join(f"{k} {statistics.fmean([x.startup[k] for x in tr]):.1f}" for k in tr[0].startup)
+                  + f", first step done {statistics.fmean([x.startup_s for x in tr]):.1f}."]
+    lines += ["", "Results and every step's reward and time: `bench/results/peer_trl.json`.", ""]
+    return "\n".join(lines)
+
+
+def git_commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False, cwd=ROOT, capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--setup", action="store_true", help="make .bench/trl-venv and the peer model, then exit")
+    ap.add_argument("--rebuild-model", action="store_true", help="with --setup: build the model again")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=10, help="steps left out of steady-state steps/min")
+    ap.add_argument("--sides", nargs="+", choices=("trl", "rlbus"), default=["trl", "rlbus"])
+    ap.add_argument("--model", default=str(MODEL))
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
+    ap.add_argument("--results", default=str(RESULTS))
+    ap.add_argument("--docs", default=str(DOCS), help="'' to leave docs/benchmarks.md alone")
+    ap.add_argument("--from-json", default="", help="only redo the report from a results file")
+    args = ap.parse_args()
+    model = Path(args.model)
+    if args.setup:
+        setup(model, args.rebuild_model)
+        return 0
+    if args.from_json:
+        d = json.loads(Path(args.from_json).read_text())
+        d.pop("summary", None)
+        b = Bench(**{**d, "runs": [SideRun(**x) for x in d["runs"]]})
+    else:
+        if "trl" in args.sides and not TRL_PY.is_file():
+            ap.error(f"{TRL_PY} missing: run `bench/peer_trl.py --setup` first")
+        if not (model / "config.json").is_file():
+            ap.error(f"{model} missing: run `bench/peer_trl.py --setup` first")
+        check_same_prompts(model)
+        import torch
+        import transformers
+
+        versions = {"torch": torch.__version__, "transformers": transformers.__version__, "trl": TRL_PIN.split("==")[1]}
+        b = Bench(command=shlex.join([".venv/bin/python", "bench/peer_trl.py", *sys.argv[1:]]), steps=args.steps,
+                  warmup=args.warmup, seeds=args.seeds, model=str(model.relative_to(ROOT) if model.is_relative_to(ROOT)
+                                                                  else model),
+                  machine=machine(), versions=versions, rlbus_commit=git_commit())
+        t0 = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix="rlbus-peer-") as tmp:
+            work = Path(tmp)
+            data = write_jsonl(work / "peer.jsonl", 4096, 0)
+            for i, seed in enumerate(args.seeds):
+                order = args.sides if i % 2 == 0 else list(reversed(args.sides))
+                for side in order:
+                    print(f"seed {seed}: {side} (load {os.getloadavg()[0]:.1f})", flush=True)
+                    run = (run_trl(model, seed, args.steps, work, args.timeout) if side == "trl" else
+                           run_rlbus(model, data, seed, args.steps, work, args.timeout))
+                    b.runs.append(run)
+                    print(f"  {'ok' if run.ok else 'FAILED ' + run.error}: wall {run.wall_s:.1f}s, "
+                          f"steady {steady_steps_per_min(run.step_t, args.warmup):.0f} steps/min, reward "
+                          f"{mean(run.rewards[:5]):.3f} -> {mean(run.rewards[-10:]):.3f}", flush=True)
+        b.wall_s = time.monotonic() - t0
+    finals = [statistics.fmean([mean(r.rewards[-10:]) for r in b.side(s)]) for s in ("trl", "rlbus") if b.side(s)]
+    b.target = round(0.9 * min(finals), 3) if finals else 0.0
+    text = report(b)
+    print(text)
+    if not args.from_json:
+        Path(args.results).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.results).write_text(json.dumps({**asdict(b), "summary": b.summary()}, indent=1) + "\n")
+    if args.docs:
+        write_section(HEADING, text, Path(args.docs))
+    return 0 if all(r.ok for r in b.runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""bench/peer_trl.py measures what it says: the shared reward, steady-state rates, time to a reward, and an rlbus
+config that is the task it claims (valid, the same data and reward, the same budget)."""
+
+import asyncio
+import json
+
+import pytest
+import yaml
+
+from bench.peer_task import messages, problems, reward, score, write_jsonl
+from bench.peer_trl import Stamper, rlbus_config, steady_steps_per_min, time_to_reward
+from rlbus.common.data import load_dataset
+from rlbus.producers.rewards.registry import load_reward
+from rlbus.schemas.config import load_config
+
+
+@pytest.mark.parametrize("reply,want", [
+    ("<answer>57</answer><|im_end|>", 1.0),
+    ("57", 1.0),  # what TRL hands its reward (special tokens skipped)
+    (" <answer> 57</answer>", 1.0),
+    ("<answer>571</answer>", 0.0),  # a longer number is another number
+    ("<answer>56</answer>", 0.0),
+    ('<tool_call>{"name": "calculator"', 0.0),
+    ("", 0.0),
+])
+def test_reply_starts_with_the_right_answer(reply, want):
+    assert score(reply, "57") == want
+
+
+def test_problems_are_seeded_two_digit_sums():
+    ps = problems(50, 3)
+    assert ps == problems(50, 3) and ps != problems(50, 4)
+    for q, a in ps:
+        x, y = q.removeprefix("What is ").removesuffix("?").split("+")
+        assert 10 <= int(x) <= 99 and 10 <= int(y) <= 99 and int(a) == int(x) + int(y)
+
+
+def test_steady_rate_leaves_out_the_warmup():
+    # 3 slow steps (start-up), then one step every 0.5 s: 120 steps/min however long the start took.
+    t = [10.0, 11.0, 12.0] + [12.0 + 0.5 * k for k in range(1, 11)]
+    assert steady_steps_per_min(t, warmup=3) == pytest.approx(120.0)
+    assert steady_steps_per_min(t[:3], warmup=3) == 0.0
+
+
+def test_time_to_reward_uses_the_running_mean():
+    rewards = [0.0] * 10 + [1.0] * 10
+    t = [float(i) for i in range(20)]
+    assert time_to_reward(rewards, t, 0.5) == 14.0  # first window of 10 with mean >= 0.5 ends at index 14
+    assert time_to_reward(rewards, t, 1.1) is None
+
+
+def test_rlbus_side_is_the_task(tmp_path):
+    data = write_jsonl(tmp_path / "peer.jsonl", 64, 0)
+    cfg_dict = rlbus_config(tmp_path / "model", data, seed=1, steps=100, run_dir=tmp_path / "run", name="peer")
+    path = tmp_path / "peer.yaml"
+    path.write_text(yaml.safe_dump(cfg_dict))
+    cfg = load_config(path)
+    assert (cfg.trainer.groups_per_step, cfg.rollout.n, cfg.rollout.max_new_tokens) == (8, 8, 8)
+    assert (cfg.trainer.lr, cfg.algorithm.kl_coef, cfg.rollout.temperature, cfg.trainer.total_steps) == (2e-4, 0, 1, 100)
+    assert cfg.rollout.agent_loop == "single_turn" and cfg.rollout.num_producers == 2
+    ds = load_dataset(cfg.data)
+    first_q, first_a = problems(1, 0)[0]
+    assert ds[0].ground_truth == first_a and ds[0].prompt[-1].content == first_q
+    assert [m.content for m in ds[0].prompt] == [m["content"] for m in messages(first_q)]
+    fn = load_reward(cfg.rollout)  # the import path resolves to the shared reward
+    assert asyncio.run(fn("<answer>" + first_a + "</answer>", first_a, task=None)) == 1.0
+    assert reward("12", "13") == 0.0
+
+
+def test_stamper_reads_rows_and_marks_as_they_land(tmp_path):
+    (tmp_path / "logs").mkdir()
+    st = Stamper(tmp_path, t0=0.0)
+    st.poll()
+    assert st.rows == [] and st.marks == {}
+    (tmp_path / "logs" / "trainer.log").write_text("12:00:00 INFO rlbus.trainer: trainer up at step 0, version 0\n")
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.write(json.dumps({"step": 1}) + "\n" + '{"step": 2')  # a row still being written
+    st.poll()
+    assert [r["step"] for r in st.rows] == [1] and "trainer ready" in st.marks
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write("}\n")
+    st.poll()
+    assert [r["step"] for r in st.rows] == [1, 2] and len(st.row_t) == 2

@@ -31,8 +31,6 @@ from rlbus.bus.loop import run
 from rlbus.bus.proc import die_with_parent
 from rlbus.bus.ray_cluster import RayHead, start_ray_head, stop_ray_head
 from rlbus.bus.server import EmbeddedServer
-from rlbus.cli.export import export_checkpoint
-from rlbus.cli.plot import plot_run
 from rlbus.cli.progress import RunMonitor, summary_table
 from rlbus.common.model.ensure import ensure_model
 from rlbus.schemas.config import BusConfig, RunConfig, to_yaml
@@ -262,6 +260,11 @@ class Launcher:
         await asyncio.gather(*(c.stop() for c in children))
 
     def _finish(self) -> int:
+        # Imported here, not at the top: export pulls in torch and transformers (8 s of a contended start, before
+        # the bus and Ray could start) for the last thing the launcher does.
+        from rlbus.cli.export import export_checkpoint
+        from rlbus.cli.plot import plot_run
+
         cfg = self.cfg
         if cfg.logging.plot:
             self._console.print(f"curves: {plot_run(self.run_dir)}")

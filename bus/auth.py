@@ -185,6 +185,10 @@ class RunCredentials:
         return [{"user": user_name(self.run, r), "password": self.hashes[r], "permissions": permissions(self.run, r)}
                 for r in ROLES]
 
+    def url(self) -> str:
+        """The URL(s) the role files name now ("" before the first write)."""
+        return self._read("admin").get("url", "")
+
     def write(self, url: str) -> None:
         """Write each role's 0600 file (the URL included, so `bus.creds_file=...` alone reaches the server)."""
         private_dir(self.dir.parent)

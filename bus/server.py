@@ -9,6 +9,12 @@ does. Their random passwords are generated once and kept in one 0600 file per ro
 and the streams. Clients read their role's file with `load_creds` (`bus.creds_file=.../creds/<run>/producer.json`).
 TLS is on when a certificate and key are given (`tls_cert`, `tls_key`; `tls_ca` also asks clients for
 certificates signed by that CA).
+
+Several servers form a JetStream cluster (`cluster=Cluster(...)`, `rlbus bus up --cluster-port ... --routes ...`):
+each names the others' route ports, and all of them share one credentials store (`creds_store`; on loopback the
+same directory, on machines a copy of the first server's `creds/`), so every role's one password works on every
+server, and the route secret (`creds/cluster.json`) lets only the cluster's own servers join as routes. Each role
+file's URL lists every server that has written it. Streams get `bus.replicas=3`.
 """
 
 from __future__ import annotations
@@ -24,11 +30,12 @@ import sys
 import sysconfig
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from rlbus.bus.auth import ROLES, Role, RunCredentials, private_dir, write_private
+from rlbus.bus.auth import CREDS_DIR, ROLES, Role, RunCredentials, private_dir, write_private
 from rlbus.bus.proc import die_with_parent
 from rlbus.schemas.errors import BusError
 
@@ -59,6 +66,37 @@ def _conf_string(s: str) -> str:
     return json.dumps(s)
 
 
+@dataclass(frozen=True)
+class Cluster:
+    """This server's place in a NATS cluster: the cluster's name, its own route port, its peers' route addresses."""
+
+    name: str
+    port: int  # route listen port (on the server's host)
+    routes: list[str] = field(default_factory=list)  # peers' "host:port" route addresses
+
+    def __post_init__(self) -> None:
+        if not self.name or any(c in self.name for c in " .*>"):
+            raise BusError(f"cluster name {self.name!r} must be non-empty, without spaces, dots or wildcards")
+        if not 0 < self.port < 65536:
+            raise BusError(f"cluster port {self.port} is out of range 1-65535 (peers must know it)")
+        for r in self.routes:
+            host, _, port = r.rpartition(":")
+            if not host or not port.isdigit():
+                raise BusError(f"route {r!r} is not host:port")
+
+
+def _route_secret(creds_store: Path) -> str:
+    """The cluster's route password, made once in the shared credentials store (0600)."""
+    path = private_dir(creds_store / CREDS_DIR) / "cluster.json"
+    if path.is_file():
+        with_secret = json.loads(path.read_text())
+        if isinstance(with_secret, dict) and with_secret.get("route_password"):
+            return str(with_secret["route_password"])
+    secret = secrets.token_urlsafe(24)
+    write_private(path, json.dumps({"route_user": "route", "route_password": secret}, indent=2) + "\n")
+    return secret
+
+
 class EmbeddedServer:
     """One nats-server child process with JetStream, file storage under `store_dir`, and per-role users per run.
 
@@ -76,6 +114,8 @@ class EmbeddedServer:
     tls_cert: str
     tls_key: str
     tls_ca: str
+    cluster: Cluster | None
+    creds_store: Path  # where creds/<run>/<role>.json live (shared by a cluster's servers)
     _proc: subprocess.Popen[bytes] | None
     _binary: Path | None
     _creds: dict[str, RunCredentials]
@@ -83,7 +123,7 @@ class EmbeddedServer:
 
     def __init__(self, store_dir: str | os.PathLike[str], port: int = 0, host: str = "127.0.0.1", *,
                  runs: list[str] | tuple[str, ...] = ("rlbus",), tls_cert: str = "", tls_key: str = "",
-                 tls_ca: str = ""):
+                 tls_ca: str = "", cluster: Cluster | None = None, creds_store: str | os.PathLike[str] = ""):
         if port < 0 or port > 65535:
             raise BusError(f"port {port} is out of range 0-65535")
         if not runs:
@@ -98,6 +138,8 @@ class EmbeddedServer:
         self.log_file = self.store_dir / LOG_NAME
         self.pid = None
         self.tls_cert, self.tls_key, self.tls_ca = tls_cert, tls_key, tls_ca
+        self.cluster = cluster
+        self.creds_store = Path(creds_store).absolute() if creds_store else self.store_dir
         self._proc = None
         self._binary = None
         self._creds = {}
@@ -111,7 +153,8 @@ class EmbeddedServer:
             raise BusError(f"embedded nats-server in {self.store_dir} is already running (pid {self.pid})")
         binary = self._binary = find_nats_server()
         private_dir(self.store_dir)
-        self._creds = {run: RunCredentials(self.store_dir, run) for run in self.runs}
+        private_dir(self.creds_store)
+        self._creds = {run: RunCredentials(self.creds_store, run) for run in self.runs}
         ports_dir = self.store_dir / "ports"
         ports_dir.mkdir(exist_ok=True)
         for stale in ports_dir.glob("*.ports"):
@@ -137,7 +180,7 @@ class EmbeddedServer:
         port = self._wait_ready(ports_dir, timeout)
         self.url = f"{'tls' if self.tls_cert else 'nats'}://{self._url_host()}:{port}"
         for creds in self._creds.values():
-            creds.write(self.url)
+            creds.write(self._creds_url(creds))
         return self
 
     def stop(self, timeout: float = 10.0) -> int | None:
@@ -171,8 +214,8 @@ class EmbeddedServer:
         if self._proc is None or self.pid is None:
             raise BusError("add_run needs a running server (start() first)")
         self.runs.append(run)
-        self._creds[run] = RunCredentials(self.store_dir, run)
-        self._creds[run].write(self.url)
+        self._creds[run] = RunCredentials(self.creds_store, run)
+        self._creds[run].write(self._creds_url(self._creds[run]))
         ports_dir = self.store_dir / "ports"
         write_private(self.store_dir / CONFIG_NAME, self._config_text(ports_dir))
         offset = self.log_file.stat().st_size if self.log_file.is_file() else 0
@@ -207,7 +250,7 @@ class EmbeddedServer:
         run = run or self.runs[0]
         if run not in self.runs:
             raise BusError(f"this server serves runs {self.runs}, not {run!r}")
-        return RunCredentials.file_of(self.store_dir, run, role)
+        return RunCredentials.file_of(self.creds_store, run, role)
 
     # -- internals ---------------------------------------------------------------------------------------------------
 
@@ -218,6 +261,28 @@ class EmbeddedServer:
         if self.host == "::":
             return "[::1]"
         return f"[{self.host}]" if ":" in self.host else self.host
+
+    def _creds_url(self, creds: RunCredentials) -> str:
+        # A cluster's servers share the role files: each adds its URL to the list already there.
+        if self.cluster is None:
+            return self.url
+        urls = [u for u in creds.url().split(",") if u] if creds.url() else []
+        return ",".join(dict.fromkeys([*urls, self.url]))
+
+    def _cluster_text(self) -> list[str]:
+        if self.cluster is None:
+            return []
+        secret = _route_secret(self.creds_store)
+        routes = [f"nats-route://route:{secret}@{r}" for r in self.cluster.routes]
+        return [
+            "cluster {",
+            f"  name: {_conf_string(self.cluster.name)}",
+            f"  listen: {_conf_string(f'{self.host}:{self.cluster.port}')}",
+            # Only servers holding the route secret may join (the file is 0600 beside the role files).
+            "  authorization: " + json.dumps({"user": "route", "password": secret}),
+            "  routes: " + json.dumps(routes),
+            "}",
+        ]
 
     def _config_text(self, ports_dir: Path) -> str:
         return "\n".join(
@@ -233,6 +298,7 @@ class EmbeddedServer:
                 # JSON is valid nats-server config; the passwords in it are bcrypt hashes (bus/auth.py).
                 "authorization: " + json.dumps({"users": [u for c in self._creds.values() for u in c.users()]}),
                 *self._tls_text(),
+                *self._cluster_text(),
                 "",
             ]
         )
@@ -296,7 +362,8 @@ def _accepts(host: str, port: int) -> bool:
 
 
 def serve_forever(store_dir: str, port: int = 4222, host: str = "127.0.0.1", *, runs: list[str] | None = None,
-                  tls_cert: str = "", tls_key: str = "", tls_ca: str = "") -> int:
+                  tls_cert: str = "", tls_key: str = "", tls_ca: str = "", cluster: Cluster | None = None,
+                  creds_store: str = "") -> int:
     """`rlbus bus up`: run the embedded server until SIGINT/SIGTERM, printing how other roles reach it."""
     stop = threading.Event()
 
@@ -306,7 +373,7 @@ def serve_forever(store_dir: str, port: int = 4222, host: str = "127.0.0.1", *, 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         server = EmbeddedServer(store_dir, port=port, host=host, runs=runs or ["rlbus"], tls_cert=tls_cert,
-                                tls_key=tls_key, tls_ca=tls_ca)
+                                tls_key=tls_key, tls_ca=tls_ca, cluster=cluster, creds_store=creds_store)
     except BusError as e:
         print(f"rlbus bus up: {e}", file=sys.stderr, flush=True)
         return 2

@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import contextlib
 import time
 from pathlib import Path
 from typing import IO
@@ -25,7 +26,7 @@ from typing import IO
 import msgspec
 from rich.console import Console
 
-from rlbus.bus.auth import Role, private_dir, write_private
+from rlbus.bus.auth import Role, load_creds, private_dir, write_private
 from rlbus.bus.client import Bus
 from rlbus.bus.loop import run
 from rlbus.bus.proc import die_with_parent
@@ -39,6 +40,7 @@ from rlbus.schemas.config import BusConfig, RunConfig, to_yaml
 STOP_TIMEOUT_S = 60.0
 #: A role that dies this many times in a row before it got going (announced RoleStarted) makes the launcher give
 #: up: that is a role that cannot start (a bad config, a missing model), not a fault to ride out. Deaths after it
+from rlbus.schemas.errors import BusError
 #: got going are faults (a SIGKILL, an OOM): they are restarted however often they happen.
 MAX_START_FAILURES = 5
 
@@ -158,8 +160,20 @@ class Launcher:
         return msgspec.structs.replace(bus_cfg, creds_file=str(path), user="", password="", token="")
 
     def _creds(self, role: Role) -> Path | None:
-        """The credential file of `role` when the launcher runs the bus (else the config's own credentials)."""
-        return None if self.server is None else self.server.creds_file(role, self.cfg.name)
+        """The credential file of `role`: the embedded bus's, or, when `bus.creds_file` is the admin file `rlbus bus
+        up` wrote for this run (a server or cluster run apart), its sibling for `role`; else None (the config's own
+        credentials go to every child)."""
+        if self.server is not None:
+            return self.server.creds_file(role, self.cfg.name)
+        given = self.cfg.bus.creds_file
+        if not given or self.cfg.bus.user or self.cfg.bus.token:
+            return None
+        with contextlib.suppress(BusError):
+            creds = load_creds(given)
+            sibling = Path(given).with_name(f"{role}.json")
+            if creds.get("role") == "admin" and creds.get("run") == self.cfg.name and sibling.is_file():
+                return sibling
+        return None
 
     def _with_creds(self, cfg: RunConfig, role: Role) -> RunConfig:
         path = self._creds(role)

@@ -31,10 +31,19 @@ def cmd_config_reference(args: argparse.Namespace) -> int:
 
 
 def cmd_bus_up(args: argparse.Namespace) -> int:
-    from rlbus.bus.server import serve_forever
+    from rlbus.bus.server import Cluster, serve_forever
+    from rlbus.schemas.errors import BusError
 
+    cluster = None
+    if args.cluster_port or args.routes:
+        try:
+            cluster = Cluster(args.cluster_name, args.cluster_port,
+                              [r.strip() for r in args.routes.split(",") if r.strip()])
+        except BusError as e:
+            print(f"rlbus bus up: {e}", file=sys.stderr)
+            return 2
     return serve_forever(store_dir=args.dir, port=args.port, host=args.host, runs=args.run, tls_cert=args.tls_cert,
-                         tls_key=args.tls_key, tls_ca=args.tls_ca)
+                         tls_key=args.tls_key, tls_ca=args.tls_ca, cluster=cluster, creds_store=args.creds_store)
 
 
 def cmd_init_model(args: argparse.Namespace) -> int:
@@ -122,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     im.set_defaults(func=cmd_init_model)
     ro = sub.add_parser("rollout", help="dry-run the agent loop on N prompts (no bus, no Ray)", add_help=False)
     ro.add_argument("rest", nargs=argparse.REMAINDER)
+    up.add_argument("--cluster-port", type=int, default=0, help="route port: join a NATS cluster (JetStream R3)")
+    up.add_argument("--cluster-name", default="rlbus", help="the cluster's name (the same on every server)")
+    up.add_argument("--routes", default="", help="the other servers' route addresses, host:port,host:port")
+    up.add_argument("--creds-store", default="", help="directory holding creds/ (shared by a cluster's servers; "
+                    "default: --dir)")
     ro.set_defaults(func=cmd_rollout)
     ev = sub.add_parser("events", help="inspect a run's event log (filter, decode, export, follow)", add_help=False)
     ev.add_argument("rest", nargs=argparse.REMAINDER)

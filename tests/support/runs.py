@@ -9,7 +9,9 @@ architecture with a very short warm start, so generation is cheap and produces r
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -20,6 +22,8 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
+from rlbus.consumers.ledger import admission_bound, read_ledger
+from rlbus.schemas.config import load_config
 from rlbus.trainer.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -129,6 +133,16 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60.
 
 
 @pytest.fixture
+def fault_rng(request: pytest.FixtureRequest) -> random.Random:
+    """Randomness for when and where a fault test strikes; the seed is printed (shown with a failure) and
+    `RLBUS_FAULT_SEED=<seed>` replays the same choices."""
+    seed = int(os.environ.get("RLBUS_FAULT_SEED") or random.SystemRandom().randrange(2**32))
+    print(f"fault seed {seed}: RLBUS_FAULT_SEED={seed} reproduces this test's choices")
+    request.node.user_properties.append(("fault_seed", seed))
+    return random.Random(seed)
+
+
+@pytest.fixture
 def role_processes() -> Iterator[list[subprocess.Popen]]:
     """Processes a test starts; whatever is still running at the end is killed (by pid)."""
     procs: list[subprocess.Popen] = []
@@ -137,3 +151,21 @@ def role_processes() -> Iterator[list[subprocess.Popen]]:
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def check_ledger(run_dir: Path, cfg: dict) -> None:
+    """Every step trained once, versions following steps, every released prompt accounted for -- read from the
+    run directory and from `rlbus events RUN_DIR --ledger --json`, as a user checks a run."""
+    total, groups_per_step = cfg["trainer"]["total_steps"], cfg["trainer"]["groups_per_step"]
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, total + 1))
+    assert [r["version"] for r in rows] == list(range(1, total + 1))  # versions follow the checkpoint
+    ledger = read_ledger(run_dir)
+    assert len(ledger.trained) == total * groups_per_step
+    assert ledger.problems(admission_bound(load_config(run_dir / "config.yaml"))) == [], ledger.counts()
+    # and the same from the command line, as a user checks a run
+    proc = subprocess.run([sys.executable, "-m", "rlbus.cli", "events", str(run_dir), "--ledger", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    said = json.loads(proc.stdout)
+    assert said["trained"] == total * groups_per_step and said["problems"] == []

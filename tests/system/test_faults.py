@@ -1,4 +1,4 @@
-"""Faults injected from outside a real `rlbus up`, each run ending with the ledger check (tests/support/ledger.py).
+"""Faults injected from outside a real `rlbus up`, each run ending with the ledger check (tests/support/runs.py).
 
     .venv/bin/python -m pytest -q tests/system/test_faults.py
 
@@ -7,8 +7,8 @@ Only processes this test started are signalled, by pid: the launcher, and its tr
 
 from __future__ import annotations
 
-import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,10 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from rlbus.consumers.ledger import admission_bound, read_ledger
-from rlbus.schemas.config import load_config
+from rlbus.consumers.ledger import read_ledger
 from rlbus.trainer.metrics import read_metrics
-from tests.support.runs import small_run_config, start_role, stop, wait_for_steps, write_config
+from tests.support.runs import check_ledger, small_run_config, start_role, stop, wait_for_steps, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -55,22 +54,6 @@ def _up(tmp_path: Path, tiny_model_dir, run_name: str, total: int, **sections) -
     return run_dir, cfg, write_config(tmp_path / "run.yaml", cfg)
 
 
-def _check_ledger(run_dir: Path, cfg: dict) -> None:
-    total, groups_per_step = cfg["trainer"]["total_steps"], cfg["trainer"]["groups_per_step"]
-    rows = read_metrics(run_dir)
-    assert [r["step"] for r in rows] == list(range(1, total + 1))
-    assert [r["version"] for r in rows] == list(range(1, total + 1))  # versions follow the checkpoint
-    ledger = read_ledger(run_dir)
-    assert len(ledger.trained) == total * groups_per_step
-    assert ledger.problems(admission_bound(load_config(run_dir / "config.yaml"))) == [], ledger.counts()
-    # and the same from the command line, as a user checks a run
-    proc = subprocess.run([sys.executable, "-m", "rlbus.cli", "events", str(run_dir), "--ledger", "--json"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    said = json.loads(proc.stdout)
-    assert said["trained"] == total * groups_per_step and said["problems"] == []
-
-
 def test_trainer_sigkilled_under_rlbus_up_is_restarted_and_the_run_finishes(tmp_path, tiny_model_dir, run_name):
     # The checkpoint is at step 3; the trainer dies after step 5. The launcher starts it again at once -- well
     # inside JetStream's duplicate window -- it republishes version 3, producers follow it down, steps 4-5 are redone.
@@ -85,12 +68,12 @@ def test_trainer_sigkilled_under_rlbus_up_is_restarted_and_the_run_finishes(tmp_
     finally:
         stop(up, signal.SIGKILL)
     assert "trainer exited with code -9; restarting" in (tmp_path / "logs" / "up.log").read_text()
-    _check_ledger(run_dir, cfg)
+    check_ledger(run_dir, cfg)
 
 
-def test_producers_killed_again_and_again_do_not_stop_the_run(tmp_path, tiny_model_dir, run_name):
+def test_producers_killed_again_and_again_do_not_stop_the_run(tmp_path, tiny_model_dir, run_name, fault_rng):
     # More kills than the launcher's start-failure budget: each producer dies after it got going, so every death
-    # is a fault to ride out, not a role that cannot start.
+    # is a fault to ride out, not a role that cannot start. The moments are random (seed printed: fault_rng).
     run_dir, cfg, cfg_path = _up(tmp_path, tiny_model_dir, run_name, 400, rollout={"num_producers": 2})
     up = start_role("up", cfg_path, tmp_path / "logs", name="up")
     kills = 0
@@ -98,7 +81,7 @@ def test_producers_killed_again_and_again_do_not_stop_the_run(tmp_path, tiny_mod
         wait_for_steps(run_dir, 1, [up], timeout=400)
         while kills < 7 and up.poll() is None:
             victim = _child_running(up, "producer")
-            time.sleep(2.0)  # let it get going (RoleStarted) and take a task
+            time.sleep(fault_rng.uniform(2.0, 6.0))  # let it get going (RoleStarted) and take a task
             try:
                 os.kill(victim, signal.SIGKILL)
             except ProcessLookupError:
@@ -108,7 +91,35 @@ def test_producers_killed_again_and_again_do_not_stop_the_run(tmp_path, tiny_mod
     finally:
         stop(up, signal.SIGKILL)
     assert kills == 7
-    _check_ledger(run_dir, cfg)
+    check_ledger(run_dir, cfg)
+
+
+def test_a_producer_stopped_past_ack_wait_has_its_task_redelivered_and_catches_up_when_woken(tmp_path, tiny_model_dir,
+                                                                                            run_name, fault_rng):
+    # SIGSTOP a producer for longer than ack_wait (8 s here) and than weight_versions_kept versions: its task goes to
+    # the other producer; woken, it finds its versions evicted, jumps to the newest weights and works on; the
+    # group it finishes late is either trained or dropped as too stale -- never trained twice.
+    run_dir, cfg, cfg_path = _up(tmp_path, tiny_model_dir, run_name, 14, rollout={"num_producers": 2},
+                                 ray={"weight_versions_kept": 2})
+    up = start_role("up", cfg_path, tmp_path / "logs", name="up")
+    try:
+        wait_for_steps(run_dir, 2, [up], timeout=400)
+        victim = _child_running(up, "producer")
+        time.sleep(fault_rng.uniform(0.5, 3.0))
+        os.kill(victim, signal.SIGSTOP)  # our launcher's own child, by pid
+        try:
+            stopped_at = read_metrics(run_dir)[-1]["step"]
+            wait_for_steps(run_dir, stopped_at + 4, [up], timeout=400)  # the run goes on without it
+            time.sleep(9.0)  # past ack_wait, whatever the steps took
+        finally:
+            os.kill(victim, signal.SIGCONT)
+        assert up.wait(timeout=600) == 0
+        assert _state(victim) == "gone"  # it drained and stopped with the run, not crashed and restarted
+    finally:
+        stop(up, signal.SIGKILL)
+    log = (tmp_path / "logs" / "up.log").read_text()
+    assert re.search(r"producer-\d exited with code -?\d+; restarting", log) is None, log[-3000:]
+    check_ledger(run_dir, cfg)
 
 
 def test_embedded_nats_server_sigkilled_mid_run_is_restarted(tmp_path, tiny_model_dir, run_name):
@@ -123,7 +134,7 @@ def test_embedded_nats_server_sigkilled_mid_run_is_restarted(tmp_path, tiny_mode
     finally:
         stop(up, signal.SIGKILL)
     assert "nats-server exited; restarting" in (tmp_path / "logs" / "up.log").read_text()
-    _check_ledger(run_dir, cfg)
+    check_ledger(run_dir, cfg)
 
 
 def test_a_prompt_producers_keep_failing_is_dead_lettered_reissued_then_given_up_by_name(tmp_path, tiny_model_dir,
@@ -145,7 +156,7 @@ def test_a_prompt_producers_keep_failing_is_dead_lettered_reissued_then_given_up
         assert up.wait(timeout=900) == 0
     finally:
         stop(up, signal.SIGKILL)
-    _check_ledger(run_dir, cfg)
+    check_ledger(run_dir, cfg)
     ledger = read_ledger(run_dir)
     assert {"e0-i0-a0", "e0-i0-a1"} <= ledger.dead_lettered
     assert "e0-i0-a0" in ledger.reissued and ledger.given_up == {"e0-i0-a1"}
@@ -175,7 +186,7 @@ def test_rlbus_up_sigkilled_leaves_nothing_behind_and_the_same_command_resumes(t
     second = subprocess.run([sys.executable, "-m", "rlbus.cli", "up", str(cfg_path)], capture_output=True,
                             text=True, timeout=900)
     assert second.returncode == 0, second.stderr[-4000:] + second.stdout[-4000:]
-    _check_ledger(run_dir, cfg)
+    check_ledger(run_dir, cfg)
 
 
 def _state(pid: int) -> str:

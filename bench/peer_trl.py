@@ -6,8 +6,9 @@
 
 The task (bench/peer_task.py): two-digit addition in the quickstart's chat format, 8 prompts x 8 samples per step,
 at most 8 new tokens, temperature 1, lr 2e-4 constant, no KL, one update per batch, token-mean loss, grad clip 1.
-The model: a warm-started 0.8M-parameter Qwen2 (hidden 128, 4 layers, the quickstart's tokenizer: digits one per
-token) built by `common/model/init_model.py` with direct answers only, so it starts with some reward to climb.
+The model (bench/peer_model.py): a warm-started 0.8M-parameter Qwen2 (hidden 128, 4 layers, the quickstart's
+tokenizer: digits one per token) built with `common/model/init_model.py`, then drilled on direct answers to sums
+until about 20% of its sampled answers are right, so RL has something to climb.
 
 - TRL: `bench/peer_trl_side.py` under the TRL venv's python, one process (generation and training in turn).
 - rlbus: `rlbus up` of a config this bench writes (RUN_DIR/peer.yaml): embedded nats-server, local Ray, the trainer
@@ -51,9 +52,6 @@ RESULTS = ROOT / "bench" / "results" / "peer_trl.json"
 DOCS = ROOT / "docs" / "benchmarks.md"
 HEADING = "## Against TRL's GRPOTrainer"
 TORCH_PIN, TRL_PIN = "torch==2.13.0", "trl==1.16.0"
-#: The peer model: the quickstart's tokenizer and Qwen2 classes, 6.5x the quickstart's width x depth (0.8M).
-MODEL_SPEC = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4}
-MODEL_WARM_STEPS = 400
 #: Log lines that mark the stages of an `rlbus up` start (file, substring) -> stage; the bench stamps each on arrival.
 STARTUP_MARKS = [
     ("launcher.out", "bus ", "bus up"),
@@ -85,14 +83,9 @@ def setup(model: Path, force_model: bool = False) -> None:
 
 
 def build_model(out: Path) -> Path:
-    from rlbus.common.model.init_model import init_model
-    from rlbus.common.model.tiny import TinyModelSpec
-    from rlbus.common.model.warm_start import WarmStartConfig
+    from bench.peer_model import build
 
-    # Direct answers only (no tool calls, no copy drills): a start that answers "<answer>57</answer>" and is right
-    # on some sums, which RL can then improve.
-    return init_model(out, steps=MODEL_WARM_STEPS, force=True, spec=TinyModelSpec(**MODEL_SPEC),
-                      warm=WarmStartConfig(tool_fraction=0.0, drill_batch_size=0), num_threads=2)
+    return build(out)
 
 
 def check_same_prompts(model: Path) -> None:
@@ -332,7 +325,8 @@ def report(b: Bench) -> str:
         "quickstart's chat format, reward 1 when the reply's first number is the sum; 8 prompts x 8 samples per "
         f"step, at most 8 new tokens, temperature 1, lr 2e-4 constant, no KL, one update per batch, token-mean loss, "
         f"grad clip 1, {b.steps} steps. Model: `{b.model}`, a warm-started 0.8M-parameter Qwen2 (hidden 128, 4 "
-        "layers, the quickstart's tokenizer, digits one per token) built by `common/model/init_model.py` "
+        "layers, the quickstart's tokenizer, digits one per token) built by `bench/peer_model.py` with "
+        "`common/model/init_model.py` and an addition drill stopped at about 20% sampled accuracy "
         "(`bench/peer_trl.py --setup`). Both sides render the same prompt token ids (checked by the bench)."),
         "",
         f"Command: `{b.command}`  ",

@@ -47,10 +47,12 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from bench.common import machine, write_section  # noqa: E402
+from bench.step_breakdown import breakdown, breakdown_markdown, mean_parts, plot_compare, plot_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RLBUS = [sys.executable, "-m", "rlbus.cli"]
 RESULTS = ROOT / "bench" / "results" / "pipeline.json"
+BREAKDOWN_PNG = ROOT / "bench" / "results" / "pipeline_breakdown.png"
 DOCS = ROOT / "docs" / "benchmarks.md"
 SIM_CONFIG = ROOT / "configs" / "bench_simulated.yaml"
 QUICKSTART_CONFIG = ROOT / "configs" / "quickstart.yaml"
@@ -106,6 +108,7 @@ class RunResult:
     total_s: float = 0.0  # `rlbus up` start to its exit
     error: str = ""
     load_before: float = 0.0  # 1-minute load average when the run started
+    step_parts: dict[str, float] = field(default_factory=dict)  # mean seconds per measured step (step_breakdown)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -116,7 +119,7 @@ class RunResult:
 
 
 def run_specs(workload: str, steps: int, quickstart_model: Path, producers: tuple[int, ...] = SIM_PRODUCERS,
-              modes: tuple[str, ...] = tuple(MODES)) -> list[RunSpec]:
+              modes: tuple[str, ...] = tuple(MODES), qs_producers: tuple[int, ...] = ()) -> list[RunSpec]:
     specs: list[RunSpec] = []
     if workload in ("simulated", "all"):
         for p in producers:
@@ -125,11 +128,12 @@ def run_specs(workload: str, steps: int, quickstart_model: Path, producers: tupl
                                      [f"model.path={BENCH_MODEL}", f"rollout.num_producers={p}",
                                       f"trainer.total_steps={steps}"]))
     if workload in ("quickstart", "all"):
-        for mode in modes:
-            # As configured, less the end-of-run extras (curves) that cost bench time and are not measured.
-            specs.append(RunSpec("quickstart", mode, quickstart_producers(), QUICKSTART_CONFIG,
-                                 [f"model.path={quickstart_model}", f"trainer.total_steps={steps}",
-                                  "logging.plot=false"]))
+        for p in qs_producers or (quickstart_producers(),):
+            for mode in modes:
+                # As configured, less the end-of-run extras (curves) that cost bench time and are not measured.
+                specs.append(RunSpec("quickstart", mode, p, QUICKSTART_CONFIG,
+                                     [f"model.path={quickstart_model}", f"trainer.total_steps={steps}",
+                                      f"rollout.num_producers={p}", "logging.plot=false"]))
     return specs
 
 
@@ -210,6 +214,10 @@ def execute(spec: RunSpec, infra: Infrastructure, runs_dir: Path, warmup: int, t
             res.startup_s, res.total_s = stamps[0] - started, ended - started
             res.error = "; ".join(errors)
             res.regenerated = count_regenerated(run_dir)
+            parts = breakdown(rows, stamps)  # per step, from the second row; the measured ones from row warmup+1
+            res.step_parts = mean_parts(parts, skip=max(0, warmup - 1))
+            plot_run(parts, [r["step"] for r in rows[1:]], f"{spec.label}: where each step's wall time goes",
+                     run_dir / "step_times.png")
             return res
         tail = last_error(run_dir)
         errors.append(f"attempt {attempt}: exit {rc} after {len(rows)} step(s): {tail}")
@@ -412,6 +420,7 @@ def docs_section(bench: Bench, table: list[str]) -> str:
         "",
         *table,
         "",
+        *breakdown_markdown(bench.results),
         *[f"Note: {n}  " for n in bench.notes],
         *([""] if bench.notes else []),
         "async/sync = steps/min of the row / steps/min of the sync row with the same workload and producers. "
@@ -499,6 +508,8 @@ def main() -> int:
     ap.add_argument("--producers", type=int, nargs="+", default=list(SIM_PRODUCERS),
                     help="producer counts of the simulated workload")
     ap.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES))
+    ap.add_argument("--qs-producers", type=int, nargs="+", default=[],
+                    help="producer counts of the quickstart workload (default: the config's)")
     ap.add_argument("--warmup", type=int, default=2, help="step rows left out of the measurement")
     ap.add_argument("--attempts", type=int, default=ATTEMPTS, help="starts of a run that keeps crashing")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one `rlbus up` may take")
@@ -538,7 +549,7 @@ def main() -> int:
     infra = Infrastructure(runs_dir)
     try:
         for spec in run_specs(args.workload, args.steps, qs_model, tuple(args.producers),
-                                  tuple(args.modes)):
+                              tuple(args.modes), tuple(args.qs_producers)):
             console.print(f"[bold]{spec.label}[/bold] (load {os.getloadavg()[0]:.1f})")
             res = execute(spec, infra, runs_dir, args.warmup, args.timeout, console, args.attempts)
             bench.results.append(res)
@@ -557,6 +568,9 @@ def main() -> int:
     Path(args.results).parent.mkdir(parents=True, exist_ok=True)
     Path(args.results).write_text(json.dumps(bench.to_json(), indent=2) + "\n")
     console.print(f"results: {args.results}")
+    means = {f"{r.workload}-p{r.num_producers}-{r.mode}": r.step_parts for r in bench.results if r.ok and r.step_parts}
+    if means:
+        console.print(f"breakdown: {plot_compare(means, 'mean step, measured steps', BREAKDOWN_PNG)}")
     if args.docs:
         write_section("## Pipeline", docs_section(bench, markdown_table(bench.results)), Path(args.docs))
         console.print(f"docs: {args.docs} (## Pipeline)")

@@ -1,0 +1,144 @@
+"""Is the quickstart's learning stable? `rlbus up configs/quickstart.yaml` once per seed, each from scratch.
+
+    .venv/bin/python bench/quickstart_seeds.py [--seeds 0 1 2 3 4] [--docs docs/benchmarks.md] [k=v ...]
+
+A seed sets the trainer's torch seed, the feeder's shuffle and the synthetic data set (`trainer.seed`,
+`feeder.seed`, `data.seed`); sampling in the producers is not seeded, so two runs of one seed differ too. Each run
+uses the cached quickstart model and its own run directory (removed afterwards). Per seed: reward over the first 5
+and last 10 steps, the lowest 5-step running mean after step 10, entropy and clip fraction over the last 10 steps.
+A run *collapses* when its last-10 reward is under 0.85 (the bar) or its last-10 entropy under 0.01 (the policy
+stopped exploring). Extra `k=v` arguments are config overrides for every run (e.g. `trainer.mini_batches=1` for
+the before). Writes bench/results/quickstart_seeds.json and, with --docs, the `## Quickstart stability` section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: the repository root, for `bench.*`
+
+from bench.common import machine, write_section
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "quickstart.yaml"
+RESULTS = ROOT / "bench" / "results" / "quickstart_seeds.json"
+HEADING = "## Quickstart stability"
+BAR = 0.85
+MIN_ENTROPY = 0.01
+
+
+def summarise(rows: list[dict]) -> dict[str, float]:
+    rewards = [r["reward/mean"] for r in rows]
+    late = [statistics.fmean(rewards[i - 4:i + 1]) for i in range(max(10, 4), len(rewards))]
+    last = rows[-10:]
+    return {
+        "steps": len(rows),
+        "first5": statistics.fmean(rewards[:5]),
+        "last10": statistics.fmean(rewards[-10:]),
+        "min_running5_after_10": min(late) if late else float("nan"),
+        "entropy_last10": statistics.fmean(r.get("actor/entropy", 0.0) for r in last),
+        "clipfrac_last10": statistics.fmean(r.get("actor/clipfrac", 0.0) for r in last),
+        "clipfrac_mean": statistics.fmean(r.get("actor/clipfrac", 0.0) for r in rows),
+    }
+
+
+def collapsed(s: dict[str, float]) -> bool:
+    return s["last10"] < BAR or s["entropy_last10"] < MIN_ENTROPY
+
+
+def run_seed(seed: int, overrides: list[str], work: Path, timeout: float) -> dict:
+    run_dir = work / f"qs-s{seed}"
+    argv = [sys.executable, "-m", "rlbus.cli", "up", str(CONFIG), f"name=qs-seed{seed}", f"logging.run_dir={run_dir}",
+            f"trainer.seed={seed}", f"feeder.seed={seed}", f"data.seed={seed}", "logging.plot=false", *overrides]
+    t0 = time.monotonic()
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
+    wall = time.monotonic() - t0
+    metrics = run_dir / "metrics.jsonl"
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.is_file() else []
+    out = {"seed": seed, "rc": proc.returncode, "wall_s": wall, "rewards": [r["reward/mean"] for r in rows]}
+    if proc.returncode != 0 or not rows:
+        out["error"] = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+        return out
+    out.update(summarise(rows))
+    out["collapsed"] = collapsed(out)
+    return out
+
+
+def report(d: dict) -> str:
+    ok = [r for r in d["runs"] if "last10" in r]
+    lines = [
+        HEADING, "",
+        (f"`rlbus up configs/quickstart.yaml` once per seed ({', '.join(str(r['seed']) for r in d['runs'])}), each "
+        "from scratch with the cached quickstart model; a seed sets `trainer.seed`, `feeder.seed` and `data.seed` "
+        "(producers' sampling is not seeded). A run collapses when its last-10 reward is under "
+        f"{BAR} or its last-10 entropy under {MIN_ENTROPY}."),
+        "",
+        f"Command: `{d['command']}`  ",
+        (f"Machine: {d['machine']['cpu_model']}, {d['machine']['cores']} cores shared with other work (1-minute load "
+        f"{d['machine']['load_avg_1m']} at the start); rlbus at commit `{d['commit']}`; config overrides: "
+        f"{' '.join(d['overrides']) or 'none'}."),
+        "",
+        ("| seed | reward first 5 | reward last 10 | lowest 5-step mean after step 10 | entropy last 10 | "
+        "clip fraction last 10 | wall s | collapsed |"),
+        "|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in d["runs"]:
+        if "last10" not in r:
+            lines.append(f"| {r['seed']} | failed (exit {r['rc']}) | | | | | {r['wall_s']:.0f} | |")
+            continue
+        lines.append(f"| {r['seed']} | {r['first5']:.3f} | {r['last10']:.3f} | {r['min_running5_after_10']:.3f} | "
+                     f"{r['entropy_last10']:.3f} | {r['clipfrac_last10']:.3f} | {r['wall_s']:.0f} | "
+                     f"{'**yes**' if r['collapsed'] else 'no'} |")
+    if ok:
+        last = [r["last10"] for r in ok]
+        lines += ["", (f"Last-10 reward: mean {statistics.fmean(last):.3f}, min {min(last):.3f}, max {max(last):.3f}; "
+                      f"{sum(r['collapsed'] for r in ok)} of {len(ok)} collapsed. Results: "
+                      "`bench/results/quickstart_seeds.json`."), ""]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--results", default=str(RESULTS))
+    ap.add_argument("--docs", default="", help="write the section into this benchmarks page")
+    ap.add_argument("--from-json", default="")
+    ap.add_argument("overrides", nargs="*", help="config overrides k=v for every run")
+    args = ap.parse_args()
+    if args.from_json:
+        d = json.loads(Path(args.from_json).read_text())
+    else:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                check=False).stdout.strip()
+        d = {"command": shlex.join([".venv/bin/python", "bench/quickstart_seeds.py", *sys.argv[1:]]),
+             "machine": machine(), "commit": commit, "overrides": args.overrides, "runs": []}
+        work = Path(tempfile.mkdtemp(prefix="rlbus-qs-seeds-"))
+        try:
+            for seed in args.seeds:
+                r = run_seed(seed, args.overrides, work, args.timeout)
+                d["runs"].append(r)
+                print(json.dumps({k: v for k, v in r.items() if k != "rewards"}), flush=True)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        Path(args.results).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.results).write_text(json.dumps(d, indent=1) + "\n")
+    text = report(d)
+    print(text)
+    if args.docs:
+        write_section(HEADING, text, Path(args.docs))
+    ok = [r for r in d["runs"] if "last10" in r]
+    return 0 if len(ok) == len(d["runs"]) and not any(r["collapsed"] for r in ok) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

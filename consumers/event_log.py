@@ -12,7 +12,7 @@ docs/event-log.md):
         weights.jsonl       WeightsPublished     <- ordered consumer on `weights`
         completed.jsonl     StepCompleted        <- ordered consumer on `events.>`, routed by type
         heartbeats.jsonl    ProducerHeartbeat
-        lifecycle.jsonl     RoleStarted / RoleStopped
+        lifecycle.jsonl     RoleStarted / RoleStopped / ProducersScaled
         errors.jsonl        ErrorRaised
         dead_letters.jsonl  DeadLetter
         steps.jsonl         StepRecord: which groups, in which order, which rows on which rank, metrics
@@ -45,6 +45,7 @@ from rlbus.schemas.wire import (
     DeadLetter,
     ErrorRaised,
     ProducerHeartbeat,
+    ProducersScaled,
     PromptTask,
     RoleStarted,
     RoleStopped,
@@ -111,7 +112,7 @@ KINDS: dict[str, tuple[str, Any]] = {
     "weights": ("weights.jsonl", WeightsPublished),
     "completed": ("completed.jsonl", StepCompleted),
     "heartbeats": ("heartbeats.jsonl", ProducerHeartbeat),
-    "lifecycle": ("lifecycle.jsonl", Union[RoleStarted, RoleStopped]),
+    "lifecycle": ("lifecycle.jsonl", Union[RoleStarted, RoleStopped, ProducersScaled]),
     "errors": ("errors.jsonl", ErrorRaised),
     "dead-letter": ("dead_letters.jsonl", DeadLetter),
 }
@@ -120,6 +121,7 @@ EVENT_KIND: dict[type, str] = {
     ProducerHeartbeat: "heartbeats",
     RoleStarted: "lifecycle",
     RoleStopped: "lifecycle",
+    ProducersScaled: "lifecycle",
     ErrorRaised: "errors",
     DeadLetter: "dead-letter",
 }

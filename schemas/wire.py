@@ -188,13 +188,24 @@ class DeadLetter(Wire, tag="dead_letter"):
     payload_bytes: int = 0  # size of the original (more than len(payload) when it was cut to an excerpt)
 
 
+class ProducersScaled(Wire, tag="producers_scaled"):
+    """The launcher changed how many producers it runs (`rlbus scale RUN_DIR N`). Published on `events.lifecycle`;
+    each added producer then announces RoleStarted, each removed one RoleStopped once it has drained."""
+
+    target: int  # producers the launcher now keeps running
+    previous: int  # producers it ran before
+    added: list[str] = []  # producer ids started
+    removed: list[str] = []  # producer ids sent SIGTERM (they finish or give back their tasks, then exit)
+    created_at: float = msgspec.field(default_factory=now)
+
+
 #: A dead letter keeps at most this much of the original: a letter must fit under the server's message size limit
 #: even when the original was near it (the stream sequence still says where the whole message was).
 DEAD_LETTER_EXCERPT = 64 * 1024
 
 
 #: Everything published on `events.*`.
-Event = Union[StepCompleted, ProducerHeartbeat, RoleStarted, RoleStopped, ErrorRaised, DeadLetter]
+Event = Union[StepCompleted, ProducerHeartbeat, RoleStarted, RoleStopped, ErrorRaised, DeadLetter, ProducersScaled]
 
 #: `events.<kind>` subject token of each event type.
 EVENT_SUBJECT_KIND: dict[type, str] = {
@@ -204,6 +215,7 @@ EVENT_SUBJECT_KIND: dict[type, str] = {
     RoleStopped: "lifecycle",
     ErrorRaised: "error",
     DeadLetter: "dead_letter",
+    ProducersScaled: "lifecycle",
 }
 
 

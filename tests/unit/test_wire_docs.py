@@ -90,3 +90,11 @@ def test_schema_command_writes_and_checks(tmp_path, capsys):
     (tmp_path / "wire.md").write_text("stale\n")
     assert schema.main(["--check", str(tmp_path / "wire.md")]) == 1
     assert schema.REGENERATE in capsys.readouterr().err
+
+
+def test_every_event_type_has_a_file_in_the_event_log():
+    from rlbus.consumers.event_log import EVENT_KIND, KINDS
+
+    for t in wire.Event.__args__:  # type: ignore[attr-defined]
+        assert t in EVENT_KIND, f"{t.__name__} is an Event but the recorder has no archive file for it"
+        assert KINDS[EVENT_KIND[t]] is not None

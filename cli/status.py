@@ -3,21 +3,31 @@
     rlbus status configs/quickstart.yaml bus.url=nats://127.0.0.1:4222 bus.creds_file=.rlbus/bus/creds/quickstart/observer.json
 
 Shows the trainer's step and version (last StepCompleted, the KV bucket's latest weights), every producer's id,
-weight version, groups per minute and last heartbeat, the queue depths, and the staleness of recent steps.
+weight version and its lag behind the trainer's, its rate (groups per minute over the last RATE_WINDOW_S of its
+heartbeats) and last heartbeat, the queue depths, and the staleness of recent steps.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import datetime
 import time
 from typing import Any
 
+from nats.js.api import ConsumerConfig, DeliverPolicy
 from rich.console import Console
 from rich.table import Table
 
 from rlbus.bus.client import Bus
 from rlbus.schemas.config import RunConfig
-from rlbus.schemas.wire import ProducerHeartbeat, StepCompleted, WeightsPublished
+from rlbus.schemas.errors import SchemaError
+from rlbus.schemas.wire import ProducerHeartbeat, StepCompleted, TypedDecoder, WeightsPublished
+
+#: Heartbeats this recent give a producer's rate.
+RATE_WINDOW_S = 60.0
+#: A producer silent for this many heartbeat intervals shows as silent.
+SILENT_AFTER_INTERVALS = 3
 
 
 def last_per_producer(beats: list[ProducerHeartbeat]) -> list[ProducerHeartbeat]:
@@ -27,17 +37,70 @@ def last_per_producer(beats: list[ProducerHeartbeat]) -> list[ProducerHeartbeat]
     return list(latest.values())
 
 
+def producer_rates(beats: list[ProducerHeartbeat]) -> dict[str, float]:
+    """Groups per minute of each producer, from the first and last of its heartbeats given (in stream order).
+
+    Only the heartbeats of its latest process count (a restarted producer counts from zero again); with a single
+    heartbeat, the rate the producer itself reported.
+    """
+    runs: dict[str, list[ProducerHeartbeat]] = {}
+    for hb in beats:
+        mine = runs.setdefault(hb.producer_id, [])
+        if mine and ((mine[-1].pid, mine[-1].host) != (hb.pid, hb.host) or hb.groups_done < mine[-1].groups_done):
+            mine.clear()  # a new process under the same id
+        mine.append(hb)
+    out = {}
+    for producer_id, mine in runs.items():
+        first, last = mine[0], mine[-1]
+        dt = last.created_at - first.created_at
+        out[producer_id] = (last.groups_done - first.groups_done) / dt * 60.0 if dt > 0 else last.groups_per_min
+    return out
+
+
+def version_lag(trainer_version: int | None, hb: ProducerHeartbeat) -> int | None:
+    """How many versions the producer's engine is behind the trainer's newest (None before any is published)."""
+    return None if trainer_version is None else trainer_version - hb.version
+
+
+async def recent(bus: Bus, subject: str, typ: Any, since_s: float, timeout: float = 30.0) -> list[Any]:
+    """What the stream holds for `subject` from `since_s` seconds ago to now (an ordered consumer by start time)."""
+    start = datetime.datetime.fromtimestamp(time.time() - since_s, tz=datetime.UTC)
+    decoder = TypedDecoder(typ)
+    config = ConsumerConfig(opt_start_time=start.isoformat().replace("+00:00", "Z"))
+    sub = await bus.js.subscribe(subject, stream=bus.stream_of(subject), ordered_consumer=True,
+                                 deliver_policy=DeliverPolicy.BY_START_TIME, config=config)
+    out: list[Any] = []
+    try:
+        info = await sub.consumer_info()
+        if info.num_pending == 0:
+            return out
+        async with asyncio.timeout(timeout):
+            async for m in sub.messages:
+                with contextlib.suppress(SchemaError):
+                    out.append(decoder.decode(m.data))
+                if m.metadata.num_pending == 0:
+                    break
+    finally:
+        await sub.unsubscribe()
+    return out
+
+
 async def gather_status(cfg: RunConfig) -> dict[str, Any]:
     async with await Bus.connect(cfg.bus, cfg.name, name="status") as bus:
         s = bus.subjects
         steps = await bus.snapshot(s.event("step"), StepCompleted, deliver="last")
         beats = last_per_producer(await bus.snapshot(s.event("heartbeat.*"), ProducerHeartbeat,
                                                      deliver="last_per_subject"))
+        window = await recent(bus, s.event("heartbeat.*"), ProducerHeartbeat, RATE_WINDOW_S) if beats else []
         latest = await bus.kv_get("latest", WeightsPublished)
         prompts = await bus.stream_msgs(s.prompts_stream)
         pending, held = await bus.consumer_pending(s.traj_stream, s.traj_consumer)
+    version = latest.version if latest else (steps[-1].version if steps else None)
+    rates = producer_rates(window)
     return {"step": steps[-1] if steps else None, "heartbeats": beats, "weights": latest,
-            "prompts_queued": prompts, "groups_waiting": pending, "groups_held": held}
+            "prompts_queued": prompts, "groups_waiting": pending, "groups_held": held,
+            "rates": {hb.producer_id: rates.get(hb.producer_id, 0.0) for hb in beats},
+            "lags": {hb.producer_id: version_lag(version, hb) for hb in beats}}
 
 
 def render(cfg: RunConfig, st: dict[str, Any]) -> list[Any]:
@@ -55,12 +118,16 @@ def render(cfg: RunConfig, st: dict[str, Any]) -> list[Any]:
         head.add_row("last step", f"{time.time() - step.created_at:.0f}s ago")
     head.add_row("prompts queued", str(st["prompts_queued"]))
     head.add_row("groups waiting / held by trainer", f"{st['groups_waiting']} / {st['groups_held']}")
-    prod = Table(title="producers")
-    for col in ("id", "host:pid", "version", "groups/min", "groups", "in flight", "status", "last heartbeat"):
+    prod = Table(title=f"producers (groups/min over the last {RATE_WINDOW_S:.0f}s of heartbeats)")
+    for col in ("id", "host:pid", "version", "lag", "groups/min", "groups", "in flight", "status", "last heartbeat"):
         prod.add_column(col)
+    silent_after = SILENT_AFTER_INTERVALS * cfg.rollout.heartbeat_interval_s
     for hb in sorted(st["heartbeats"], key=lambda h: h.producer_id):
-        prod.add_row(hb.producer_id, f"{hb.host}:{hb.pid}", str(hb.version), f"{hb.groups_per_min:.1f}",
-                     str(hb.groups_done), str(hb.inflight), hb.status, f"{time.time() - hb.created_at:.0f}s ago")
+        age = time.time() - hb.created_at
+        lag = st["lags"].get(hb.producer_id)
+        prod.add_row(hb.producer_id, f"{hb.host}:{hb.pid}", str(hb.version), "-" if lag is None else str(lag),
+                     f"{st['rates'].get(hb.producer_id, 0.0):.1f}", str(hb.groups_done), str(hb.inflight),
+                     "silent" if age > silent_after else hb.status, f"{age:.0f}s ago")
     return [head, prod]
 
 

@@ -6,19 +6,24 @@
 Starts the embedded bus unless `bus.url` is given, a local Ray head unless `ray.address` is given, then the trainer
 and `rollout.num_producers` producers, each its own OS process running the same code as `rlbus trainer` /
 `rlbus producer` (in its own session, so Ctrl-C reaches only the launcher, which then stops them in order). A
-producer that dies is reported and restarted; a trainer that dies stops the run with its log shown. Ctrl-C stops
-everything cleanly; the trainer checkpoints on the way out, so `rlbus up` on the same run directory resumes.
+role that dies is reported and restarted. Ctrl-C stops everything cleanly; the trainer checkpoints on the way out,
+so `rlbus up` on the same run directory resumes.
+
+Elastic producers: `rlbus scale RUN_DIR N` writes N to `RUN_DIR/scale`; the launcher reads it within a second,
+starts producers up to N or sends SIGTERM to the newest ones down to N (a removed producer finishes or gives back
+its tasks, then exits, and is not restarted), announces `ProducersScaled` on the bus and writes what it runs to
+`RUN_DIR/producers.json`. A new `rlbus up` starts from `rollout.num_producers` again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-import contextlib
 import time
 from pathlib import Path
 from typing import IO
@@ -35,20 +40,49 @@ from rlbus.bus.server import EmbeddedServer
 from rlbus.cli.progress import RunMonitor, summary_table
 from rlbus.common.model.ensure import ensure_model
 from rlbus.schemas.config import BusConfig, RunConfig, to_yaml
+from rlbus.schemas.errors import BusError
+from rlbus.schemas.wire import ProducersScaled
+from rlbus.trainer.metrics import require_wandb
 
 #: Seconds a stopping child gets before SIGKILL.
 STOP_TIMEOUT_S = 60.0
 #: A role that dies this many times in a row before it got going (announced RoleStarted) makes the launcher give
 #: up: that is a role that cannot start (a bad config, a missing model), not a fault to ride out. Deaths after it
-from rlbus.schemas.errors import BusError
 #: got going are faults (a SIGKILL, an OOM): they are restarted however often they happen.
 MAX_START_FAILURES = 5
+#: `rlbus scale` writes the wanted number of producers here; the launcher reports what it runs in PRODUCERS_FILE.
+SCALE_FILE = "scale"
+PRODUCERS_FILE = "producers.json"
+
+
+def read_scale(run_dir: Path) -> int | None:
+    """The producer count asked for in RUN_DIR/scale, None if there is no request; ValueError if it is not one."""
+    path = run_dir / SCALE_FILE
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    if not text.isdigit():
+        raise ValueError(f"{path} holds {text!r}; expected a number of producers (>= 0)")
+    return int(text)
+
+
+def write_scale(run_dir: Path, n: int) -> Path:
+    """Ask the launcher of RUN_DIR for `n` producers (atomically: it never reads half a number)."""
+    if n < 0:
+        raise ValueError(f"number of producers must be >= 0, not {n}")
+    path = run_dir / SCALE_FILE
+    tmp = path.with_name(f".{SCALE_FILE}.{os.getpid()}")
+    tmp.write_text(f"{n}\n")
+    tmp.replace(path)
+    return path
 
 
 class Child:
     """One supervised role process."""
 
     name: str
+    role_id: str  # "trainer", or the producer id its RoleStarted carries
     argv: list[str]
     log_path: Path
     proc: subprocess.Popen | None
@@ -57,8 +91,8 @@ class Child:
     started_at: float  # wall time of the last start
     _log: IO[bytes] | None
 
-    def __init__(self, name: str, argv: list[str], log_path: Path):
-        self.name, self.argv, self.log_path = name, argv, log_path
+    def __init__(self, name: str, argv: list[str], log_path: Path, role_id: str = ""):
+        self.name, self.argv, self.log_path, self.role_id = name, argv, log_path, role_id or name
         self.proc, self.start_failures, self.restarts, self._log = None, 0, 0, None
         self.started_at = 0.0
 
@@ -118,7 +152,10 @@ class Launcher:
     server: EmbeddedServer | None  # the embedded bus, when the config gives no bus.url
     ray_head: RayHead | None  # the loopback Ray head, when the config gives no ray.address
     trainer: Child | None
-    producers: list[Child]
+    producers: list[Child]  # running and supervised, oldest first
+    retiring: dict[str, asyncio.Task]  # producer id -> its stop, for producers scaled away (never restarted)
+    _launch: Path | None  # the children's config file
+    _scale_seen: int | None  # the last RUN_DIR/scale request applied (or refused)
     _stop: asyncio.Event
     _console: Console
 
@@ -126,7 +163,8 @@ class Launcher:
         self.cfg = cfg
         self.run_dir = cfg.run_dir
         self.server = self.ray_head = self.trainer = None
-        self.producers = []
+        self.producers, self.retiring = [], {}
+        self._launch, self._scale_seen = None, None
         self._stop = asyncio.Event()
         self._console = Console(stderr=True)
 
@@ -196,6 +234,7 @@ class Launcher:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
         self._console.print(f"[bold]rlbus up[/bold] run [cyan]{self.cfg.name}[/cyan] in {self.run_dir}")
+        require_wandb(self.cfg.logging)  # a missing optional package fails here, not in a restarted trainer
         await asyncio.to_thread(ensure_model, self.cfg.model)  # once, before children race to build it
         child_cfg = self._start_infrastructure()
         try:
@@ -203,16 +242,15 @@ class Launcher:
             launch.write_text(to_yaml(child_cfg))
             if self.server is not None:  # set the run's streams up with the admin credential, once
                 await self._ensure_streams(self._with_creds(child_cfg, "admin"))
-            logs = self.run_dir / "logs"
+            self._launch = launch
+            (self.run_dir / SCALE_FILE).unlink(missing_ok=True)  # a request to a launcher that is gone
             self.trainer = Child("trainer", _role_argv("trainer", launch, creds=self._creds("trainer")),
-                                 logs / "trainer.log")
+                                 self.run_dir / "logs" / "trainer.log")
             self.trainer.start()
-            for i in range(child_cfg.rollout.num_producers):
-                argv = _role_argv("producer", launch, "--id", f"p{i}", creds=self._creds("producer"))
-                p = Child(f"producer-{i}", argv, logs / f"producer-{i}.log")
-                p.start()
-                self.producers.append(p)
-            return await self._supervise(self._with_creds(child_cfg, "observer"))
+            for _ in range(child_cfg.rollout.num_producers):
+                self._add_producer()
+            self._write_producers(child_cfg.rollout.num_producers)
+            return await self._supervise(child_cfg)
         finally:
             await self._stop_children()
             self._stop_infrastructure()
@@ -221,7 +259,7 @@ class Launcher:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGINT, self._stop.set)
         loop.add_signal_handler(signal.SIGTERM, self._stop.set)
-        monitor = RunMonitor(child_cfg, self.producers, self._console)
+        monitor = RunMonitor(self._with_creds(child_cfg, "observer"), self.producers, self._console)
         async with monitor:
             while True:
                 code = self.trainer.poll()
@@ -235,9 +273,12 @@ class Launcher:
                     await self._stop_children()
                     return 130
                 self._restart_dead_bus()
+                await self._apply_scale(child_cfg)
+                self._reap_retired()
                 # The trainer resumes from its checkpoint; the groups of the steps it lost are redelivered to it.
-                for child, key in [(self.trainer, "trainer"), *((p, f"p{i}") for i, p in enumerate(self.producers))]:
-                    if not self._restart_if_dead(child, got_going=monitor.started.get(key, 0.0) >= child.started_at):
+                for child in [self.trainer, *self.producers]:
+                    started = monitor.started.get(child.role_id, 0.0)
+                    if not self._restart_if_dead(child, got_going=started >= child.started_at):
                         monitor.stop()
                         return 1
                 await asyncio.sleep(0.5)
@@ -259,6 +300,73 @@ class Launcher:
         child.start()
         return True
 
+    # -------------------------------------------------------------- elastic producers
+
+    def _add_producer(self) -> Child:
+        """Start a producer under the lowest id no running or retiring producer holds (p0, p1, ...)."""
+        assert self._launch is not None
+        taken = {p.role_id for p in self.producers} | set(self.retiring)
+        i = next(i for i in range(len(taken) + 1) if f"p{i}" not in taken)
+        argv = _role_argv("producer", self._launch, "--id", f"p{i}", creds=self._creds("producer"))
+        child = Child(f"producer-{i}", argv, self.run_dir / "logs" / f"producer-{i}.log", role_id=f"p{i}")
+        child.start()
+        self.producers.append(child)
+        return child
+
+    async def _apply_scale(self, child_cfg: RunConfig) -> None:
+        """Follow RUN_DIR/scale: start producers up to the number asked for, or retire the newest down to it."""
+        try:
+            target = read_scale(self.run_dir)
+        except ValueError as e:
+            if self._scale_seen != -1:
+                self._console.print(f"[red]scale request refused[/red]: {e}")
+            self._scale_seen = -1
+            return
+        if target is None or target == self._scale_seen:
+            return
+        self._scale_seen = target
+        previous = len(self.producers)
+        added = [self._add_producer().role_id for _ in range(target - previous)]
+        removed = []
+        while len(self.producers) > target:
+            child = self.producers.pop()  # the newest: the oldest keep their warm engines
+            # SIGTERM: it finishes or naks the tasks it holds and says RoleStopped; never restarted from here on.
+            self.retiring[child.role_id] = asyncio.create_task(child.stop(), name=f"retire-{child.role_id}")
+            removed.append(child.role_id)
+        if added or removed:
+            self._console.print(f"[cyan]producers {previous} -> {target}[/cyan]"
+                                + (f" started {', '.join(added)}" if added else "")
+                                + (f" draining {', '.join(removed)}" if removed else ""))
+            await self._announce(child_cfg, ProducersScaled(target=target, previous=previous, added=added,
+                                                            removed=removed))
+        self._write_producers(target)
+
+    def _reap_retired(self) -> None:
+        done = [pid for pid, task in self.retiring.items() if task.done()]
+        for producer_id in done:
+            task = self.retiring.pop(producer_id)
+            code = task.result()
+            self._console.print(f"[dim]{producer_id} drained and exited with code {code}[/dim]")
+        if done:
+            self._write_producers(len(self.producers))
+
+    def _write_producers(self, target: int) -> None:
+        """RUN_DIR/producers.json: the target and what runs, for `rlbus scale --wait` and the curious."""
+        state = {"target": target, "running": {p.role_id: p.pid for p in self.producers},
+                 "draining": sorted(self.retiring), "updated_at": time.time()}
+        tmp = self.run_dir / f".{PRODUCERS_FILE}.tmp"
+        tmp.write_text(json.dumps(state, indent=2) + "\n")
+        tmp.replace(self.run_dir / PRODUCERS_FILE)
+
+    async def _announce(self, child_cfg: RunConfig, event: ProducersScaled) -> None:
+        """Put the change in the run's event log (the admin's credential when the launcher runs the bus)."""
+        try:
+            async with await Bus.connect(self._with_creds(child_cfg, "admin").bus, child_cfg.name,
+                                         name="launcher") as bus:
+                await bus.publish_event(event)
+        except (BusError, OSError, TimeoutError) as e:  # the bus restarting: the change stands anyway
+            self._console.print(f"[yellow]could not announce {event.previous} -> {event.target} producers: {e}[/yellow]")
+
     def _restart_dead_bus(self) -> None:
         """An embedded nats-server that died is started again on its store and port: clients reconnect to the same
         URL with their own backoff, and JetStream's file store keeps every stream and consumer."""
@@ -271,7 +379,7 @@ class Launcher:
         # All at once: the trainer checkpoints after the step in hand, producers nak what they hold. Stopping
         # producers first would let the trainer go on training from the groups already queued meanwhile.
         children = [*self.producers, *([self.trainer] if self.trainer is not None else [])]
-        await asyncio.gather(*(c.stop() for c in children))
+        await asyncio.gather(*(c.stop() for c in children), *self.retiring.values())
 
     def _finish(self) -> int:
         # Imported here, not at the top: export pulls in torch and transformers (8 s of a contended start, before
@@ -290,3 +398,30 @@ class Launcher:
 
 def main(cfg: RunConfig) -> int:
     return run(Launcher(cfg).run())
+
+
+def scale_main(run_dir: Path, n: int, *, wait: bool, timeout: float) -> int:
+    """`rlbus scale RUN_DIR N [--wait]`: ask the run's launcher for N producers; with --wait, until it runs exactly
+    those (the removed ones drained and gone)."""
+    if not (run_dir / PRODUCERS_FILE).is_file():
+        print(f"rlbus scale: {run_dir} has no {PRODUCERS_FILE}: no `rlbus up` has run there", file=sys.stderr)
+        return 2
+    try:
+        write_scale(run_dir, n)
+    except ValueError as e:
+        print(f"rlbus scale: {e}", file=sys.stderr)
+        return 2
+    print(f"asked for {n} producers ({run_dir / SCALE_FILE})")
+    deadline = time.monotonic() + timeout
+    state: dict = {}
+    while wait:
+        state = json.loads((run_dir / PRODUCERS_FILE).read_text())
+        if state["target"] == n and len(state["running"]) == n and not state["draining"]:
+            print(f"running {n}: {', '.join(state['running']) or 'none'}")
+            return 0
+        if time.monotonic() > deadline:
+            print(f"rlbus scale: the launcher did not reach {n} producers within {timeout:.0f}s (it reports {state}); "
+                  "is `rlbus up` still running?", file=sys.stderr)
+            return 1
+        time.sleep(0.3)
+    return 0

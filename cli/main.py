@@ -83,6 +83,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     return status_main(_load(args))
 
 
+def cmd_scale(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rlbus.cli.launcher import scale_main
+
+    return scale_main(Path(args.run_dir), args.n, wait=args.wait, timeout=args.timeout)
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     from rlbus.cli.plot import plot_run
 
@@ -157,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
                 ).set_defaults(func=cmd_up)
     with_config(sub.add_parser("status", help="show a live run's state, read from the bus")).set_defaults(func=cmd_status)
 
+    scl = sub.add_parser("scale", help="add or remove producers of a running `rlbus up` (no restart)")
+    scl.add_argument("run_dir", help="the run directory of the `rlbus up` to scale")
+    scl.add_argument("n", type=int, help="number of producers to run")
+    scl.add_argument("--wait", action="store_true", help="return once exactly N run (removed ones drained)")
+    scl.add_argument("--timeout", type=float, default=180.0, help="seconds --wait waits (default 180)")
+    scl.set_defaults(func=cmd_scale)
     pl = sub.add_parser("plot", help="draw reward / staleness / throughput curves of a run directory")
     pl.add_argument("run_dir")
     pl.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curves.png)")

@@ -280,6 +280,10 @@ class LoggingConfig(_Section):
     tensorboard: bool = True  # write TensorBoard event files under <run_dir>/tensorboard
     plot: bool = True  # write curves.png at the end
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"  # log level of every role
+    wandb: bool = False  # also log every step to Weights & Biases (pip install 'rlbus[wandb]')
+    wandb_project: str = "rlbus"  # W&B project
+    wandb_entity: str = ""  # W&B entity (user or team); "" = the logged-in default
+    wandb_mode: Literal["online", "offline"] = "online"  # offline: only <run_dir>/wandb, no network (`wandb sync`)
 
 
 class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

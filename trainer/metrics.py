@@ -1,14 +1,35 @@
-"""Where a step's metrics go: `<run_dir>/metrics.jsonl` (one JSON object per step) and TensorBoard event files.
+"""Where a step's metrics go: `<run_dir>/metrics.jsonl` (one JSON object per step), TensorBoard event files and,
+with `logging.wandb`, a Weights & Biases run (`logging.wandb_mode: offline` writes `<run_dir>/wandb` only).
 
-On resume the log is cut back to the restored step, so a step redone after a crash appears once.
+On resume the log is cut back to the restored step, so a step redone after a crash appears once; a resumed run
+continues the same W&B run (its id is kept in `<run_dir>/wandb_id`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import secrets
 from pathlib import Path
 from typing import Any
+
+from rlbus.schemas.config import LoggingConfig
+from rlbus.schemas.errors import ConfigError
+
+WANDB_ID_FILE = "wandb_id"
+
+
+def require_wandb(logging: LoggingConfig) -> Any:
+    """The wandb module when `logging.wandb` asks for it (None otherwise); a ConfigError naming the field if it is
+    asked for and not installed."""
+    if not logging.wandb:
+        return None
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("logging.wandb", "is true but the wandb package is not installed: "
+                                           "pip install 'rlbus[wandb]', or set logging.wandb=false") from None
+    return wandb
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -23,16 +44,25 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 class MetricsLog:
     path: Path
     _tb: Any  # torch.utils.tensorboard.SummaryWriter | None
+    _wandb: Any  # a wandb Run | None
 
-    def __init__(self, run_dir: Path, *, tensorboard: bool = True, resume_step: int = 0):
+    def __init__(self, run_dir: Path, *, tensorboard: bool = True, resume_step: int = 0,
+                 logging: LoggingConfig | None = None, run_name: str = "", config: dict[str, Any] | None = None):
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
         self._truncate_after(resume_step)
-        self._tb = None
+        self._tb = self._wandb = None
+        wandb = require_wandb(logging) if logging is not None else None  # before anything is started
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=resume_step + 1)
+        if wandb is not None:
+            assert logging is not None
+            self._wandb = wandb.init(
+                project=logging.wandb_project, entity=logging.wandb_entity or None, mode=logging.wandb_mode,
+                dir=str(run_dir), id=_wandb_id(run_dir), resume="allow", name=run_name or None, config=config,
+                settings=wandb.Settings(console="off"))  # the role's own log already has its output
 
     def _truncate_after(self, step: int) -> None:
         rows = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]
@@ -50,7 +80,24 @@ class MetricsLog:
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
                     self._tb.add_scalar(k, v, step)
             self._tb.flush()
+        if self._wandb is not None:
+            numbers = {k: v for k, v in clean.items()
+                       if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+            self._wandb.log(numbers, step=int(row["step"]))
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def _wandb_id(run_dir: Path) -> str:
+    """The run's W&B id, made once and kept in the run directory, so that a resumed run logs into the same run."""
+    path = run_dir / WANDB_ID_FILE
+    if path.is_file() and path.read_text().strip():
+        return path.read_text().strip()
+    run_id = secrets.token_hex(8)
+    path.write_text(run_id + "\n")
+    return run_id

@@ -29,6 +29,7 @@ from typing import Any
 
 import msgspec
 import torch
+import yaml
 
 from rlbus.bus.client import Bus
 from rlbus.bus.loop import raise_if_failed, run
@@ -97,7 +98,8 @@ class TrainerService:
         if "feeder" in extra:
             self.feeder.load_state_dict(extra["feeder"])
         self.batcher = Batcher(cfg, self.bus, self.worker.tq, self.feeder, trained=set(extra.get("trained", ())))
-        self.metrics = MetricsLog(run_dir, tensorboard=cfg.logging.tensorboard, resume_step=self.step)
+        self.metrics = MetricsLog(run_dir, tensorboard=cfg.logging.tensorboard, resume_step=self.step,
+                                  logging=cfg.logging, run_name=cfg.name, config=yaml.safe_load(to_yaml(cfg)))
         await self.bus.publish_event(RoleStarted(role="trainer", role_id=f"trainer-{os.getpid()}",
                                                  host=socket.gethostname(), pid=os.getpid(),
                                                  detail=f"step {self.step} version {self.version}"))

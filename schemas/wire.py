@@ -32,28 +32,28 @@ def now() -> float:
 class Wire(msgspec.Struct, kw_only=True, tag_field="kind", omit_defaults=False):
     """Base of every wire message: carries the schema version."""
 
-    schema_version: int = SCHEMA_VERSION
+    schema_version: int = SCHEMA_VERSION  # major version of the contract (SUPPORTED_VERSIONS)
 
 
 class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str  # "system" | "user" | "assistant" | "tool"
-    content: str
+    content: str  # the message text
 
 
 class PromptTask(Wire, tag="prompt_task"):
     """One prompt to roll out `n` times (a GRPO group). Published by the feeder on `prompts` (work queue)."""
 
     task_id: str  # unique per release; also the JetStream Nats-Msg-Id, so a re-publish is dropped
-    prompt: list[ChatMessage]
-    ground_truth: str = ""
-    data_source: str = ""
-    extra_info: dict[str, JsonScalar] = {}
+    prompt: list[ChatMessage]  # the chat to complete
+    ground_truth: str = ""  # what the reward compares the answer with
+    data_source: str = ""  # the data set's data_source column (selects a reward in verl's layout)
+    extra_info: dict[str, JsonScalar] = {}  # the data set's extra_info column
     n: int = 1  # samples per prompt (the group size)
     index: int = 0  # position of the example in the dataset
-    epoch: int = 0
+    epoch: int = 0  # pass over the data set this release belongs to
     attempt: int = 0  # 0 for the first release; +1 for every re-issue (payload missing, dead-lettered)
     released_version: int = 0  # trainer weight version when the feeder released it
-    created_at: float = msgspec.field(default_factory=now)
+    created_at: float = msgspec.field(default_factory=now)  # Unix time of the release
 
 
 class SampleMeta(msgspec.Struct, kw_only=True, array_like=True, gc=False):
@@ -64,31 +64,31 @@ class SampleMeta(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     """
 
     key: str  # TransferQueue key of this sample's tensors
-    prompt_len: int
-    response_len: int
-    reward: float
-    num_tool_calls: int = 0
-    num_turns: int = 1
+    prompt_len: int  # prompt tokens
+    response_len: int  # response tokens, tool output included (the mask tells them apart)
+    reward: float  # the sample's scalar reward
+    num_tool_calls: int = 0  # tool calls the model made
+    num_turns: int = 1  # assistant turns
     finish_reason: str = "stop"  # "stop" | "length" | "max_turns" | "error"
     min_version: int = 0  # oldest policy version among its generated tokens (-1: it has none)
     max_version: int = 0  # newest policy version among its generated tokens (-1: it has none)
-    gen_time_s: float = 0.0
-    tool_time_s: float = 0.0
-    reward_time_s: float = 0.0
+    gen_time_s: float = 0.0  # seconds spent generating
+    tool_time_s: float = 0.0  # seconds spent in tool calls
+    reward_time_s: float = 0.0  # seconds spent scoring
 
 
 class TrajectoryGroup(Wire, tag="trajectory_group"):
     """A finished GRPO group, published on `traj` once its tensors are in the TransferQueue."""
 
     group_id: str  # == task_id of the prompt it answers (one group per task release)
-    task_id: str
-    producer_id: str
-    samples: list[SampleMeta]
-    data_source: str = ""
-    index: int = 0
-    epoch: int = 0
-    attempt: int = 0
-    created_at: float = msgspec.field(default_factory=now)
+    task_id: str  # the PromptTask it answers
+    producer_id: str  # who rolled it out
+    samples: list[SampleMeta]  # the group's n trajectories
+    data_source: str = ""  # copied from the task
+    index: int = 0  # copied from the task
+    epoch: int = 0  # copied from the task
+    attempt: int = 0  # copied from the task
+    created_at: float = msgspec.field(default_factory=now)  # Unix time the group was finished
 
     @property
     def min_version(self) -> int:
@@ -108,12 +108,12 @@ class TrajectoryGroup(Wire, tag="trajectory_group"):
 class WeightsPublished(Wire, tag="weights_published"):
     """A new policy version is in the weight store. Published on `weights`; also the KV bucket's `latest`."""
 
-    version: int
-    step: int
-    num_bytes: int
+    version: int  # the policy version (completed trainer steps)
+    step: int  # the trainer step that produced it
+    num_bytes: int  # size of the state dict
     checksum: str  # hex digest over the tensors' bytes in name order
-    num_tensors: int = 0
-    dtype: str = "float32"
+    num_tensors: int = 0  # tensors in the state dict
+    dtype: str = "float32"  # their dtype
     store: str = ""  # name of the weight-store actor holding it
     created_at: float = msgspec.field(default_factory=now)
 
@@ -121,11 +121,11 @@ class WeightsPublished(Wire, tag="weights_published"):
 class StepCompleted(Wire, tag="step_completed"):
     """The trainer finished an optimizer step. Published on `events.step`."""
 
-    step: int
-    version: int
-    group_ids: list[str]
-    metrics: dict[str, float] = {}
-    created_at: float = msgspec.field(default_factory=now)
+    step: int  # the step just finished (1, 2, ...)
+    version: int  # the policy version after it
+    group_ids: list[str]  # the groups it trained on
+    metrics: dict[str, float] = {}  # the step's row of metrics.jsonl (reward/mean, actor/pg_loss, ...)
+    created_at: float = msgspec.field(default_factory=now)  # Unix time
 
 
 class ProducerHeartbeat(Wire, tag="producer_heartbeat"):
@@ -133,13 +133,13 @@ class ProducerHeartbeat(Wire, tag="producer_heartbeat"):
 
     producer_id: str
     version: int  # weight version its engine holds
-    host: str = ""
-    pid: int = 0
+    host: str = ""  # host name of the producer
+    pid: int = 0  # its process id
     status: str = "running"  # "starting" | "running" | "draining"
-    groups_done: int = 0
-    tokens_generated: int = 0
-    groups_per_min: float = 0.0
-    inflight: int = 0
+    groups_done: int = 0  # groups published by this process
+    tokens_generated: int = 0  # policy tokens generated by this process
+    groups_per_min: float = 0.0  # groups_done over the process's lifetime
+    inflight: int = 0  # prompt tasks it is rolling out now
     created_at: float = msgspec.field(default_factory=now)
 
 
@@ -147,43 +147,43 @@ class RoleStarted(Wire, tag="role_started"):
     """Lifecycle: a process of some role came up. Published on `events.lifecycle`."""
 
     role: str  # "trainer" | "producer" | "feeder" | "recorder" | "launcher"
-    role_id: str
-    host: str = ""
-    pid: int = 0
-    detail: str = ""
+    role_id: str  # e.g. the producer id, "trainer-<pid>"
+    host: str = ""  # host name
+    pid: int = 0  # process id
+    detail: str = ""  # free text (the trainer: the step and version it starts at)
     created_at: float = msgspec.field(default_factory=now)
 
 
 class RoleStopped(Wire, tag="role_stopped"):
     """Lifecycle: a process of some role is going down (cleanly or not)."""
 
-    role: str
-    role_id: str
-    reason: str = ""
-    clean: bool = True
+    role: str  # as in RoleStarted
+    role_id: str  # as in RoleStarted
+    reason: str = ""  # why it stops
+    clean: bool = True  # False when it stops on an error
     created_at: float = msgspec.field(default_factory=now)
 
 
 class ErrorRaised(Wire, tag="error_raised"):
     """A role hit an error worth seeing in the log (it may or may not be fatal)."""
 
-    role: str
-    role_id: str
+    role: str  # as in RoleStarted
+    role_id: str  # as in RoleStarted
     error: str  # exception type
-    message: str
-    fatal: bool = False
+    message: str  # what happened
+    fatal: bool = False  # True when the role stops because of it
     created_at: float = msgspec.field(default_factory=now)
 
 
 class DeadLetter(Wire, tag="dead_letter"):
     """A message nobody could use, with why. Published on `events.dead_letter`; the original was terminated."""
 
-    reason: str
-    original_subject: str
+    reason: str  # why it could not be used
+    original_subject: str  # where the original was published
     payload: bytes  # the original's bytes, or their first DEAD_LETTER_EXCERPT bytes (see payload_bytes)
     stream_seq: int = 0  # where the whole original was in its stream
-    num_delivered: int = 0
-    consumer: str = ""
+    num_delivered: int = 0  # deliveries of the original before it was terminated
+    consumer: str = ""  # the consumer that gave up on it
     created_at: float = msgspec.field(default_factory=now)
     payload_bytes: int = 0  # size of the original (more than len(payload) when it was cut to an excerpt)
 

@@ -13,93 +13,24 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-import nats
 import pytest
 
 from rlbus.bus.auth import load_creds
-from rlbus.bus.server import Cluster, EmbeddedServer
+from rlbus.bus.server import EmbeddedServer
 from rlbus.schemas.subjects import Subjects
+from tests.support.nats_cluster import cluster, free_ports, server_named, stream_leader, wait_for_meta_leader
 from tests.support.runs import check_ledger, small_run_config, start_role, stop, wait_for_steps, write_config
 
 pytestmark = pytest.mark.slow
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _cluster(tmp_path: Path, run: str) -> list[EmbeddedServer]:
-    route_ports = _free_ports(3)
-    servers = []
-    for i, port in enumerate(route_ports):
-        peers = [f"127.0.0.1:{p}" for p in route_ports if p != port]
-        servers.append(EmbeddedServer(tmp_path / f"nats-{i}", runs=[run], cluster=Cluster("rlbus-test", port, peers),
-                                      creds_store=tmp_path / "bus-creds").start())
-    return servers
-
-
-async def _leader(admin_file: Path, stream: str, timeout: float = 60.0) -> str:
-    """The server name of `stream`'s leader, once the cluster has one (JetStream needs a meta leader first)."""
-    creds = load_creds(admin_file)
-    nc = await nats.connect(creds["url"].split(","), user=creds["user"], password=creds["password"],
-                            inbox_prefix=creds["inbox_prefix"])
-    try:
-        js = nc.jetstream()
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                info = await js.stream_info(stream)
-                if info.cluster and info.cluster.leader:
-                    return info.cluster.leader
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-            await asyncio.sleep(0.3)
-    finally:
-        await nc.close()
-
-
-def _by_name(servers: list[EmbeddedServer], name: str) -> EmbeddedServer:
-    return next(s for s in servers if s._server_name == name)
-
-
-def _wait_for_meta_leader(admin_file: Path, timeout: float = 60.0) -> None:
-    async def ready() -> None:
-        creds = load_creds(admin_file)
-        nc = await nats.connect(creds["url"].split(","), user=creds["user"], password=creds["password"],
-                                inbox_prefix=creds["inbox_prefix"])
-        try:
-            deadline = time.monotonic() + timeout
-            while True:
-                try:
-                    await nc.jetstream().account_info()
-                    return
-                except Exception:
-                    if time.monotonic() > deadline:
-                        raise
-                    await asyncio.sleep(0.3)
-        finally:
-            await nc.close()
-
-    asyncio.run(ready())
-
-
 def test_rlbus_bus_up_forms_a_cluster_from_the_command_line(tmp_path, run_name):
     # The same cluster through the CLI a user runs on each machine: three `rlbus bus up`, one shared creds store.
-    route_ports, client_ports = _free_ports(3), _free_ports(3)
+    route_ports, client_ports = free_ports(3), free_ports(3)
     procs = []
     try:
         for i in range(3):
@@ -119,7 +50,7 @@ def test_rlbus_bus_up_forms_a_cluster_from_the_command_line(tmp_path, run_name):
                 time.sleep(0.2)
         creds = json.loads(admin.read_text())
         assert sorted(creds["url"].split(",")) == sorted(f"nats://127.0.0.1:{p}" for p in client_ports)
-        _wait_for_meta_leader(admin)
+        wait_for_meta_leader(admin)
         assert oct((tmp_path / "creds" / "creds" / "cluster.json").stat().st_mode & 0o777) == "0o600"
     finally:
         for p in procs:
@@ -127,10 +58,10 @@ def test_rlbus_bus_up_forms_a_cluster_from_the_command_line(tmp_path, run_name):
 
 
 def test_a_run_on_a_three_server_cluster_survives_each_server_sigkilled(tmp_path, tiny_model_dir, run_name):
-    servers = _cluster(tmp_path, run_name)
+    servers = cluster(tmp_path, run_name)
     try:
         admin = servers[0].creds_file("admin", run_name)
-        _wait_for_meta_leader(admin)
+        wait_for_meta_leader(admin)
         urls = load_creds(admin)["url"]
         assert len(urls.split(",")) == 3
         run_dir = tmp_path / "run"
@@ -143,7 +74,7 @@ def test_a_run_on_a_three_server_cluster_survives_each_server_sigkilled(tmp_path
         try:
             for at_step in (3, 7):
                 wait_for_steps(run_dir, at_step, [up], timeout=400)
-                victim = _by_name(servers, asyncio.run(_leader(admin, traj_stream)))
+                victim = server_named(servers, asyncio.run(stream_leader(admin, traj_stream)))
                 assert victim.pid is not None
                 os.kill(victim.pid, signal.SIGKILL)  # a server this test started, by pid
                 victim.stop()  # reap it
@@ -151,7 +82,7 @@ def test_a_run_on_a_three_server_cluster_survives_each_server_sigkilled(tmp_path
                 if len(killed) == 1:
                     wait_for_steps(run_dir, at_step + 2, [up], timeout=400)
                     victim.restart()  # back on its store: it rejoins and catches up before the next kill
-                    _wait_for_meta_leader(admin)
+                    wait_for_meta_leader(admin)
             assert up.wait(timeout=600) == 0
         finally:
             stop(up, signal.SIGKILL)

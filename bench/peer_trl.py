@@ -62,8 +62,14 @@ STARTUP_MARKS = [
     ("logs/producer-0.log", " up (weights v", "producer 0 ready"),
     ("logs/producer-1.log", " up (weights v", "producer 1 ready"),
 ]
+#: ... and of its end, after the last step (the trainer's final checkpoint and stop, the launcher's export).
+SHUTDOWN_MARKS = [
+    ("logs/trainer.log", "trainer stopped at step", "trainer stopped"),
+    ("launcher.out", "final model:", "final model exported"),
+]
 #: Per-step timings of the rlbus trainer (metrics.jsonl), in the order of a step.
-STEP_PARTS = ("time/wait_data", "time/fetch", "time/record", "time/train", "time/publish_weights")
+STEP_PARTS = ("time/wait_data", "time/fetch", "time/record", "time/train", "timing/proximal_s", "timing/update_s",
+              "time/publish_weights")
 
 
 # ---------------------------------------------------------------------------------------------------------- setup
@@ -117,6 +123,7 @@ class SideRun:
     startup_s: float = 0.0  # process start to the end of the first step
     steps_per_min: float = 0.0  # steady state: steps after the warm-up over the wall time they span
     startup: dict[str, float] = field(default_factory=dict)  # stage -> seconds since the process started
+    shutdown: dict[str, float] = field(default_factory=dict)  # stage -> seconds after the last step's end
     step_split: dict[str, float] = field(default_factory=dict)  # rlbus: median seconds per step of each part
     clipfrac: float = 0.0  # rlbus: mean actor/clipfrac
     entropy_last: float = 0.0
@@ -199,7 +206,7 @@ class Stamper:
 
     def poll(self) -> None:
         now = time.time() - self.t0
-        for rel, needle, stage in STARTUP_MARKS:
+        for rel, needle, stage in (*STARTUP_MARKS, *SHUTDOWN_MARKS):
             if stage in self.marks:
                 continue
             path = self.run_dir / rel
@@ -218,7 +225,8 @@ class Stamper:
                     self.row_t.append(now)
 
 
-def run_rlbus(model: Path, data: Path, seed: int, steps: int, work: Path, timeout: float) -> SideRun:
+def run_rlbus(model: Path, data: Path, seed: int, steps: int, work: Path, timeout: float,
+              overrides: tuple[str, ...] = ()) -> SideRun:
     name = f"peer-s{seed}-{os.getpid()}"
     run_dir = work / name
     run_dir.mkdir(parents=True)
@@ -226,7 +234,7 @@ def run_rlbus(model: Path, data: Path, seed: int, steps: int, work: Path, timeou
     import yaml
 
     cfg_path.write_text(yaml.safe_dump(rlbus_config(model, data, seed, steps, run_dir, name), sort_keys=False))
-    argv = [sys.executable, "-m", "rlbus.cli", "up", str(cfg_path)]
+    argv = [sys.executable, "-m", "rlbus.cli", "up", str(cfg_path), *overrides]
     load = os.getloadavg()[0]
     with open(run_dir / "launcher.out", "wb") as out:
         t0 = time.time()
@@ -248,7 +256,10 @@ def run_rlbus(model: Path, data: Path, seed: int, steps: int, work: Path, timeou
                        f"{' | '.join(tail)}", load_before=load)
     run = SideRun("rlbus", seed, ok=True, rewards=[r["reward/mean"] for r in rows], step_t=stamper.row_t,
                   wall_s=t_end - t0, startup_s=stamper.row_t[0], load_before=load,
-                  startup={**stamper.marks, "first step done": stamper.row_t[0]},
+                  startup={**{k: v for k, v in stamper.marks.items() if k not in {m[2] for m in SHUTDOWN_MARKS}},
+                           "first step done": stamper.row_t[0]},
+                  shutdown={**{m[2]: stamper.marks[m[2]] - stamper.row_t[-1] for m in SHUTDOWN_MARKS
+                               if m[2] in stamper.marks}, "process exited": t_end - t0 - stamper.row_t[-1]},
                   entropy_last=rows[-1].get("actor/entropy", 0.0),
                   clipfrac=mean([r.get("actor/clipfrac", 0.0) for r in rows]))
     run.step_split = {k: statistics.median(r.get(k, 0.0) for r in rows[5:] or rows) for k in (*STEP_PARTS, "time/step")}
@@ -268,6 +279,7 @@ class Bench:
     machine: dict[str, Any]
     versions: dict[str, str]
     rlbus_commit: str
+    rlbus_overrides: list[str] = field(default_factory=list)
     runs: list[SideRun] = field(default_factory=list)
     target: float = 0.0
     wall_s: float = 0.0
@@ -334,7 +346,9 @@ def report(b: Bench) -> str:
         f"the runs' starts {min(x.load_before for x in b.runs):.1f} to {max(x.load_before for x in b.runs):.1f}); "
         f"{b.machine['platform']}; Python {b.machine['python']}; "
         + ", ".join(f"{k} {v}" for k, v in b.versions.items())
-        + f"; rlbus at commit `{b.rlbus_commit}`. The bench took {b.wall_s / 60:.1f} min.",
+        + f"; rlbus at commit `{b.rlbus_commit}`"
+        + (f", rlbus overrides `{' '.join(b.rlbus_overrides)}`" if b.rlbus_overrides else "")
+        + f". The bench took {b.wall_s / 60:.1f} min.",
         "",
         (f"Mean ± standard deviation over seeds {', '.join(map(str, b.seeds))} ({t['runs']} TRL runs, {r['runs']} "
         f"rlbus runs). Steady-state steps/min: the steps after the first {b.warmup} over the wall time they span. "
@@ -366,6 +380,11 @@ def report(b: Bench) -> str:
         lines += ["", ("rlbus start-up, seconds since `rlbus up` began (mean over its runs; each log line "
                        "stamped when it landed):"), "", "| stage | s |", "|---|---:|"]
         lines += [f"| {k} | {statistics.fmean([x.startup[k] for x in rl if k in x.startup]):.1f} |" for k in stages]
+        ends = sorted({k for x in rl for k in x.shutdown}, key=lambda k: statistics.fmean(
+            [x.shutdown[k] for x in rl if k in x.shutdown]))
+        lines += ["", "rlbus after its last step, seconds since that step's end (mean): "
+                  + ", ".join(f"{k} {statistics.fmean([x.shutdown[k] for x in rl if k in x.shutdown]):.1f}"
+                              for k in ends) + "."]
         parts = {k: statistics.fmean([x.step_split[k] for x in rl]) for k in rl[0].step_split}
         lines += ["", "rlbus trainer, median seconds per step after step 5 (mean over runs): "
                   + ", ".join(f"{k.removeprefix('time/')} {v:.3f}" for k, v in parts.items())
@@ -375,12 +394,15 @@ def report(b: Bench) -> str:
         lines += ["", "TRL start-up, seconds since its process began (mean): "
                   + ", ".join(f"{k} {statistics.fmean([x.startup[k] for x in tr]):.1f}" for k in tr[0].startup)
                   + f", first step done {statistics.fmean([x.startup_s for x in tr]):.1f}."]
+    if tr:
+        lines += ["", "TRL after its last step: process exited "
+                  + f"{statistics.fmean([x.wall_s - x.step_t[-1] for x in tr]):.1f} s later (mean)."]
     lines += ["", "Results and every step's reward and time: `bench/results/peer_trl.json`.", ""]
     return "\n".join(lines)
 
 
 def git_commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False, cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run(["git", "describe", "--always", "--dirty"], check=False, cwd=ROOT, capture_output=True, text=True)
     return out.stdout.strip() or "unknown"
 
 
@@ -392,6 +414,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=10, help="steps left out of steady-state steps/min")
     ap.add_argument("--sides", nargs="+", choices=("trl", "rlbus"), default=["trl", "rlbus"])
+    ap.add_argument("--rlbus-set", nargs="*", default=[], metavar="K=V",
+                    help="config overrides of the rlbus side (recorded in the results), e.g. trainer.torch_threads=2")
     ap.add_argument("--model", default=str(MODEL))
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
     ap.add_argument("--results", default=str(RESULTS))
@@ -419,7 +443,7 @@ def main() -> int:
         b = Bench(command=shlex.join([".venv/bin/python", "bench/peer_trl.py", *sys.argv[1:]]), steps=args.steps,
                   warmup=args.warmup, seeds=args.seeds, model=str(model.relative_to(ROOT) if model.is_relative_to(ROOT)
                                                                   else model),
-                  machine=machine(), versions=versions, rlbus_commit=git_commit())
+                  machine=machine(), versions=versions, rlbus_commit=git_commit(), rlbus_overrides=args.rlbus_set)
         t0 = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="rlbus-peer-") as tmp:
             work = Path(tmp)
@@ -429,7 +453,7 @@ def main() -> int:
                 for side in order:
                     print(f"seed {seed}: {side} (load {os.getloadavg()[0]:.1f})", flush=True)
                     run = (run_trl(model, seed, args.steps, work, args.timeout) if side == "trl" else
-                           run_rlbus(model, data, seed, args.steps, work, args.timeout))
+                           run_rlbus(model, data, seed, args.steps, work, args.timeout, tuple(args.rlbus_set)))
                     b.runs.append(run)
                     print(f"  {'ok' if run.ok else 'FAILED ' + run.error}: wall {run.wall_s:.1f}s, "
                           f"steady {steady_steps_per_min(run.step_t, args.warmup):.0f} steps/min, reward "

@@ -498,6 +498,11 @@ def docs_section(bench: Bench, table: list[str]) -> str:
     return "\n".join(lines)
 
 
+def retitle(section: str, heading: str) -> str:
+    """The section under another heading (several pipeline runs can keep their own sections)."""
+    return heading + section.removeprefix("## Pipeline") if heading != "## Pipeline" else section
+
+
 # ---------------------------------------------------------------------------------------------------------- main
 
 
@@ -519,6 +524,7 @@ def main() -> int:
     ap.add_argument("--results", default=str(RESULTS))
     ap.add_argument("--docs", default=str(DOCS), help="'' to leave docs/benchmarks.md alone")
     ap.add_argument("--from-json", default="", help="only redo the table and docs from a results file")
+    ap.add_argument("--section", default="## Pipeline", help="heading of the docs section written")
     ap.add_argument("--keep-runs", action="store_true", help="keep the run directories (path printed)")
     args = ap.parse_args()
     if args.steps < args.warmup + 2:
@@ -529,7 +535,8 @@ def main() -> int:
         bench = Bench.from_json(json.loads(Path(args.from_json).read_text()))
         console.print(console_table(bench.results))
         if args.docs:
-            write_section("## Pipeline", docs_section(bench, markdown_table(bench.results)), Path(args.docs))
+            write_section(args.section, retitle(docs_section(bench, markdown_table(bench.results)), args.section),
+                          Path(args.docs))
             console.print(f"docs: {args.docs} (## Pipeline)")
         return 0
     ensure_bench_model(BENCH_MODEL, console)
@@ -572,7 +579,8 @@ def main() -> int:
     if means:
         console.print(f"breakdown: {plot_compare(means, 'mean step, measured steps', BREAKDOWN_PNG)}")
     if args.docs:
-        write_section("## Pipeline", docs_section(bench, markdown_table(bench.results)), Path(args.docs))
+        write_section(args.section, retitle(docs_section(bench, markdown_table(bench.results)), args.section),
+                      Path(args.docs))
         console.print(f"docs: {args.docs} (## Pipeline)")
     return 0 if all(r.ok for r in bench.results) else 1
 

@@ -6,8 +6,8 @@ A seed sets the trainer's torch seed, the feeder's shuffle and the synthetic dat
 `feeder.seed`, `data.seed`); sampling in the producers is not seeded, so two runs of one seed differ too. Each run
 uses the cached quickstart model and its own run directory (removed afterwards). Per seed: reward over the first 5
 and last 10 steps, the lowest 5-step running mean after step 10, entropy and clip fraction over the last 10 steps.
-A run *collapses* when its last-10 reward is under 0.85 (the bar) or its last-10 entropy under 0.01 (the policy
-stopped exploring). Extra `k=v` arguments are config overrides for every run (e.g. `trainer.mini_batches=1` for
+A run *collapses* when its last-10 reward is under 0.85 (the bar; the collapses seen before ended at 0.0-0.25
+with entropy near 0.003). Low entropy alone is no collapse: a policy that is right every time may be certain. Extra `k=v` arguments are config overrides for every run (e.g. `trainer.mini_batches=1` for
 the before). Writes bench/results/quickstart_seeds.json and, with --docs, the `## Quickstart stability` section.
 """
 
@@ -33,7 +33,6 @@ CONFIG = ROOT / "configs" / "quickstart.yaml"
 RESULTS = ROOT / "bench" / "results" / "quickstart_seeds.json"
 HEADING = "## Quickstart stability"
 BAR = 0.85
-MIN_ENTROPY = 0.01
 
 
 def summarise(rows: list[dict]) -> dict[str, float]:
@@ -52,7 +51,7 @@ def summarise(rows: list[dict]) -> dict[str, float]:
 
 
 def collapsed(s: dict[str, float]) -> bool:
-    return s["last10"] < BAR or s["entropy_last10"] < MIN_ENTROPY
+    return s["last10"] < BAR
 
 
 def run_seed(seed: int, overrides: list[str], work: Path, timeout: float) -> dict:
@@ -75,12 +74,14 @@ def run_seed(seed: int, overrides: list[str], work: Path, timeout: float) -> dic
 
 def report(d: dict) -> str:
     ok = [r for r in d["runs"] if "last10" in r]
+    for r in ok:  # by the rule of this version of the script, also for results written by an older one
+        r["collapsed"] = collapsed(r)
     lines = [
         HEADING, "",
         (f"`rlbus up configs/quickstart.yaml` once per seed ({', '.join(str(r['seed']) for r in d['runs'])}), each "
         "from scratch with the cached quickstart model; a seed sets `trainer.seed`, `feeder.seed` and `data.seed` "
         "(producers' sampling is not seeded). A run collapses when its last-10 reward is under "
-        f"{BAR} or its last-10 entropy under {MIN_ENTROPY}."),
+        f"{BAR} (low entropy alone is not a collapse: a policy right every time may be certain)."),
         "",
         f"Command: `{d['command']}`  ",
         (f"Machine: {d['machine']['cpu_model']}, {d['machine']['cores']} cores shared with other work (1-minute load "
@@ -88,7 +89,7 @@ def report(d: dict) -> str:
         f"{' '.join(d['overrides']) or 'none'}."),
         "",
         ("| seed | reward first 5 | reward last 10 | lowest 5-step mean after step 10 | entropy last 10 | "
-        "clip fraction last 10 | wall s | collapsed |"),
+        "clip fraction, run mean | wall s | collapsed |"),
         "|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in d["runs"]:
@@ -96,7 +97,7 @@ def report(d: dict) -> str:
             lines.append(f"| {r['seed']} | failed (exit {r['rc']}) | | | | | {r['wall_s']:.0f} | |")
             continue
         lines.append(f"| {r['seed']} | {r['first5']:.3f} | {r['last10']:.3f} | {r['min_running5_after_10']:.3f} | "
-                     f"{r['entropy_last10']:.3f} | {r['clipfrac_last10']:.3f} | {r['wall_s']:.0f} | "
+                     f"{r['entropy_last10']:.3f} | {r['clipfrac_mean']:.4f} | {r['wall_s']:.0f} | "
                      f"{'**yes**' if r['collapsed'] else 'no'} |")
     if ok:
         last = [r["last10"] for r in ok]

@@ -265,7 +265,13 @@ class Launcher:
                 code = self.trainer.poll()
                 if code == 0:
                     monitor.stop()
-                    return self._finish()
+                    # The producers' drain and exit and the final model's export need nothing of each other:
+                    # overlap them (the run's end waited for the export, then for the producers).
+                    stopping = asyncio.create_task(self._stop_children())
+                    try:
+                        return await asyncio.to_thread(self._finish)
+                    finally:
+                        await stopping
                 if self._stop.is_set():
                     monitor.stop()
                     self._console.print("[yellow]stopping: the trainer checkpoints, producers give back their "

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import msgspec
 from rich.console import Console
@@ -156,6 +156,9 @@ class Launcher:
     retiring: dict[str, asyncio.Task]  # producer id -> its stop, for producers scaled away (never restarted)
     _launch: Path | None  # the children's config file
     _scale_seen: int | None  # the last RUN_DIR/scale request applied (or refused)
+    _target: int  # producers the launcher keeps running
+    _reported: Any  # the state last written to PRODUCERS_FILE
+    _started: dict[str, float]  # role id -> wall time of its last RoleStarted (the monitor's, once it runs)
     _stop: asyncio.Event
     _console: Console
 
@@ -165,6 +168,7 @@ class Launcher:
         self.server = self.ray_head = self.trainer = None
         self.producers, self.retiring = [], {}
         self._launch, self._scale_seen = None, None
+        self._target, self._reported, self._started = cfg.rollout.num_producers, None, {}
         self._stop = asyncio.Event()
         self._console = Console(stderr=True)
 
@@ -249,7 +253,7 @@ class Launcher:
             self.trainer.start()
             for _ in range(child_cfg.rollout.num_producers):
                 self._add_producer()
-            self._write_producers(child_cfg.rollout.num_producers)
+            self._report_producers()
             return await self._supervise(child_cfg)
         finally:
             await self._stop_children()
@@ -260,6 +264,7 @@ class Launcher:
         loop.add_signal_handler(signal.SIGINT, self._stop.set)
         loop.add_signal_handler(signal.SIGTERM, self._stop.set)
         monitor = RunMonitor(self._with_creds(child_cfg, "observer"), self.producers, self._console)
+        self._started = monitor.started
         async with monitor:
             while True:
                 code = self.trainer.poll()
@@ -281,6 +286,7 @@ class Launcher:
                 self._restart_dead_bus()
                 await self._apply_scale(child_cfg)
                 self._reap_retired()
+                self._report_producers()
                 # The trainer resumes from its checkpoint; the groups of the steps it lost are redelivered to it.
                 for child in [self.trainer, *self.producers]:
                     started = monitor.started.get(child.role_id, 0.0)
@@ -345,7 +351,7 @@ class Launcher:
                                 + (f" draining {', '.join(removed)}" if removed else ""))
             await self._announce(child_cfg, ProducersScaled(target=target, previous=previous, added=added,
                                                             removed=removed))
-        self._write_producers(target)
+        self._target = target
 
     def _reap_retired(self) -> None:
         done = [pid for pid, task in self.retiring.items() if task.done()]
@@ -353,15 +359,19 @@ class Launcher:
             task = self.retiring.pop(producer_id)
             code = task.result()
             self._console.print(f"[dim]{producer_id} drained and exited with code {code}[/dim]")
-        if done:
-            self._write_producers(len(self.producers))
 
-    def _write_producers(self, target: int) -> None:
-        """RUN_DIR/producers.json: the target and what runs, for `rlbus scale --wait` and the curious."""
-        state = {"target": target, "running": {p.role_id: p.pid for p in self.producers},
-                 "draining": sorted(self.retiring), "updated_at": time.time()}
+    def _report_producers(self) -> None:
+        """RUN_DIR/producers.json, rewritten when it changes: the target, what runs (pid, and whether it got going:
+        announced RoleStarted since its last start) and what drains, for `rlbus scale --wait` and the curious."""
+        state = {"target": self._target,
+                 "running": {p.role_id: p.pid for p in self.producers},
+                 "ready": [p.role_id for p in self.producers if self._started.get(p.role_id, 0.0) >= p.started_at],
+                 "draining": sorted(self.retiring)}
+        if state == self._reported:
+            return
+        self._reported = state
         tmp = self.run_dir / f".{PRODUCERS_FILE}.tmp"
-        tmp.write_text(json.dumps(state, indent=2) + "\n")
+        tmp.write_text(json.dumps({**state, "updated_at": time.time()}, indent=2) + "\n")
         tmp.replace(self.run_dir / PRODUCERS_FILE)
 
     async def _announce(self, child_cfg: RunConfig, event: ProducersScaled) -> None:
@@ -408,7 +418,7 @@ def main(cfg: RunConfig) -> int:
 
 def scale_main(run_dir: Path, n: int, *, wait: bool, timeout: float) -> int:
     """`rlbus scale RUN_DIR N [--wait]`: ask the run's launcher for N producers; with --wait, until it runs exactly
-    those (the removed ones drained and gone)."""
+    N, each of them going (RoleStarted announced), and the removed ones have drained and exited."""
     if not (run_dir / PRODUCERS_FILE).is_file():
         print(f"rlbus scale: {run_dir} has no {PRODUCERS_FILE}: no `rlbus up` has run there", file=sys.stderr)
         return 2
@@ -422,7 +432,8 @@ def scale_main(run_dir: Path, n: int, *, wait: bool, timeout: float) -> int:
     state: dict = {}
     while wait:
         state = json.loads((run_dir / PRODUCERS_FILE).read_text())
-        if state["target"] == n and len(state["running"]) == n and not state["draining"]:
+        if (state["target"] == n and len(state["running"]) == n and set(state.get("ready", ())) == set(state["running"])
+                and not state["draining"]):
             print(f"running {n}: {', '.join(state['running']) or 'none'}")
             return 0
         if time.monotonic() > deadline:

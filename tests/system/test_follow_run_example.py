@@ -1,10 +1,12 @@
-"""examples/follow_run.py, a client written from docs/wire.md alone, follows a live `rlbus up` run.
+"""examples/follow_run.py, a client written from docs/wire.md alone, follows a live `rlbus up` run (which also logs
+to Weights & Biases in offline mode when wandb is installed: the trainer's real path, no network).
 
     .venv/bin/python -m pytest -q tests/system/test_follow_run_example.py
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -18,11 +20,14 @@ from tests.support.runs import ROOT, log_tail, small_run_config, start_role, sto
 pytestmark = pytest.mark.slow
 
 
-def test_example_client_follows_a_live_run(tmp_path, tiny_model_dir, run_name):
+def test_example_client_follows_a_live_run(tmp_path, tiny_model_dir, run_name, monkeypatch):
     run_dir = tmp_path / "run"
     total = 3
+    wandb = importlib.util.find_spec("wandb") is not None
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
     cfg = small_run_config(run_name, run_dir, tiny_model_dir, "", "", "", rollout={"num_producers": 1},
-                           trainer={"total_steps": total})
+                           trainer={"total_steps": total}, logging={"wandb": wandb, "wandb_mode": "offline"})
     up = start_role("up", write_config(tmp_path / "run.yaml", cfg), tmp_path / "logs", name="up")
     creds = run_dir / "bus" / "creds" / run_name / "observer.json"
     try:
@@ -51,6 +56,10 @@ def test_example_client_follows_a_live_run(tmp_path, tiny_model_dir, run_name):
     groups = [line for line in out if line.startswith("group ")]
     assert groups and all(" from p0 rewards [" in g for g in groups), groups
     assert any(line.startswith("role_started trainer") for line in out), out
+    if wandb:  # every step went to the offline W&B run too
+        run_id = (run_dir / "wandb_id").read_text().strip()
+        (record,) = (run_dir / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
+        assert b"reward/mean" in record.read_bytes()
     imports = [ln for ln in (ROOT / "examples" / "follow_run.py").read_text().splitlines()
                if ln.startswith(("import ", "from "))]
     assert not [ln for ln in imports if "rlbus" in ln], imports

@@ -36,22 +36,31 @@ def _scale(run_dir: Path, n: int) -> float:
 
 
 def _rate(groups: list, start: float, end: float) -> float:
-    n = sum(1 for g in groups if start <= g.created_at < end)
-    return n / (end - start)
+    return sum(1 for g in groups if start <= g.created_at < end) / (end - start)
 
 
 def test_scale_one_three_one_mid_run(tmp_path, tiny_model_dir, run_name):
     run_dir = tmp_path / "run"
-    total = 16
-    cfg = small_run_config(run_name, run_dir, tiny_model_dir, "", "", "", rollout={"num_producers": 1},
-                           trainer={"total_steps": total, "groups_per_step": 3, "max_staleness": 3,
-                                    "checkpoint_interval": 4})
+    total, groups_per_step, window = 40, 2, 12.0
+    # The simulated engine sleeps for its generation time instead of computing (as in tests/integration/
+    # test_pipeline.py): producers then add throughput the way GPU producers do, rather than fighting the trainer
+    # for this machine's cores.
+    engine = {"type": "simulated", "mean_tokens": 24, "tail_alpha": 3.0, "seconds_per_token": 0.03}
+    cfg = small_run_config(run_name, run_dir, tiny_model_dir, "", "", "",
+                           rollout={"num_producers": 1, "n": 4, "max_new_tokens": 48, "max_response_tokens": 48,
+                                    "agent_loop": "single_turn", "engine": engine},
+                           trainer={"total_steps": total, "groups_per_step": groups_per_step, "max_staleness": 3,
+                                    "checkpoint_interval": 5})
     cfg_path = write_config(tmp_path / "run.yaml", cfg)
     up = start_role("up", cfg_path, tmp_path / "logs", name="up")
     try:
-        wait_for_steps(run_dir, 3, [up], timeout=300)
-        up_at = _scale(run_dir, 3)
-        wait_for_steps(run_dir, 10, [up], timeout=300)
+        wait_for_steps(run_dir, 2, [up], timeout=300)
+        one_window = (time.time(), time.time() + window)
+        time.sleep(window)
+        up_at = _scale(run_dir, 3)  # returns once p1 and p2 have announced RoleStarted
+        three_window = (time.time(), time.time() + window)
+        time.sleep(window)
+        assert read_metrics(run_dir)[-1]["step"] < total - 4, "the run outpaced the test: give it more steps"
         down_at = _scale(run_dir, 1)  # returns once p1 and p2 have drained and exited
         drained_at = time.time()
         assert json.loads((run_dir / "producers.json").read_text())["running"].keys() == {"p0"}
@@ -60,28 +69,25 @@ def test_scale_one_three_one_mid_run(tmp_path, tiny_model_dir, run_name):
         stop(up)
 
     # the launcher announced both changes, and they are in the event log
-    scaled = [e.msg for e in read_entries(run_dir, "lifecycle") if isinstance(e.msg, ProducersScaled)]
-    assert [(s.previous, s.target, s.added, s.removed) for s in scaled] == [
+    lifecycle = [e.msg for e in read_entries(run_dir, "lifecycle")]
+    scaled = [m for m in lifecycle if isinstance(m, ProducersScaled)]
+    assert [(m.previous, m.target, m.added, m.removed) for m in scaled] == [
         (1, 3, ["p1", "p2"], []), (3, 1, [], ["p2", "p1"])]
-    stopped = {e.msg.role_id: e.msg.created_at for e in read_entries(run_dir, "lifecycle")
-               if isinstance(e.msg, RoleStopped) and e.msg.role == "producer"}
-    assert {"p1", "p2"} <= stopped.keys()
+    stopped = {m.role_id: m.created_at for m in lifecycle if isinstance(m, RoleStopped) and m.role == "producer"}
+    assert {"p1", "p2"} <= stopped.keys(), lifecycle
 
     groups = [e.msg for e in read_entries(run_dir, "traj")]
     by = {p: [g for g in groups if g.producer_id == p] for p in ("p0", "p1", "p2")}
-    assert all(by[p] for p in by), {p: len(v) for p, v in by.items()}  # all three rolled out
-    for p in ("p1", "p2"):  # nothing from a removed producer after it stopped
-        assert all(g.created_at <= stopped[p] for g in by[p]), p
-        assert all(g.created_at >= up_at for g in by[p]), p
-    # throughput follows: groups/s while three ran (from the first group of a new one) against before the change
-    first = min(g.created_at for g in groups)
-    three_from = min(g.created_at for g in by["p1"] + by["p2"])
-    one, three = _rate(groups, first, up_at), _rate(groups, three_from, down_at)
+    assert all(by.values()), {p: len(v) for p, v in by.items()}  # all three rolled out
+    for p in ("p1", "p2"):  # only between being added and being removed
+        assert all(up_at <= g.created_at <= stopped[p] <= drained_at for g in by[p]), p
     after = [g for g in groups if g.created_at > drained_at]
-    print(f"groups/s: 1 producer {one:.3f}, 3 producers {three:.3f} ({three / one:.2f}x); "
-          f"after scaling down {len(after)} groups, all from p0")
-    assert three > 1.3 * one, (one, three)
     assert after and {g.producer_id for g in after} == {"p0"}
+    # throughput follows the producers
+    one, three = _rate(groups, *one_window), _rate(groups, *three_window)
+    print(f"groups/s: 1 producer {one:.3f}, 3 producers {three:.3f} ({three / one:.2f}x); "
+          f"{len(after)} groups after scaling back to 1, all from p0; down at {down_at - up_at:.0f}s after up")
+    assert three > 1.5 * one, (one, three)
 
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, total + 1))
@@ -89,4 +95,4 @@ def test_scale_one_three_one_mid_run(tmp_path, tiny_model_dir, run_name):
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ledger = json.loads(proc.stdout)
-    assert ledger["trained"] == total * 3 and ledger["problems"] == []
+    assert ledger["trained"] == total * groups_per_step and ledger["problems"] == []

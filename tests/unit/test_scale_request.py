@@ -36,6 +36,10 @@ def test_scale_command_needs_a_launched_run_and_waits_for_it(tmp_path, capsys):
     assert scale_main(tmp_path, 2, wait=True, timeout=0.5) == 1  # nobody applies it
     assert "did not reach 2 producers" in capsys.readouterr().err
     assert read_scale(tmp_path) == 2
-    (tmp_path / PRODUCERS_FILE).write_text(json.dumps({"target": 2, "running": {"p0": 11, "p1": 12}, "draining": []}))
+    state = {"target": 2, "running": {"p0": 11, "p1": 12}, "ready": ["p0"], "draining": []}
+    (tmp_path / PRODUCERS_FILE).write_text(json.dumps(state))
+    assert scale_main(tmp_path, 2, wait=True, timeout=0.5) == 1  # p1 runs but has not got going yet
+    capsys.readouterr()
+    (tmp_path / PRODUCERS_FILE).write_text(json.dumps({**state, "ready": ["p0", "p1"]}))
     assert scale_main(tmp_path, 2, wait=True, timeout=5) == 0
     assert "running 2: p0, p1" in capsys.readouterr().out

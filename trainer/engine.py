@@ -33,6 +33,7 @@ from transformers import AutoModelForCausalLM
 
 from rlbus.schemas.config import AlgorithmConfig, RunConfig, TrainerConfig
 from rlbus.trainer import algorithms as algo
+from rlbus.trainer import logprobs
 from rlbus.trainer.dist import DistInfo, all_reduce, init_distributed
 from rlbus.trainer.parallelize import parallelize
 
@@ -69,6 +70,8 @@ class TrainEngine:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     num_updates: int  # optimizer updates done so far (mini-batches, not steps)
     model_path: str
+    logits_chunk_bytes: int  # float32 logits made at once by the chunked output head (trainer/logprobs.py)
+    fuse_proximal: bool  # take proximal log-probs from the update's forward when that is the same computation
 
     def __init__(
         self,
@@ -84,6 +87,8 @@ class TrainEngine:
         self.algo = algo_cfg
         self.temperature = float(temperature)
         self.model_path = model_path
+        self.logits_chunk_bytes = logprobs.CHUNK_BYTES
+        self.fuse_proximal = True
         self.info = init_distributed(trainer_cfg.device)
         torch.manual_seed(trainer_cfg.seed)
         self.model = self._load(model_path, dtype, gradient_checkpointing)
@@ -119,6 +124,7 @@ class TrainEngine:
     def _load(self, path: str, dtype: str, gradient_checkpointing: bool) -> nn.Module:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype])
         model.config.use_cache = False
+        logprobs.install(model)
         return parallelize(
             model,
             device=self.info.device,
@@ -135,7 +141,8 @@ class TrainEngine:
         """(log-probs [b, T], entropy [b, T] or None, a zero scalar tied to the graph). `mb=None` is an empty pass.
 
         The micro-batch is trimmed to its longest sequence (right padding) before the forward, and the outputs are
-        padded back to T with zeros.
+        padded back to T with zeros. The output head runs in sequence chunks inside the model's forward, so no
+        [b, T, V] float32 logits exist (trainer/logprobs.py).
         """
         if mb is None:  # this rank ran out of sequences; FSDP still needs its all-gathers and reduce-scatters
             ids = torch.zeros(1, 1, dtype=torch.long, device=self.info.device)
@@ -145,18 +152,17 @@ class TrainEngine:
         T = mb["input_ids"].shape[1]
         L = max(1, int(mb["attention_mask"].sum(dim=-1).max().item()))
         ids_bL = mb["input_ids"][:, :L]
-        logits_bLV = model(
-            input_ids=ids_bL, attention_mask=mb["attention_mask"][:, :L], position_ids=mb["position_ids"][:, :L]
-        ).logits
-        logp_bT = F.pad(token_log_probs(logits_bLV, ids_bL, self.temperature), (0, T - L))
-        entropy_bT = None
-        if with_entropy:
-            grad = self.algo.entropy_coeff > 0 and torch.is_grad_enabled()
-            with torch.set_grad_enabled(grad):
-                # Entropy of the distribution that produced token t: logits at t - 1, as for the log-probs.
-                h_bL = algo.entropy_from_logits(logits_bLV[:, :-1].float() / self.temperature)
-            entropy_bT = F.pad(h_bL, (1, T - L))
-        return logp_bT, entropy_bT, logits_bLV.sum() * 0.0
+        # Entropy of the distribution that produced token t (logits at t - 1, as for the log-probs); it carries a
+        # gradient only when the loss has an entropy bonus.
+        grad = with_entropy and self.algo.entropy_coeff > 0 and torch.is_grad_enabled()
+        with logprobs.scoring(model, ids_bL, self.temperature, with_entropy=with_entropy, entropy_grad=grad,
+                              chunk_bytes=self.logits_chunk_bytes):  # fmt: skip
+            scores_bL2 = model(
+                input_ids=ids_bL, attention_mask=mb["attention_mask"][:, :L], position_ids=mb["position_ids"][:, :L]
+            ).logits  # [b, L, 2]: (log-prob, entropy), the head applied in chunks (trainer/logprobs.py)
+        logp_bT = F.pad(scores_bL2[..., 0], (0, T - L))
+        entropy_bT = F.pad(scores_bL2[..., 1], (0, T - L)) if with_entropy else None
+        return logp_bT, entropy_bT, scores_bL2.sum() * 0.0
 
     def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor | None]:
         """Split row indices into micro-batches; pad with None to the largest count over all ranks."""
@@ -203,16 +209,23 @@ class TrainEngine:
         behaviour_BT = data["rollout_log_probs"].float()
         timing: dict[str, float] = {}
 
-        proximal_BT = None
-        if algo.needs_proximal(self.algo.off_policy):
-            t = time.perf_counter()
-            proximal_BT = self.compute_log_probs(batch)
-            timing["timing/proximal_s"] = time.perf_counter() - t
         ref_BT = None
         if self.ref_model is not None:
             t = time.perf_counter()
             ref_BT = self.compute_log_probs(batch, model=self.ref_model)
             timing["timing/ref_s"] = time.perf_counter() - t
+        # Proximal log-probs are those of the current weights. With one optimizer update per step every
+        # micro-batch of that update runs at exactly those weights, so the update's own forward yields them
+        # (detached, filled in per micro-batch below) and the separate pass would recompute the same tensors.
+        # Not when something needs all of them before the first forward: the KL penalty in the reward (advantages).
+        fused = self._proximal_from_update()
+        proximal_BT = None
+        if fused:
+            proximal_BT = torch.zeros_like(behaviour_BT)
+        elif algo.needs_proximal(self.algo.off_policy):
+            t = time.perf_counter()
+            proximal_BT = self.compute_log_probs(batch)
+            timing["timing/proximal_s"] = time.perf_counter() - t
 
         old_BT = algo.old_log_probs_for(self.algo.off_policy, behaviour_BT, proximal_BT)
         rewards_BT = data["token_level_rewards"].float()
@@ -228,7 +241,7 @@ class TrainEngine:
             self.algo.off_policy, behaviour_BT, proximal_BT, mask_BT,
             cap=self.algo.is_cap, log_ratio_clamp=self.algo.log_ratio_clamp,
         )  # fmt: skip
-        weights_BT = isw.weights_BT if isw is not None else None
+        weights_BT = isw.weights_BT if isw is not None else None  # fused: filled per micro-batch like proximal_BT
         # C of seq-mean-token-sum-norm: the configured constant (Dr.GRPO keeps one for the whole run), else the
         # longest response of the step over all ranks, fixed for the step.
         scale = self.algo.loss_scale_factor
@@ -246,6 +259,8 @@ class TrainEngine:
             for idx in self._micro_batches(part):
                 mb = None if idx is None else self._rows(data, idx)
                 logp_bT, entropy_bT, zero = self._forward(self.model, mb, with_entropy=True)
+                if fused and idx is not None:
+                    self._fill_proximal(idx, logp_bT.detach(), proximal_BT, weights_BT, behaviour_BT, mask_BT)
                 if idx is None:
                     loss = zero
                 else:
@@ -267,6 +282,11 @@ class TrainEngine:
         self.optimizer.zero_grad(set_to_none=True)
         timing["timing/update_s"] = time.perf_counter() - t_update
 
+        if fused and isw is not None:  # the statistics of the weights the update used, now that all are known
+            isw = algo.importance_weights_for(
+                self.algo.off_policy, behaviour_BT, proximal_BT, mask_BT,
+                cap=self.algo.is_cap, log_ratio_clamp=self.algo.log_ratio_clamp,
+            )  # fmt: skip
         if isw is not None:
             acc.add("is/weight_mean", isw.weight_mean * isw.num_tokens, isw.num_tokens)
             acc.add("is/truncated_frac", isw.truncated_frac * isw.num_tokens, isw.num_tokens)
@@ -278,6 +298,28 @@ class TrainEngine:
         metrics["perf/tokens_per_s"] = metrics["perf/num_tokens"] / max(metrics["timing/step_s"], 1e-9)
         metrics["actor/num_updates"] = float(self.num_updates)
         return metrics
+
+    def _proximal_from_update(self) -> bool:
+        """Whether this step takes its proximal log-probs from the update's forward instead of a separate pass."""
+        kl_in_reward = self.ref_model is not None and not self.algo.use_kl_loss
+        return (self.fuse_proximal and algo.needs_proximal(self.algo.off_policy) and self.cfg.mini_batches == 1
+                and not kl_in_reward)  # fmt: skip
+
+    def _fill_proximal(
+        self,
+        idx: torch.Tensor,
+        logp_bT: torch.Tensor,
+        proximal_BT: torch.Tensor,
+        weights_BT: torch.Tensor | None,
+        behaviour_BT: torch.Tensor,
+        mask_BT: torch.Tensor,
+    ) -> None:
+        """Proximal log-probs (and their truncated IS weights) of one micro-batch, from its detached log-probs."""
+        proximal_BT[idx] = logp_bT
+        if weights_BT is not None:
+            weights_BT[idx] = algo.truncated_importance_weights(
+                logp_bT, behaviour_BT[idx], mask_BT[idx], cap=self.algo.is_cap, log_ratio_clamp=self.algo.log_ratio_clamp
+            ).weights_BT
 
     def _micro_loss(
         self,

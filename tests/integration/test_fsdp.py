@@ -294,3 +294,83 @@ def test_load_from_an_empty_root_is_a_fresh_start(tmp_path: Path) -> None:
     (tmp_path / "step_00000001").mkdir()
     with pytest.raises(CheckpointError, match="no DCP metadata"):
         load_checkpoint(object(), tmp_path / "step_00000001")
+
+
+def _variants_worker(model_dir: str, trainer_cfg: TrainerConfig, algo_cfg: AlgorithmConfig, variants: list[dict],
+                     steps: int) -> list[dict]:  # fmt: skip
+    """The same steps once per variant (engine attributes set before the first), each from the same start."""
+    from rlbus.trainer.dist import destroy_distributed, init_distributed
+    from rlbus.trainer.engine import TrainEngine
+
+    torch.set_num_threads(1)
+    info = init_distributed("cpu")
+    out = []
+    for attrs in variants:
+        engine = TrainEngine(model_dir, trainer_cfg, algo_cfg, temperature=0.9)
+        for name, value in attrs.items():
+            setattr(engine, name, value)
+        metrics = [engine.train_step(rank_share(make_batch(seed=s), info.rank, info.world_size)) for s in range(steps)]
+        out.append({"metrics": metrics, "weights": engine.full_state_dict()})
+    destroy_distributed()
+    return out
+
+
+def _same_numbers(a: dict, b: dict, *, rel: float) -> None:
+    for m_a, m_b in zip(a["metrics"], b["metrics"], strict=True):
+        timings = {k for k in m_a if k.startswith("timing/") or k == "perf/tokens_per_s"}
+        assert set(m_a) - timings == set(m_b) - {k for k in m_b if k.startswith("timing/") or k == "perf/tokens_per_s"}
+        for k in set(m_a) - timings:
+            assert m_a[k] == pytest.approx(m_b[k], rel=rel, abs=1e-7), k
+    for name, w in a["weights"].items():
+        torch.testing.assert_close(w, b["weights"][name], rtol=rel, atol=1e-8, msg=name)
+
+
+@pytest.mark.parametrize("off_policy", ["decoupled", "none"])
+def test_proximal_from_the_update_forward_changes_no_number(tiny_model: Path, off_policy: str) -> None:
+    """One update per step: the proximal pass is skipped and the step's loss, grad norm, metrics and weights are
+    those of the separate pass, over two ranks with several (uneven) micro-batches each."""
+    from rlbus.trainer.dist import spawn_local
+
+    trainer_cfg = TrainerConfig(micro_batch_size=3, mini_batches=1, lr=1e-2)
+    algo_cfg = AlgorithmConfig(off_policy=off_policy, is_cap=1.5, entropy_coeff=0.01)
+    fused, separate = spawn_local(2, _variants_worker, str(tiny_model), trainer_cfg, algo_cfg,
+                                  [{}, {"fuse_proximal": False}], 3)[0]  # fmt: skip
+    assert all("timing/proximal_s" not in m for m in fused["metrics"])  # the pass did not run
+    assert all("timing/proximal_s" in m for m in separate["metrics"])
+    assert separate["metrics"][0]["actor/approx_kl"] == 0.0  # same weights: prox == current, bit for bit
+    if off_policy == "decoupled":
+        assert fused["metrics"][0]["is/truncated_frac"] > 0  # the IS weights are really in play
+    _same_numbers(fused, separate, rel=1e-6)
+
+
+def test_several_updates_per_step_still_run_the_proximal_pass(tiny_model: Path) -> None:
+    from rlbus.trainer.dist import spawn_local
+
+    cfg = TrainerConfig(micro_batch_size=5, mini_batches=2, lr=1e-2)
+    (only,) = spawn_local(1, _variants_worker, str(tiny_model), cfg, AlgorithmConfig(off_policy="decoupled"),
+                          [{}], 1)[0]  # fmt: skip
+    assert "timing/proximal_s" in only["metrics"][0]  # the second update's weights differ from the first's
+
+
+def test_chunked_output_head_equals_the_whole_logits(tmp_path: Path) -> None:
+    """A random model with a vocabulary 64x its hidden size: one position per chunk against one chunk for all,
+    entropy bonus on (entropy with gradient), two FSDP ranks."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rlbus.trainer.dist import spawn_local
+
+    torch.manual_seed(1)
+    config = Qwen2Config(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path / "m")
+    # grad_clip far below Adam's eps makes the weight change proportional to the gradient (as in
+    # test_two_ranks_equal_one_process), so the weights compare the gradients element-wise.
+    trainer_cfg = TrainerConfig(micro_batch_size=4, mini_batches=1, lr=1e-3, grad_clip=1e-6)
+    algo_cfg = AlgorithmConfig(off_policy="decoupled", entropy_coeff=0.05)
+    chunked, whole = spawn_local(2, _variants_worker, str(tmp_path / "m"), trainer_cfg, algo_cfg,
+                                 [{"logits_chunk_bytes": 1}, {"logits_chunk_bytes": 1 << 40}], 1)[0]  # fmt: skip
+    assert chunked["metrics"][0]["actor/entropy"] > 1.0
+    initial = Qwen2ForCausalLM.from_pretrained(tmp_path / "m").state_dict()
+    for d in (chunked, whole):
+        d["weights"] = {k: w - initial[k] for k, w in d["weights"].items()}
+    _same_numbers(chunked, whole, rel=1e-4)

@@ -1,0 +1,145 @@
+"""Token log-probs and entropy at real vocabulary size, without a [B, T, V] float32 copy of the batch's logits.
+
+A causal LM's head turns hidden states [b, L, H] into logits [b, L, V]; at SmolLM2's 49k vocabulary a 16 x 160
+token batch is 0.5 GB of float32 logits per copy, and log_softmax / softmax / their backward each want another.
+Here the head is applied over sequence chunks: each chunk's logits [b, c, V] are made, reduced to the log-prob of
+the next token (gather - logsumexp) and the entropy, and dropped. Under autograd each chunk runs inside a
+non-reentrant checkpoint, so backward recomputes one chunk's logits at a time instead of keeping every chunk's.
+
+The trainer needs this inside the model's own forward: under FSDP2 the head's weight is whole only while the root
+module runs (it is the root unit, tied to the embedding), and the root's hooks must see the backward. So
+`install(model)` replaces the output head's `forward` (not the module: parameter names stay as Hugging Face has
+them), and `scoring(model, ids, ...)` makes that head return `[b, L, 2]` (log-prob, entropy) instead of logits for
+the calls inside the block.
+
+    .venv/bin/python -m pytest -q tests/unit/test_logprobs.py tests/integration/test_fsdp.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+#: Float32 logits made at once per chunk. 64 MiB: 341 tokens of a 49k vocabulary, the whole micro-batch of a small
+#: one; large enough that the head's matmul stays efficient.
+CHUNK_BYTES = 64 * 1024**2
+
+
+def _chunk_scores(
+    hidden_bcH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    bias_V: torch.Tensor | None,
+    targets_bc: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    entropy_grad: bool,
+) -> torch.Tensor:
+    """[b, c, 2]: log softmax(z)[target] and the entropy of softmax(z), z = head(hidden) / temperature (float32)."""
+    z_bcV = F.linear(hidden_bcH, weight_VH, bias_V).float() / temperature
+    lse_bc = torch.logsumexp(z_bcV, dim=-1)
+    logp_bc = z_bcV.gather(-1, targets_bc[..., None]).squeeze(-1) - lse_bc
+    if not with_entropy:
+        return torch.stack([logp_bc, torch.zeros_like(logp_bc)], dim=-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        # H = logsumexp(z) - sum_v softmax(z)_v z_v, as algorithms.entropy_from_logits
+        entropy_bc = lse_bc - (torch.softmax(z_bcV, dim=-1) * z_bcV).sum(dim=-1)
+    return torch.stack([logp_bc, entropy_bc], dim=-1)
+
+
+def chunk_length(num_rows: int, vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Sequence positions per chunk so that one chunk's float32 logits [rows, c, V] stay within `chunk_bytes`."""
+    return max(1, chunk_bytes // max(1, num_rows * vocab * 4))
+
+
+def head_scores(
+    hidden_bLH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    bias_V: torch.Tensor | None,
+    input_ids_bL: torch.Tensor,
+    temperature: float,
+    *,
+    with_entropy: bool = True,
+    entropy_grad: bool = False,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> torch.Tensor:
+    """[b, L, 2]: position t's (log-prob of token t, entropy) under the logits at t - 1; position 0 gets (0, 0).
+
+    Equal, within float tolerance, to `token_log_probs` / `entropy_from_logits` of the full logits.
+    """
+    b, L, _ = hidden_bLH.shape
+    h_bLH, targets_bL = hidden_bLH[:, :-1], input_ids_bL[:, 1:]
+    step = chunk_length(b, weight_VH.shape[0], chunk_bytes)
+    parts = []
+    for start in range(0, L - 1, step):
+        args = (h_bLH[:, start : start + step], weight_VH, bias_V, targets_bL[:, start : start + step],
+                temperature, with_entropy, entropy_grad)  # fmt: skip
+        if torch.is_grad_enabled():  # keep only the chunk's inputs; backward recomputes its logits
+            parts.append(checkpoint(_chunk_scores, *args, use_reentrant=False))
+        else:
+            parts.append(_chunk_scores(*args))
+    scores = torch.cat(parts, dim=1) if parts else hidden_bLH.new_zeros(b, 0, 2, dtype=torch.float32)
+    return F.pad(scores, (0, 0, 1, 0))
+
+
+@dataclass
+class _Request:
+    input_ids_bL: torch.Tensor
+    temperature: float
+    with_entropy: bool
+    entropy_grad: bool
+    chunk_bytes: int
+
+
+def _head_forward(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    request: _Request | None = self._rlbus_scoring
+    if request is None:  # an ordinary call: logits, as the module's own forward
+        return self._rlbus_forward(hidden)
+    return head_scores(hidden, self.weight, getattr(self, "bias", None), request.input_ids_bL, request.temperature,
+                       with_entropy=request.with_entropy, entropy_grad=request.entropy_grad,
+                       chunk_bytes=request.chunk_bytes)  # fmt: skip
+
+
+def install(model: nn.Module) -> nn.Module:
+    """Let `scoring(model, ...)` turn the output head's logits into chunked (log-prob, entropy); returns model.
+
+    Only a plain linear head (`weight` [V, H], optional `bias`) is supported: what every Hugging Face causal LM has.
+    """
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise TypeError(f"model: the output head is a {type(head).__name__}, chunked log-probs need an nn.Linear")
+    if not hasattr(head, "_rlbus_forward"):
+        head._rlbus_forward = head.forward
+        head._rlbus_scoring = None
+        head.forward = types.MethodType(_head_forward, head)
+    return model
+
+
+@contextlib.contextmanager
+def scoring(
+    model: nn.Module,
+    input_ids_bL: torch.Tensor,
+    temperature: float,
+    *,
+    with_entropy: bool,
+    entropy_grad: bool = False,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> Iterator[None]:
+    """Within the block, `model(input_ids=input_ids_bL, ...).logits` is [b, L, 2] (log-prob, entropy), not logits.
+
+    `model` must have been through `install`. Entropy carries a gradient only when `entropy_grad`.
+    """
+    head = model.get_output_embeddings()
+    if not hasattr(head, "_rlbus_scoring"):
+        raise RuntimeError("logprobs.scoring: call logprobs.install(model) first")
+    head._rlbus_scoring = _Request(input_ids_bL, float(temperature), with_entropy, entropy_grad, chunk_bytes)
+    try:
+        yield
+    finally:
+        head._rlbus_scoring = None

@@ -238,7 +238,8 @@ class Launcher:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
         self._console.print(f"[bold]rlbus up[/bold] run [cyan]{self.cfg.name}[/cyan] in {self.run_dir}")
-        require_wandb(self.cfg.logging)  # a missing optional package fails here, not in a restarted trainer
+        # A missing optional package or W&B login fails here, not in a trainer restarted again and again.
+        require_wandb(self.cfg.logging, check_login=True)
         await asyncio.to_thread(ensure_model, self.cfg.model)  # once, before children race to build it
         child_cfg = self._start_infrastructure()
         try:

@@ -19,9 +19,10 @@ from rlbus.schemas.errors import ConfigError
 WANDB_ID_FILE = "wandb_id"
 
 
-def require_wandb(logging: LoggingConfig) -> Any:
+def require_wandb(logging: LoggingConfig, *, check_login: bool = False) -> Any:
     """The wandb module when `logging.wandb` asks for it (None otherwise); a ConfigError naming the field if it is
-    asked for and not installed."""
+    asked for and not installed, or (`check_login`, what `rlbus up` does before it starts anything) if online mode
+    has no W&B credential."""
     if not logging.wandb:
         return None
     try:
@@ -29,7 +30,17 @@ def require_wandb(logging: LoggingConfig) -> Any:
     except ImportError:
         raise ConfigError("logging.wandb", "is true but the wandb package is not installed: "
                                            "pip install 'rlbus[wandb]', or set logging.wandb=false") from None
+    if check_login and logging.wandb_mode == "online":
+        try:
+            wandb.login(verify=False)
+        except wandb.errors.UsageError as e:
+            raise _no_login(e) from None
     return wandb
+
+
+def _no_login(e: Exception) -> ConfigError:
+    return ConfigError("logging.wandb_mode", f"is online but W&B says: {e} (`wandb login`, or WANDB_API_KEY); "
+                                             "or log without a network: logging.wandb_mode=offline")
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -59,10 +70,13 @@ class MetricsLog:
             self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=resume_step + 1)
         if wandb is not None:
             assert logging is not None
-            self._wandb = wandb.init(
-                project=logging.wandb_project, entity=logging.wandb_entity or None, mode=logging.wandb_mode,
-                dir=str(run_dir), id=_wandb_id(run_dir), resume="allow", name=run_name or None, config=config,
-                settings=wandb.Settings(console="off"))  # the role's own log already has its output
+            try:
+                self._wandb = wandb.init(
+                    project=logging.wandb_project, entity=logging.wandb_entity or None, mode=logging.wandb_mode,
+                    dir=str(run_dir), id=_wandb_id(run_dir), resume="allow", name=run_name or None, config=config,
+                    settings=wandb.Settings(console="off"))  # the role's own log already has its output
+            except wandb.errors.UsageError as e:
+                raise _no_login(e) from None
 
     def _truncate_after(self, step: int) -> None:
         rows = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]

@@ -59,6 +59,9 @@ def test_example_client_follows_a_live_run(tmp_path, tiny_model_dir, run_name, m
     if wandb:  # every step went to the offline W&B run too
         run_id = (run_dir / "wandb_id").read_text().strip()
         (record,) = (run_dir / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
+        deadline = time.monotonic() + 30  # wandb's service process may still be writing it
+        while b"reward/mean" not in record.read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert b"reward/mean" in record.read_bytes()
     imports = [ln for ln in (ROOT / "examples" / "follow_run.py").read_text().splitlines()
                if ln.startswith(("import ", "from "))]

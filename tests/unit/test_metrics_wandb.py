@@ -7,6 +7,7 @@ resumed run logs into the same W&B run, and a config that asks for wandb without
 from __future__ import annotations
 
 import sys
+import time
 
 import pytest
 
@@ -36,7 +37,10 @@ def test_offline_wandb_records_every_step_beside_metrics_jsonl(wandb_home):
     run_id = (run_dir / WANDB_ID_FILE).read_text().strip()
     files = list((run_dir / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
     assert len(files) == 1, list((run_dir / "wandb").rglob("*"))
-    data = files[0].read_bytes()
+    # wandb's service process may still be writing its transaction log when finish() returns: give it a moment
+    deadline = time.monotonic() + 30
+    while b"perf/tokens_per_s" not in (data := files[0].read_bytes()) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert b"reward/mean" in data and b"perf/tokens_per_s" in data and b"rlbus-test" in data
 
     # a resumed run (the trainer restarted from step 2) continues the same W&B run
@@ -53,3 +57,13 @@ def test_wandb_asked_for_but_not_installed_names_the_field(tmp_path, monkeypatch
     with pytest.raises(ConfigError, match=r"^logging\.wandb: .*pip install 'rlbus\[wandb\]'"):
         MetricsLog(tmp_path, tensorboard=False, logging=LoggingConfig(wandb=True))
     assert require_wandb(LoggingConfig(wandb=False)) is None  # not asked for: never imported
+
+
+def test_online_wandb_without_a_login_names_the_mode(wandb_home, monkeypatch):
+    monkeypatch.setenv("HOME", str(wandb_home))  # no ~/.netrc holding a key
+    monkeypatch.setenv("NETRC", str(wandb_home / "no-netrc"))
+    online = LoggingConfig(wandb=True, wandb_mode="online")
+    with pytest.raises(ConfigError, match=r"^logging\.wandb_mode: is online .*logging\.wandb_mode=offline"):
+        require_wandb(online, check_login=True)
+    with pytest.raises(ConfigError, match=r"^logging\.wandb_mode: "):
+        MetricsLog(wandb_home / "run", tensorboard=False, logging=online)

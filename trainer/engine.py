@@ -35,6 +35,7 @@ from rlbus.schemas.config import AlgorithmConfig, RunConfig, TrainerConfig
 from rlbus.trainer import algorithms as algo
 from rlbus.trainer import logprobs
 from rlbus.trainer.dist import DistInfo, all_reduce, init_distributed
+from rlbus.trainer.memory import peak_rss_bytes, reset_peak_rss
 from rlbus.trainer.parallelize import parallelize
 
 BATCH_KEYS = ("input_ids", "attention_mask", "position_ids", "response_mask", "rollout_log_probs",
@@ -204,6 +205,7 @@ class TrainEngine:
         with the loss normalised by whole-update token / sequence counts summed over all ranks.
         """
         t_step = time.perf_counter()
+        reset_peak_rss()
         data = self._tensors(batch)
         mask_BT = data["response_mask"].float()
         behaviour_BT = data["rollout_log_probs"].float()
@@ -293,6 +295,7 @@ class TrainEngine:
         acc.add("perf/num_tokens", float(data["attention_mask"].sum().item()), 0.0)
         metrics = acc.reduce(num_updates=self.cfg.mini_batches)
         timing["timing/step_s"] = time.perf_counter() - t_step
+        timing["perf/peak_rss_gb"] = peak_rss_bytes() / 1024**3  # this step's peak, the largest over ranks
         names = list(timing)
         metrics.update(zip(names, all_reduce([timing[n] for n in names], "max")))
         metrics["perf/tokens_per_s"] = metrics["perf/num_tokens"] / max(metrics["timing/step_s"], 1e-9)

@@ -47,6 +47,7 @@ from rlbus.schemas.errors import BusError
 from rlbus.schemas.wire import ErrorRaised, RoleStarted, RoleStopped, StepCompleted, TrajectoryGroup, WeightsPublished
 from rlbus.trainer.dist import spawn_local
 from rlbus.trainer.feeder import Feeder
+from rlbus.trainer.memory import peak_rss_bytes
 from rlbus.trainer.metrics import MetricsLog
 from rlbus.trainer.worker import StepPlan, StepResult, StepWorker, plan_shards
 
@@ -178,6 +179,8 @@ class TrainerService:
             t0 = time.perf_counter()
             await self._publish_weights(result.state_dict)
             row["time/publish_weights"] = time.perf_counter() - t0 + result.timings.get("time/gather_weights", 0.0)
+        # The engine reports its train step's peak over ranks; this process also gathered and published weights.
+        row["perf/peak_rss_gb"] = max(row.get("perf/peak_rss_gb", 0.0), peak_rss_bytes() / 1024**3)
         row["step"], row["version"] = self.step, self.version
         row["time/step"] = time.perf_counter() - t_step
         row["perf/tokens_per_s"] = row.pop("_tokens") / max(row["time/step"], 1e-9)

@@ -172,8 +172,11 @@ class Infrastructure:
         os.environ.update(self.head.env)  # the runs' processes join this head the way the launcher's children do
         ensure_ray(RayConfig(address=self.head.address))  # this process kills each run's actors afterwards
 
-    def overrides(self) -> list[str]:
-        return [f"bus.url={self.server.url}", f"bus.creds_file={self.server.creds_file}",
+    def overrides(self, name: str) -> list[str]:
+        """The run `name`'s addresses: the server gets the run's users (its admin file is handed to `rlbus up`,
+        which gives each child its own role's file from beside it)."""
+        self.server.add_run(name)
+        return [f"bus.url={self.server.url}", f"bus.creds_file={self.server.creds_file('admin', name)}",
                 f"ray.address={self.head.address}"]
 
     def forget_run(self, name: str) -> int:
@@ -206,7 +209,7 @@ def execute(spec: RunSpec, infra: Infrastructure, runs_dir: Path, warmup: int, t
         name = f"pipe-{spec.label}-{os.getpid()}-{attempt}"
         run_dir = runs_dir / name
         load = os.getloadavg()[0]
-        rows, stamps, rc, started, ended = tail_run(spec, name, run_dir, infra.overrides(), timeout_s)
+        rows, stamps, rc, started, ended = tail_run(spec, name, run_dir, infra.overrides(name), timeout_s)
         infra.forget_run(name)
         if rc == 0 and len(rows) > warmup + 1:
             res = measure(spec, rows, stamps, warmup)

@@ -61,7 +61,7 @@ def plot_run(parts: dict[str, list[float]], steps: list[int], title: str, out: P
         ax.bar(steps, parts[p], bottom=bottom, color=color, label=p, width=0.8)
         bottom = [b + v for b, v in zip(bottom, parts[p])]
     ax.set(title=title, xlabel="step", ylabel="seconds (stamp to stamp)")
-    ax.legend(fontsize=8, ncol=4, loc="upper right")
+    ax.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.15))
     ax.grid(alpha=0.3, axis="y")
     fig.savefig(out, dpi=100)
     plt.close(fig)
@@ -76,7 +76,7 @@ def plot_compare(means: dict[str, dict[str, float]], title: str, out: Path) -> P
     import matplotlib.pyplot as plt
 
     labels = list(means)
-    fig, ax = plt.subplots(figsize=(10, 0.45 * len(labels) + 1.5), constrained_layout=True)
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(labels) + 2.0), constrained_layout=True)
     left = [0.0] * len(labels)
     for p, color in zip(PARTS, COLORS):
         vals = [means[k].get(p, 0.0) for k in labels]
@@ -84,7 +84,7 @@ def plot_compare(means: dict[str, dict[str, float]], title: str, out: Path) -> P
         left = [a + b for a, b in zip(left, vals)]
     ax.invert_yaxis()
     ax.set(title=title, xlabel="mean seconds per step")
-    ax.legend(fontsize=8, ncol=4, loc="lower right")
+    ax.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.15))
     ax.grid(alpha=0.3, axis="x")
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)

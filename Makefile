@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-fast bench clean
+.PHONY: setup run test test-fast bench bench-trl clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ bench: $(STAMP)
 	$(PY) bench/trainer.py
 	$(PY) bench/rollout.py
 	$(PY) bench/recorder.py
+
+# rlbus against TRL's GRPOTrainer on one task (bench/peer_trl.py; TRL lives in its own venv, .bench/trl-venv).
+bench-trl: $(STAMP)
+	$(PY) bench/peer_trl.py --setup
+	$(PY) bench/peer_trl.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

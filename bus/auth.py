@@ -104,8 +104,13 @@ def permissions(run: str, role: Role) -> dict[str, dict[str, list[str]]]:
         pub += _js(s.prompts_stream, "STREAM.MSG.DELETE")  # moving a max_deliver'd prompt to the dead letters
         pub += [f"$JS.API.CONSUMER.MSG.NEXT.{s.traj_stream}.{s.traj_consumer}",
                 f"$JS.ACK.{s.traj_stream}.{s.traj_consumer}.>"]
-        advisory = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{s.prompts_stream}.{s.prompts_consumer}"
-        return {"publish": {"allow": pub}, "subscribe": {"allow": [inbox, advisory]}}
+        # The feeder's queue of max-deliveries advisories (the server itself publishes into it).
+        adv = s.advisories_stream
+        pub += _js(adv, "STREAM.CREATE", "STREAM.UPDATE", "STREAM.INFO")
+        pub += _consumer_api(adv, "CREATE", "DURABLE.CREATE", "INFO")
+        pub += [f"$JS.API.CONSUMER.MSG.NEXT.{adv}.{s.advisories_consumer}",
+                f"$JS.ACK.{adv}.{s.advisories_consumer}.>"]
+        return {"publish": {"allow": pub}, "subscribe": {"allow": [inbox]}}
     raise BusError(f"unknown bus role {role!r}; expected one of {list(ROLES)}")
 
 

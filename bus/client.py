@@ -28,13 +28,8 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import (
-    AckPolicy,
-    ConsumerConfig,
     DeliverPolicy,
-    KeyValueConfig,
     PubAck,
-    RetentionPolicy,
-    StorageType,
     StreamConfig,
 )
 from nats.js.kv import KeyValue
@@ -42,6 +37,7 @@ from nats.js.kv import KeyValue
 from rlbus.bus.auth import load_creds
 from rlbus.bus.delivery import ACK_TIMEOUT_S, MSG_ID_HEADER, Delivery, dead_letter_of
 from rlbus.bus.retry import is_transient, retrying
+from rlbus.bus.streams import consumer_configs, kv_config, stream_configs
 from rlbus.schemas.config import BusConfig
 from rlbus.schemas.errors import BusError, SchemaError
 from rlbus.schemas.subjects import Subjects
@@ -53,8 +49,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Window in which JetStream drops a re-published message with the same Nats-Msg-Id (seconds).
-DUPLICATE_WINDOW_S = 300.0
 #: How long one JetStream publish waits for its ack; a publish is retried for `bus.retry_s` (bus/retry.py).
 PUBLISH_TIMEOUT_S = 5.0
 #: nats-server error code: "stream name already in use with a different configuration".
@@ -67,47 +61,6 @@ _DELIVER = {
     "last": DeliverPolicy.LAST,
     "last_per_subject": DeliverPolicy.LAST_PER_SUBJECT,  # e.g. each producer's last heartbeat
 }
-
-
-def stream_configs(s: Subjects, cfg: BusConfig) -> list[StreamConfig]:
-    """The run's streams as `Bus.ensure_streams` creates them (also what `rlbus schema` documents)."""
-    common: dict[str, Any] = {"storage": StorageType.FILE, "num_replicas": cfg.replicas,
-                              "duplicate_window": DUPLICATE_WINDOW_S}
-    # Prompts are a work queue: a task leaves the stream once a producer acks it; no age limit, never lost.
-    out = [StreamConfig(name=s.prompts_stream, subjects=[s.prompts], retention=RetentionPolicy.WORK_QUEUE, **common)]
-    for name, subject in ((s.traj_stream, s.traj), (s.weights_stream, s.weights), (s.events_stream, s.events)):
-        out.append(StreamConfig(name=name, subjects=[subject], retention=RetentionPolicy.LIMITS,
-                                max_age=cfg.max_age_s or None, **common))
-    return out
-
-
-def kv_config(s: Subjects, cfg: BusConfig) -> KeyValueConfig:
-    """The weights bucket: key `latest` holds the newest WeightsPublished, for late joiners."""
-    return KeyValueConfig(bucket=s.weights_bucket, history=1, storage=StorageType.FILE, replicas=cfg.replicas)
-
-
-def consumer_configs(s: Subjects, cfg: BusConfig,
-                     traj_max_ack_pending: int | None = None) -> list[tuple[str, ConsumerConfig]]:
-    """The run's durable consumers, each with the stream it reads."""
-    return [
-        (s.prompts_stream, ConsumerConfig(
-            name=s.prompts_consumer,
-            durable_name=s.prompts_consumer,
-            ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=cfg.ack_wait_s,
-            max_deliver=cfg.max_deliver,
-            filter_subject=s.prompts,
-        )),
-        (s.traj_stream, ConsumerConfig(
-            name=s.traj_consumer,
-            durable_name=s.traj_consumer,
-            ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=cfg.ack_wait_s,
-            max_deliver=-1,  # a group is retried until the trainer acks it; it never expires into a dead letter
-            filter_subject=s.traj,
-            max_ack_pending=traj_max_ack_pending,
-        )),
-    ]
 
 
 def _is_auth_error(e: Exception) -> bool:
@@ -287,7 +240,7 @@ class Bus:
         while True:
             try:
                 for stream in (s.prompts_stream, s.traj_stream, s.weights_stream, s.events_stream,
-                               f"KV_{s.weights_bucket}"):
+                               f"KV_{s.weights_bucket}"):  # (the advisories stream is the trainer's alone)
                     missing = f"stream {stream}"
                     await self.js.stream_info(stream)
                 missing = f"consumer {s.prompts_consumer} of {s.prompts_stream}"
@@ -488,39 +441,65 @@ class Bus:
         """Messages of a durable consumer that reached max_deliver without an ack, each moved to the dead letters.
 
         JetStream stops redelivering such a message and only says so in an advisory; left alone it would sit in a
-        work queue forever. For every advisory this takes the message out of its stream, publishes it as a
-        DeadLetter (reason: the delivery count) and yields that letter, so the caller can re-issue the work.
-        Advisories are core NATS messages: one sent while nobody listens is not seen.
+        work queue forever. The advisories of the prompts consumer are kept in the run's advisories stream (a work
+        queue, so one sent while nobody listened waits there). For each, this takes the message out of its stream,
+        publishes it as a DeadLetter (reason: the delivery count), acks the advisory and yields the letter, so the
+        caller can re-issue the work. Only the prompts consumer's advisories are captured.
         """
+        s = self.subjects
+        if (subject, durable) != (s.prompts, s.prompts_consumer):
+            raise BusError(f"only {s.prompts_consumer} of {s.prompts} has its max-deliveries advisories kept")
         stream = self.stream_of(subject)
-        sub = await self.nc.subscribe(f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{durable}")
+        sub = await self._retry("bind the advisories consumer", lambda: self.js.pull_subscribe_bind(
+            durable=s.advisories_consumer, stream=s.advisories_stream))
         try:
-            async for m in sub.messages:
-                advisory = msgspec.json.decode(m.data)
-                seq, deliveries = int(advisory["stream_seq"]), int(advisory.get("deliveries", 0))
+            while True:
                 try:
-                    raw = await self._retry(f"get {stream} seq {seq}", lambda: self.js.get_msg(stream, seq))
-                except nats.js.errors.NotFoundError:
-                    continue  # acked or removed meanwhile: nothing was lost
-                letter = DeadLetter(
-                    reason=f"not acknowledged after {deliveries} deliveries (max_deliver)",
-                    original_subject=raw.subject or subject,
-                    payload=bytes((raw.data or b"")[:DEAD_LETTER_EXCERPT]),
-                    payload_bytes=len(raw.data or b""),
-                    stream_seq=seq,
-                    num_delivered=deliveries,
-                    consumer=durable,
-                )
-                await self.publish(self.subjects.dead_letter, letter)
-                try:
-                    await self._retry(f"delete {stream} seq {seq}", lambda: self.js.delete_msg(stream, seq))
-                except nats.js.errors.NotFoundError:
-                    pass  # another watcher moved it first; the letter's msg_id-less copy is harmless
-                log.warning("bus %s: %s seq %d dead-lettered after %d deliveries", self.name, subject, seq, deliveries)
-                yield letter
+                    msgs = await sub.fetch(8, timeout=1.0)
+                except asyncio.TimeoutError:
+                    continue
+                except Exception as e:
+                    if not is_transient(e):
+                        raise
+                    await asyncio.sleep(0.5)
+                    continue
+                for m in msgs:
+                    letter = await self._move_exhausted(m, stream, subject, durable)
+                    await self._settle(m, b"+ACK", s.advisories_consumer)
+                    if letter is not None:
+                        yield letter
         finally:
             if not self.nc.is_closed:
                 await sub.unsubscribe()
+
+    async def _move_exhausted(self, advisory_msg: Msg, stream: str, subject: str, durable: str) -> DeadLetter | None:
+        try:
+            advisory = msgspec.json.decode(advisory_msg.data)
+            seq, deliveries = int(advisory["stream_seq"]), int(advisory.get("deliveries", 0))
+        except (msgspec.DecodeError, KeyError, TypeError, ValueError):
+            log.warning("bus %s: unreadable max-deliveries advisory %r; skipped", self.name, advisory_msg.data[:200])
+            return None
+        try:
+            raw = await self._retry(f"get {stream} seq {seq}", lambda: self.js.get_msg(stream, seq))
+        except nats.js.errors.NotFoundError:
+            return None  # acked or removed meanwhile (or moved before a crash): nothing was lost
+        letter = DeadLetter(
+            reason=f"not acknowledged after {deliveries} deliveries (max_deliver)",
+            original_subject=raw.subject or subject,
+            payload=bytes((raw.data or b"")[:DEAD_LETTER_EXCERPT]),
+            payload_bytes=len(raw.data or b""),
+            stream_seq=seq,
+            num_delivered=deliveries,
+            consumer=durable,
+        )
+        # The msg id makes a second move of the same message (a crash before the delete) one letter, not two.
+        await self.publish(self.subjects.dead_letter, letter, msg_id=f"exhausted-{stream}-{seq}")
+        try:
+            await self._retry(f"delete {stream} seq {seq}", lambda: self.js.delete_msg(stream, seq))
+        except nats.js.errors.NotFoundError:
+            pass
+        log.warning("bus %s: %s seq %d dead-lettered after %d deliveries", self.name, subject, seq, deliveries)
+        return letter
 
     # -- KV and status -----------------------------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ import msgspec
 import msgspec.inspect as mi
 
 from rlbus.bus.auth import ROLES, RunCredentials, load_creds
-from rlbus.bus.client import DUPLICATE_WINDOW_S, consumer_configs, kv_config, stream_configs
+from rlbus.bus.streams import DUPLICATE_WINDOW_S, consumer_configs, kv_config, stream_configs
 from rlbus.schemas import wire
 from rlbus.schemas.config import BusConfig
 from rlbus.schemas.subjects import Subjects

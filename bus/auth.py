@@ -88,7 +88,9 @@ def permissions(run: str, role: Role) -> dict[str, dict[str, list[str]]]:
     if role == "observer":
         return {"publish": {"allow": _reader(s, streams, kv_stream)}, "subscribe": {"allow": [inbox]}}
     if role == "producer":
-        own_events = [s.event("heartbeat.*"), s.event("lifecycle"), s.event("error"), s.dead_letter]
+        # events.eval: the evaluator role (producers/evaluator.py) runs with the producer's credential.
+        own_events = [s.event("heartbeat.*"), s.event("lifecycle"), s.event("error"), s.event("eval"),
+                      s.dead_letter]
         pub = [s.traj, *own_events, *_reader(s, [s.weights_stream], kv_stream)]
         pub += _js(s.prompts_stream, "STREAM.INFO") + _js(s.traj_stream, "STREAM.INFO")
         pub += _js(s.events_stream, "STREAM.INFO")

@@ -20,7 +20,7 @@ SECTIONS = {
     "bus": C.BusConfig, "ray": C.RayConfig, "model": C.ModelConfig, "data": C.DataConfig,
     "rollout": C.RolloutConfig, "rollout.engine (type: hf)": C.HFEngineConfig,
     "rollout.engine (type: vllm)": C.VLLMEngineConfig, "rollout.engine (type: simulated)": C.SimulatedEngineConfig,
-    "algorithm": C.AlgorithmConfig, "trainer": C.TrainerConfig, "feeder": C.FeederConfig,
+    "algorithm": C.AlgorithmConfig, "trainer": C.TrainerConfig, "feeder": C.FeederConfig, "eval": C.EvalConfig,
     "logging": C.LoggingConfig,
 }
 

@@ -44,7 +44,8 @@ from rlbus.schemas.config import load_config
 from rlbus.schemas.wire import Event, TrajectoryGroup, WeightsPublished
 
 #: What `--kind` accepts: the archive kinds plus `steps` (the step records).
-ALL_KINDS = ("prompts", "traj", "weights", "steps", "completed", "heartbeats", "lifecycle", "errors", "dead-letter")
+ALL_KINDS = ("prompts", "traj", "weights", "steps", "completed", "heartbeats", "lifecycle", "errors", "dead-letter",
+             "evals")
 
 
 class Filters(msgspec.Struct, kw_only=True):
@@ -121,6 +122,8 @@ def _entry_row(kind: str, e: Entry[Any], trained: dict[str, int]) -> dict[str, A
         row["step"] = trained.get(e.msg.task_id)
     elif kind == "dead-letter":
         row["payload"] = f"{len(e.msg.payload)} bytes"
+    elif kind == "evals":
+        row["accuracy"] = e.msg.metrics.get("eval/accuracy")
     return row
 
 
@@ -152,6 +155,7 @@ _COLUMNS: dict[str, tuple[str, ...]] = {
     "lifecycle": ("seq", "type", "role", "role_id", "detail", "reason"),
     "errors": ("seq", "role", "role_id", "error", "message", "fatal"),
     "dead-letter": ("seq", "original_subject", "reason", "num_delivered", "payload"),
+    "evals": ("seq", "version", "step", "num_prompts", "accuracy", "seconds"),
 }
 
 

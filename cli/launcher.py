@@ -155,6 +155,7 @@ class Launcher:
     ray_head: RayHead | None  # the loopback Ray head, when the config gives no ray.address
     trainer: Child | None
     producers: list[Child]  # running and supervised, oldest first
+    evaluator: Child | None  # the held-out evaluation role, when eval.interval > 0
     retiring: dict[str, asyncio.Task]  # producer id -> its stop, for producers scaled away (never restarted)
     _launch: Path | None  # the children's config file
     _scale_seen: int | None  # the last RUN_DIR/scale request applied (or refused)
@@ -169,6 +170,7 @@ class Launcher:
         self.run_dir = cfg.run_dir
         self.server = self.ray_head = self.trainer = None
         self.producers, self.retiring = [], {}
+        self.evaluator = None
         self._launch, self._scale_seen = None, None
         self._target, self._reported, self._started = cfg.rollout.num_producers, None, {}
         self._stop = asyncio.Event()
@@ -258,6 +260,10 @@ class Launcher:
             self.trainer.start()
             for _ in range(child_cfg.rollout.num_producers):
                 self._add_producer()
+            if child_cfg.eval.interval > 0:  # with the producers' credential: it reads weights, publishes events
+                self.evaluator = Child("evaluator", _role_argv("evaluator", launch, creds=self._creds("producer")),
+                                       self.run_dir / "logs" / "evaluator.log", role_id="evaluator")
+                self.evaluator.start()
             self._report_producers()
             return await self._supervise(child_cfg)
         finally:
@@ -293,7 +299,7 @@ class Launcher:
                 self._reap_retired()
                 self._report_producers()
                 # The trainer resumes from its checkpoint; the groups of the steps it lost are redelivered to it.
-                for child in [self.trainer, *self.producers]:
+                for child in [self.trainer, *self.producers, *([self.evaluator] if self.evaluator else [])]:
                     started = monitor.started.get(child.role_id, 0.0)
                     if not self._restart_if_dead(child, got_going=started >= child.started_at):
                         monitor.stop()
@@ -399,7 +405,8 @@ class Launcher:
     async def _stop_children(self) -> None:
         # All at once: the trainer checkpoints after the step in hand, producers nak what they hold. Stopping
         # producers first would let the trainer go on training from the groups already queued meanwhile.
-        children = [*self.producers, *([self.trainer] if self.trainer is not None else [])]
+        children = [*self.producers, *([self.trainer] if self.trainer is not None else []),
+                    *([self.evaluator] if self.evaluator is not None else [])]
         await asyncio.gather(*(c.stop() for c in children), *self.retiring.values())
 
     def _finish(self) -> int:

@@ -65,6 +65,12 @@ def cmd_producer(args: argparse.Namespace) -> int:
     return producer_main(_load(args), producer_id=args.id)
 
 
+def cmd_evaluator(args: argparse.Namespace) -> int:
+    from rlbus.producers.evaluator import main as evaluator_main
+
+    return evaluator_main(_load(args))
+
+
 def cmd_trainer(args: argparse.Namespace) -> int:
     from rlbus.trainer.service import main as trainer_main
 
@@ -134,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=cmd_bus_up)
 
     # init-model and rollout parse their own arguments (their modules own the flags).
-    im = sub.add_parser("init-model", help="build the tiny quickstart model and tokenizer offline", add_help=False)
+    im = sub.add_parser("init-model", help="build the tiny quickstart model offline, or import a GGUF model", add_help=False)
     im.add_argument("rest", nargs=argparse.REMAINDER)
     im.set_defaults(func=cmd_init_model)
     ro = sub.add_parser("rollout", help="dry-run the agent loop on N prompts (no bus, no Ray)", add_help=False)
@@ -160,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr = with_config(sub.add_parser("producer", help="run a rollout producer (any number, any time)"))
     pr.add_argument("--id", default="", help="producer id (default: <host>-<pid>)")
     pr.set_defaults(func=cmd_producer)
+    ev = with_config(sub.add_parser("evaluator", help="score weight versions on held-out prompts (eval.interval)"))
+    ev.set_defaults(func=cmd_evaluator)
     with_config(sub.add_parser("trainer", help="run the trainer (and the prompt feeder)")).set_defaults(func=cmd_trainer)
     with_config(sub.add_parser("up", help="all in one: bus, Ray, trainer and producers, supervised, with progress")
                 ).set_defaults(func=cmd_up)

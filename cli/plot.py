@@ -1,4 +1,5 @@
-"""Curves of a run: reward, staleness and throughput against step, from `<run_dir>/metrics.jsonl`.
+"""Curves of a run: reward (and the held-out eval accuracy), staleness and throughput against step, from
+`<run_dir>/metrics.jsonl`.
 
     rlbus plot runs/quickstart            # writes runs/quickstart/curves.png
 """
@@ -18,7 +19,10 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 
     run_dir = Path(run_dir)
-    rows = read_metrics(run_dir)
+    every = read_metrics(run_dir)
+    # The evaluator's scores are rows of their own (eval/*, at the step of the version scored).
+    evals = [r for r in every if "eval/accuracy" in r]
+    rows = [r for r in every if "eval/accuracy" not in r]
     if not rows:
         raise FileNotFoundError(f"{run_dir / 'metrics.jsonl'} holds no steps to plot")
     steps = [r["step"] for r in rows]
@@ -33,6 +37,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     low = [max(m - s, 0.0) for m, s in zip(mean, std)]  # rewards live in [0, 1]: clip the +-std band there
     high = [min(m + s, 1.0) for m, s in zip(mean, std)]
     ax.fill_between(steps, low, high, alpha=0.2, label="+-1 std (clipped)")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval/accuracy"] for r in evals], marker="s", color="tab:red",
+                label=f"eval/accuracy (held-out, {evals[-1].get('eval/num_prompts', '?')} prompts)")
     ax.set(title="reward", xlabel="step", ylim=(-0.05, 1.05))
     ax.legend(loc="lower right")
     ax = axes[1]

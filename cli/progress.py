@@ -38,10 +38,17 @@ def last_metrics(run_dir: Path) -> dict[str, Any]:
         f.seek(max(0, f.tell() - 65536))
         lines = f.read().decode(errors="replace").strip().splitlines()
 
+    # The last training row, with the newest eval/* of the evaluator's own rows (eval.interval) added to it.
+    found: dict[str, Any] = {}
     for line in reversed(lines):
         with contextlib.suppress(json.JSONDecodeError):
-            return json.loads(line)
-    return {}
+            row = json.loads(line)
+            if "eval/accuracy" in row:
+                found.setdefault("eval/accuracy", row["eval/accuracy"])
+                found.setdefault("eval/step", row.get("step"))
+            else:
+                return {**row, **found}
+    return found
 
 
 class RunMonitor:
@@ -124,7 +131,7 @@ class RunMonitor:
         m = last_metrics(self.cfg.run_dir)
         self._progress.update(self._task_id, completed=m.get("step", 0))
         table = Table.grid(padding=(0, 3))
-        for _ in range(7):
+        for _ in range(8):
             table.add_column()
 
         def fmt(key: str, spec: str = ".3f") -> str:
@@ -133,8 +140,9 @@ class RunMonitor:
 
         # clip: the share of tokens whose PPO ratio left [1 - low, 1 + high] (actor/clipfrac); it stays 0 with one
         # update per step (trainer.mini_batches 1), where the ratio is 1 by construction.
-        table.add_row("reward", "clip", "tokens/s", "staleness", "producers", "prompts queued", "groups waiting")
-        table.add_row(fmt("reward/mean"), fmt("actor/clipfrac"), fmt("perf/tokens_per_s", ".0f"),
+        table.add_row("reward", "eval", "clip", "tokens/s", "staleness", "producers", "prompts queued",
+                      "groups waiting")
+        table.add_row(fmt("reward/mean"), fmt("eval/accuracy"), fmt("actor/clipfrac"), fmt("perf/tokens_per_s", ".0f"),
                       fmt("staleness/mean", ".2f"),
                       f"{self.online()}/{len(self._children)}", str(self.queue.get("prompts", "-")),
                       str(self.queue.get("traj", "-")))
@@ -144,7 +152,9 @@ class RunMonitor:
 def summary_table(run_dir: Path) -> Table:
     """First and last steps of a run side by side, plus what the run directory holds."""
 
-    rows = read_metrics(run_dir)
+    every = read_metrics(run_dir)
+    rows = [r for r in every if "eval/accuracy" not in r]  # the evaluator's rows are apart
+    evals = [r for r in every if "eval/accuracy" in r]
     table = Table(title=f"run {run_dir}", show_lines=False)
     table.add_column("metric")
     table.add_column("first 5 steps", justify="right")
@@ -159,5 +169,8 @@ def summary_table(run_dir: Path) -> Table:
     for key in ("reward/mean", "tool_calls/mean", "response_length/mean", "staleness/mean", "actor/pg_loss",
                 "actor/entropy", "actor/clipfrac", "actor/grad_norm", "perf/tokens_per_s", "time/step"):
         table.add_row(key, avg(rows[:5], key), avg(rows[-10:], key))
+    if evals:  # held-out accuracy: the first evaluation against the last
+        table.add_row(f"eval/accuracy (step {evals[0]['step']} / {evals[-1]['step']})",
+                      f"{evals[0]['eval/accuracy']:.3f}", f"{evals[-1]['eval/accuracy']:.3f}")
     table.caption = f"{len(rows)} steps; metrics.jsonl, tensorboard/, curves.png, checkpoints/, final_model/"
     return table

@@ -44,6 +44,7 @@ from rlbus.schemas.errors import RlbusError
 from rlbus.schemas.wire import (
     DeadLetter,
     ErrorRaised,
+    EvalCompleted,
     ProducerHeartbeat,
     ProducersScaled,
     PromptTask,
@@ -115,6 +116,7 @@ KINDS: dict[str, tuple[str, Any]] = {
     "lifecycle": ("lifecycle.jsonl", Union[RoleStarted, RoleStopped, ProducersScaled]),
     "errors": ("errors.jsonl", ErrorRaised),
     "dead-letter": ("dead_letters.jsonl", DeadLetter),
+    "evals": ("evals.jsonl", EvalCompleted),
 }
 EVENT_KIND: dict[type, str] = {
     StepCompleted: "completed",
@@ -124,6 +126,7 @@ EVENT_KIND: dict[type, str] = {
     ProducersScaled: "lifecycle",
     ErrorRaised: "errors",
     DeadLetter: "dead-letter",
+    EvalCompleted: "evals",
 }
 
 

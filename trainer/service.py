@@ -44,7 +44,15 @@ from rlbus.consumers.recorder import Recorder
 from rlbus.schemas import staleness
 from rlbus.schemas.config import RunConfig, to_yaml
 from rlbus.schemas.errors import BusError
-from rlbus.schemas.wire import ErrorRaised, RoleStarted, RoleStopped, StepCompleted, TrajectoryGroup, WeightsPublished
+from rlbus.schemas.wire import (
+    ErrorRaised,
+    EvalCompleted,
+    RoleStarted,
+    RoleStopped,
+    StepCompleted,
+    TrajectoryGroup,
+    WeightsPublished,
+)
 from rlbus.trainer.dist import spawn_local
 from rlbus.trainer.feeder import Feeder
 from rlbus.trainer.memory import peak_rss_bytes
@@ -70,6 +78,8 @@ class TrainerService:
     recorder: Recorder | None
     _stopping: asyncio.Event
     _feeder_task: asyncio.Task | None
+    _eval_task: asyncio.Task | None  # writes the evaluator's EvalCompleted events into the metrics (eval.interval)
+    _evals: dict[int, asyncio.Event]  # version -> set once its EvalCompleted is written
     _incarnation: str  # this trainer process, in its weights announcements' message ids
 
     def __init__(self, cfg: RunConfig, worker: StepWorker):
@@ -77,7 +87,8 @@ class TrainerService:
         self.step = self.version = 0
         self.bus = self.weight_store = self.feeder = self.batcher = self.metrics = self.recorder = None
         self._stopping = asyncio.Event()
-        self._feeder_task = None
+        self._feeder_task = self._eval_task = None
+        self._evals = {}
         self._incarnation = uuid.uuid4().hex[:12]
 
     async def start(self) -> None:
@@ -101,6 +112,8 @@ class TrainerService:
         self.batcher = Batcher(cfg, self.bus, self.worker.tq, self.feeder, trained=set(extra.get("trained", ())))
         self.metrics = MetricsLog(run_dir, tensorboard=cfg.logging.tensorboard, resume_step=self.step,
                                   logging=cfg.logging, run_name=cfg.name, config=yaml.safe_load(to_yaml(cfg)))
+        if cfg.eval.interval > 0:  # before the first weights go out: the evaluator scores version 0 at once
+            self._eval_task = asyncio.create_task(self._collect_evals(), name="evals")
         await self.bus.publish_event(RoleStarted(role="trainer", role_id=f"trainer-{os.getpid()}",
                                                  host=socket.gethostname(), pid=os.getpid(),
                                                  detail=f"step {self.step} version {self.version}"))
@@ -146,6 +159,34 @@ class TrainerService:
                 last_ckpt = self.step
         if self.step > last_ckpt:  # stopped early: leave the run resumable from here
             await self._checkpoint()
+        if self._eval_task is not None and self.step >= total and not self._stopping.is_set():
+            await self._await_eval(self.version, self.cfg.eval.final_timeout_s)
+
+    async def _collect_evals(self) -> None:
+        """Each EvalCompleted becomes a row of its own in metrics.jsonl (step, version, eval/*) and in TensorBoard."""
+        async for e in self.bus.watch(self.bus.subjects.event("eval"), EvalCompleted, deliver="new"):
+            row: dict[str, Any] = {"step": e.step, "version": e.version, "eval/num_prompts": e.num_prompts}
+            row.update(e.metrics)
+            self.metrics.append(row)
+            log.info("eval at step %d (v%d): accuracy %.3f", e.step, e.version, e.metrics.get("eval/accuracy", -1))
+            self._evals.setdefault(e.version, asyncio.Event()).set()
+
+    async def _await_eval(self, version: int, timeout: float) -> None:
+        """Wait (bounded) for the evaluator's score of `version`: training is over, the run's last eval is not."""
+        done = self._evals.setdefault(version, asyncio.Event())
+        if done.is_set():
+            return
+        log.info("waiting up to %.0fs for the evaluation of v%d", timeout, version)
+        stopper = asyncio.create_task(self._stopping.wait())
+        waiter = asyncio.create_task(done.wait())
+        finished, _ = await asyncio.wait({stopper, waiter, self._eval_task}, timeout=timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        waiter.cancel()
+        if self._eval_task in finished:
+            raise_if_failed(self._eval_task)
+        if not done.is_set():
+            log.warning("no evaluation of v%d arrived within %.0fs", version, timeout)
 
     async def _train_one_step(self) -> dict | None:
         t_wait = time.perf_counter()
@@ -279,9 +320,10 @@ class TrainerService:
         return await asyncio.to_thread(both)
 
     async def close(self, reason: str, clean: bool) -> None:
-        if self._feeder_task is not None:
-            self._feeder_task.cancel()
-            await asyncio.gather(self._feeder_task, return_exceptions=True)
+        for task in (self._feeder_task, self._eval_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self.batcher is not None:
             await self.batcher.stop()
         if self.metrics is not None:

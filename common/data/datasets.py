@@ -163,23 +163,51 @@ def _read_parquet(path: Path) -> Iterator[tuple[int, Any]]:
         yield num, row
 
 
-def _synthetic(cfg: DataConfig) -> list[Example]:
-    from rlbus.common.model.demos import QUICKSTART_SYSTEM_PROMPT, arithmetic_problem
+def _synthetic(cfg: DataConfig, *, exclude: frozenset[str] = frozenset()) -> list[Example]:
+    from rlbus.common.model.demos import QUICKSTART_SYSTEM_PROMPT, arithmetic_problem, few_shot_messages
 
     rng = random.Random(cfg.seed)
     system = cfg.system_prompt or QUICKSTART_SYSTEM_PROMPT
-    out = []
-    for i in range(cfg.num_examples):
+    shots = [ChatMessage(role=m["role"], content=m["content"]) for m in few_shot_messages(cfg.few_shot)]
+    out: list[Example] = []
+    # Bounded: two-digit problems are finite (2 x 90 x 90), so an exclusion set could otherwise starve the loop.
+    for i in range(50 * cfg.num_examples):
+        if len(out) == cfg.num_examples:
+            break
         question, answer = arithmetic_problem(rng)
+        if question in exclude:
+            continue
         out.append(
             Example(
-                prompt=[ChatMessage(role="system", content=system), ChatMessage(role="user", content=question)],
+                prompt=[ChatMessage(role="system", content=system), *shots,
+                        ChatMessage(role="user", content=question)],
                 ground_truth=str(answer),
                 data_source="synthetic_arithmetic",
                 extra_info={"seed": cfg.seed, "index": i},
             )
         )
     return out
+
+
+#: The held-out synthetic set's seed is the training set's plus this.
+HELDOUT_SEED_OFFSET = 1000
+
+
+def load_heldout(cfg: DataConfig, num_examples: int, tokenizer: Any = None) -> PromptDataset:
+    """The evaluation prompts: for synthetic data, `num_examples` problems of another seed, none of whose questions
+    is in the training set; for a file, its last `num_examples` rows (hold them out of training yourself)."""
+    if cfg.type != "synthetic":
+        full = load_dataset(cfg, tokenizer)
+        examples = list(full)[-num_examples:]
+        return PromptDataset(examples, f"{full.name}[-{len(examples)}:]")
+    train = {ex.prompt[-1].content for ex in _synthetic(cfg)}
+    held_cfg = msgspec.structs.replace(cfg, seed=cfg.seed + HELDOUT_SEED_OFFSET, num_examples=num_examples)
+    examples = _synthetic(held_cfg, exclude=frozenset(train))
+    if tokenizer is not None:
+        examples = _drop_long(examples, cfg.max_prompt_tokens, tokenizer, "held-out")
+    for i, ex in enumerate(examples):
+        ex.index = i
+    return PromptDataset(examples, f"synthetic held-out(seed={held_cfg.seed}, n={len(examples)})")
 
 
 def load_dataset(cfg: DataConfig, tokenizer: Any = None) -> PromptDataset:

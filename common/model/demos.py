@@ -61,6 +61,25 @@ def prompt_messages(question: str) -> list[Message]:
     return [{"role": "system", "content": QUICKSTART_SYSTEM_PROMPT}, {"role": "user", "content": question}]
 
 
+#: The worked examples `data.few_shot` puts before a question (fixed, so every prompt of a run shows the same ones).
+FEW_SHOT_PROBLEMS: tuple[tuple[str, str], ...] = (("What is 12*34?", "408"), ("What is 45+27?", "72"),
+                                                  ("What is 63*18?", "1134"), ("What is 29+58?", "87"))
+
+
+def few_shot_messages(k: int) -> list[Message]:
+    """`k` worked calculator conversations (user, tool call, tool result, answer): what a real chat model that was
+    never shown this task's format copies from its context."""
+    if k > len(FEW_SHOT_PROBLEMS):
+        raise ValueError(f"at most {len(FEW_SHOT_PROBLEMS)} few-shot examples, not {k}")
+    out: list[Message] = []
+    for question, answer in FEW_SHOT_PROBLEMS[:k]:
+        out += [{"role": "user", "content": question},
+                {"role": "assistant", "content": tool_call_text(question_expression(question))},
+                {"role": "tool", "content": answer},
+                {"role": "assistant", "content": answer_text(answer)}]
+    return out
+
+
 def demonstration(question: str, answer: str, *, use_tool: bool) -> list[Message]:
     """A full conversation that solves `question`, with or without the calculator."""
     messages = prompt_messages(question)

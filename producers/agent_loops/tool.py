@@ -2,7 +2,8 @@
 
 `rollout.agent_loop: tool` (the default). Each turn, the samples of a group that are still running generate
 together (one batched engine call) until `<|im_end|>` or max_new_tokens. A turn holding
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` runs the tool(s) (async, timed, all samples at once)
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (or another form real models write: tool_parser.py) runs
+the tool(s) (async, timed, all samples at once)
 and the environment inserts the tool response and the next assistant header -- tokenized from the chat
 template's own rendering, with mask 0. A turn with no tool call, or with an `<answer>`, ends the episode
 ("stop"); so do a tool call in the last allowed turn ("max_turns") and running out of response tokens ("length").
@@ -15,63 +16,37 @@ to read: the rollout never fails because of what the model wrote.
 from __future__ import annotations
 
 import asyncio
-import json
-import re
 import time
-from dataclasses import dataclass
-from typing import Any
 
-from rlbus.common.chat import ANSWER_START, TOOL_CALL_END, TOOL_CALL_START
+from rlbus.common.chat import ANSWER_START
 from rlbus.producers.agent_loops.base import AgentLoop, Trajectory
+from rlbus.producers.agent_loops.tool_parser import ToolCall, parse_tool_calls
 from rlbus.schemas.errors import RlbusError
 from rlbus.schemas.wire import ChatMessage, PromptTask
-
-TOOL_CALL_RE = re.compile(re.escape(TOOL_CALL_START) + r"(.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
 
 
 class ChatTemplateError(RlbusError):
     """The tokenizer's chat template cannot be extended turn by turn (rendering is not prefix-stable)."""
 
 
-@dataclass
-class ToolCall:
-    """One parsed call; `error` set instead when the model's call could not be understood."""
-
-    name: str = ""
-    arguments: dict[str, Any] | None = None
-    error: str = ""
-
-
-def _parse_one(body: str) -> ToolCall:
-    try:
-        call = json.loads(body)
-    except json.JSONDecodeError as e:
-        return ToolCall(error=f"error: invalid tool call JSON ({e.msg} at column {e.colno})")
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        return ToolCall(error='error: a tool call must be {"name": str, "arguments": {...}}')
-    args = call.get("arguments", {})
-    if isinstance(args, str):  # OpenAI style: arguments as a JSON string
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return ToolCall(error="error: tool call arguments are not valid JSON")
-    if not isinstance(args, dict):
-        return ToolCall(error="error: tool call arguments must be an object")
-    return ToolCall(name=call["name"], arguments=args)
-
-
-def parse_tool_calls(text: str) -> list[ToolCall]:
-    """Every `<tool_call>...</tool_call>` of an assistant turn, in order; an unclosed one is an error call."""
-    calls = [_parse_one(m.group(1)) for m in TOOL_CALL_RE.finditer(text)]
-    tail = TOOL_CALL_RE.sub("", text)
-    if TOOL_CALL_START in tail:
-        calls.append(ToolCall(error="error: unterminated <tool_call> (close it with </tool_call>)"))
-    return calls
+__all__ = ["ChatTemplateError", "ToolAgentLoop", "ToolCall", "parse_tool_calls"]
 
 
 class ToolAgentLoop(AgentLoop):
     async def rollout_group(self, task: PromptTask, n: int) -> list[Trajectory]:
         trajs = self.start(task, n)
+        await self._episodes(trajs)
+        await self.score(task, trajs)
+        return trajs
+
+    async def rollout_many(self, tasks: list[PromptTask], n: int) -> list[list[Trajectory]]:
+        """Several tasks' groups at once: each turn is one batched engine call over every sample still running."""
+        groups = [self.start(task, n) for task in tasks]
+        await self._episodes([t for g in groups for t in g])
+        await asyncio.gather(*(self.score(task, g) for task, g in zip(tasks, groups)))
+        return groups
+
+    async def _episodes(self, trajs: list[Trajectory]) -> None:
         while active := [t for t in trajs if not t.done]:
             texts = await self.generate_turn(active)
             pending: list[tuple[Trajectory, list[ToolCall]]] = []
@@ -86,8 +61,6 @@ class ToolAgentLoop(AgentLoop):
                 else:
                     pending.append((traj, calls))
             await asyncio.gather(*(self._run_tools(traj, calls) for traj, calls in pending))
-        await self.score(task, trajs)
-        return trajs
 
     async def _run_tools(self, traj: Trajectory, calls: list[ToolCall]) -> None:
         t0 = time.perf_counter()

@@ -13,7 +13,7 @@ from typing import Mapping
 import pytest
 
 from rlbus.producers.agent_loops import Trajectory, make_agent_loop
-from rlbus.producers.agent_loops.tool import parse_tool_calls
+from rlbus.producers.agent_loops.tool_parser import parse_tool_calls
 from rlbus.producers.engines.base import Generation, RolloutEngine, SamplingParams
 from rlbus.common.model.demos import QUICKSTART_SYSTEM_PROMPT, answer_text, tool_call_text
 from rlbus.common.model.tokenizer import build_tokenizer
@@ -147,7 +147,7 @@ async def test_handbook_example_calculator_call_then_answer(tok) -> None:
         ('<tool_call>{"name": "search", "arguments": {"q": "17*23"}}</tool_call>', "unknown tool 'search'"),
         ('<tool_call>["calculator"]</tool_call>', "a tool call must be"),
         ('<tool_call>{"name": "calculator", "arguments": 5}</tool_call>', "arguments must be an object"),
-        ('<tool_call>{"name": "calculator", "arguments": {"expression": "17*"}}', "unterminated"),
+        ('<tool_call>{"name": "calculator", "arguments": {"expression": "17*', "unterminated"),
         ('<tool_call>{"name": "calculator", "arguments": {"expr": "1"}}</tool_call>', "missing argument"),
         ('<tool_call>{"name": "calculator", "arguments": {"expression": "1/0"}}</tool_call>', "division by zero"),
     ],

@@ -121,6 +121,7 @@ class HFEngine(RolloutEngine):
     _lock: threading.Lock  # serialises generate chunks and the swap of new weights (both in worker threads)
     _load_lock: threading.Lock  # one weight load at a time
     last_load_pause_s: float  # how long the last weight load held generation (the swap, not the copy)
+    _spare: dict[str, torch.Tensor]  # the tensors the last load swapped out: the next load copies into them
     _generator: torch.Generator
 
     def __init__(self, model_path: str, engine_cfg: HFEngineConfig, *, version: int = 0, seed: int | None = None):
@@ -137,6 +138,7 @@ class HFEngine(RolloutEngine):
         self._lock = threading.Lock()
         self._load_lock = threading.Lock()
         self.last_load_pause_s = 0.0
+        self._spare = {}
         self._generator = torch.Generator(device=engine_cfg.device)
         if seed is None:
             self._generator.seed()
@@ -183,9 +185,11 @@ class HFEngine(RolloutEngine):
             bad_shape = [k for k in state_dict if k in own and tuple(state_dict[k].shape) != tuple(own[k].shape)]
             if missing or unexpected or bad_shape:
                 raise WeightLoadError(version, missing=missing, unexpected=unexpected, bad_shape=bad_shape)
-            # Copy into fresh tensors first (device, dtype), outside the generation lock; a tensor shared by two
-            # names (tied embeddings) is copied once.
-            staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+            # Copy aside first, outside the generation lock, into the tensors the previous load swapped out (memory
+            # already touched: a copy into fresh pages costs several times more) or, the first time, new ones. A
+            # tensor shared by two names (tied embeddings) is copied once. From the second load on the engine holds
+            # two copies of the weights.
+            staged: list[tuple[str, torch.Tensor, torch.Tensor]] = []
             seen: set[int] = set()
             with torch.no_grad():
                 for name, tensor in state_dict.items():
@@ -193,10 +197,16 @@ class HFEngine(RolloutEngine):
                     if id(target) in seen:
                         continue
                     seen.add(id(target))
-                    staged.append((target, tensor.to(device=target.device, dtype=target.dtype, copy=True)))
+                    spare = self._spare.pop(name, None)
+                    if spare is not None and spare.shape == target.shape and spare.dtype == target.dtype \
+                            and spare.device == target.device:
+                        staged.append((name, target, spare.copy_(tensor)))
+                    else:
+                        staged.append((name, target, tensor.to(device=target.device, dtype=target.dtype, copy=True)))
             with self._lock:  # waits for the chunk in flight; generation pauses only for the swap
                 t0 = time.perf_counter()
-                for target, fresh in staged:
+                for name, target, fresh in staged:
+                    self._spare[name] = target.data
                     target.data = fresh
                 self._version = version
                 self.last_load_pause_s = time.perf_counter() - t0
@@ -207,3 +217,4 @@ class HFEngine(RolloutEngine):
     async def close(self) -> None:
         with self._lock:
             self.model = None  # type: ignore[assignment]  # frees the weights; the engine is unusable afterwards
+            self._spare = {}

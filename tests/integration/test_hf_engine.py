@@ -167,6 +167,16 @@ async def test_a_load_copies_aside_and_pauses_generation_only_to_swap(model_dir,
         assert w.data_ptr() != source[name].data_ptr(), name  # the engine's own copy, not the sender's buffer
     source["model.norm.weight"].add_(1.0)
     assert not torch.equal(model.model.norm.weight, source["model.norm.weight"])
+    # The next load copies into the tensors this one swapped out (memory already touched), then swaps again.
+    first_ptr = model.model.norm.weight.data_ptr()
+    newer = tiny_model(AutoTokenizer.from_pretrained(model_dir), seed=8, spec=ENGINE_SPEC).state_dict()
+    await engine.load_weights(newer, version=4)
+    for name, w in model.state_dict().items():
+        assert torch.equal(w, newer[name]), name
+    assert model.model.norm.weight.data_ptr() not in (first_ptr, newer["model.norm.weight"].data_ptr())
+    await engine.load_weights(source, version=5)
+    assert model.model.norm.weight.data_ptr() == first_ptr and torch.equal(model.model.norm.weight,
+                                                                          source["model.norm.weight"])
 
 
 async def test_generate_does_not_block_the_event_loop(model_dir, prompts):

@@ -382,9 +382,10 @@ def report(b: Bench) -> str:
         lines += [f"| {k} | {statistics.fmean([x.startup[k] for x in rl if k in x.startup]):.1f} |" for k in stages]
         ends = sorted({k for x in rl for k in x.shutdown}, key=lambda k: statistics.fmean(
             [x.shutdown[k] for x in rl if k in x.shutdown]))
-        lines += ["", "rlbus after its last step, seconds since that step's end (mean): "
-                  + ", ".join(f"{k} {statistics.fmean([x.shutdown[k] for x in rl if k in x.shutdown]):.1f}"
-                              for k in ends) + "."]
+        if ends:
+            lines += ["", "rlbus after its last step, seconds since that step's end (mean): "
+                      + ", ".join(f"{k} {statistics.fmean([x.shutdown[k] for x in rl if k in x.shutdown]):.1f}"
+                                  for k in ends) + "."]
         parts = {k: statistics.fmean([x.step_split[k] for x in rl]) for k in rl[0].step_split}
         lines += ["", "rlbus trainer, median seconds per step after step 5 (mean over runs): "
                   + ", ".join(f"{k.removeprefix('time/')} {v:.3f}" for k, v in parts.items())
@@ -406,13 +407,14 @@ def report(b: Bench) -> str:
 def reading(rl: list[SideRun], tr: list[SideRun]) -> list[str]:
     """What bounds each side's steady rate, from the measured step times."""
     trl_step = statistics.fmean([statistics.median(b - a for a, b in zip(x.step_t, x.step_t[1:])) for x in tr])
-    update = statistics.fmean([x.step_split.get("timing/update_s", 0.0) for x in rl])
+    updates = [x.step_split["timing/update_s"] for x in rl if "timing/update_s" in x.step_split]
+    update = f"{statistics.fmean(updates):.3f} s" if updates else "most"
     step = statistics.fmean([x.step_split.get("time/step", 0.0) for x in rl])
     wait = statistics.fmean([x.step_split.get("time/wait_data", 0.0) for x in rl])
     return [
         (f"Reading: TRL's median step (generation, then the update, each on both cores) took {trl_step:.3f} s. "
         f"rlbus's trainer waited {wait:.3f} s per step for data (the producers keep ahead) and spent {step:.3f} s "
-        f"in its step, {update:.3f} s of it in the optimizer update (forward, backward and AdamW of the same 64 "
+        f"in its step, {update} of it in the optimizer update (forward, backward and AdamW of the same 64 "
         "sequences, on the one thread its share of 2 CPUs over 3 processes gives it); the proximal pass is gone "
         "(fused into the update with one update per step). So on this machine the steady rate is the trainer's "
         "single-core update: the producers' generation runs beside it on the other core, but that core is idle "

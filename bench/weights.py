@@ -4,8 +4,8 @@ against copying the same bytes once, in the same run; and how long a load pauses
     flock /tmp/rlbus-heavy.lock .venv/bin/python bench/weights.py --docs docs/benchmarks.md
 
 Per repeat (median of --repeats, after a warm-up):
-- publish: `WeightStore.put` (pack, BLAKE3 checksum and the one copy into Ray's object store, off the event loop,
-  concurrently), while a 10 ms ticker on the same event loop records its longest gap;
+- publish: `WeightStore.put` (pack, BLAKE3 checksum, send to the store actor, which puts it into Ray's object store;
+  off the event loop), while a 10 ms ticker on the same event loop records its longest gap;
 - producer load: `WeightStore.get(expect=checksum)` (zero-copy fetch, checksum verified in a thread) and
   `HFEngine.load_weights` (copy aside, then swap under the generation lock) while the engine keeps generating;
 - baselines: clone every tensor once (fresh memory, as each copy here gets) and copy into buffers already touched.
@@ -157,7 +157,7 @@ def write_docs(path: Path, r: dict) -> None:
         "|---|---|",
         f"| copy every tensor once, fresh memory (clone) | {r['clone_s'] * 1e3:.0f} |",
         f"| copy every tensor once, into touched buffers | {r['copy_warm_s'] * 1e3:.0f} |",
-        (f"| publish: `WeightStore.put` (BLAKE3 + one copy into the object store, concurrently, in a thread) | "
+        (f"| publish: `WeightStore.put` (BLAKE3, then the store actor's copy into the object store; in a thread) | "
         f"{r['publish_s'] * 1e3:.0f} |"),
         f"| producer: `WeightStore.get(expect=...)` (zero-copy fetch + checksum) | {r['fetch_verify_s'] * 1e3:.0f} |",
         f"| producer: `HFEngine.load_weights` (copy aside + swap) | {r['load_s'] * 1e3:.0f} |",

@@ -4,9 +4,9 @@
     info = await ws.put(3, model.state_dict())                       # trainer: returns size and checksum
     state_dict = await ws.get(3, expect=announced.checksum)          # producer: raises WeightsChecksumMismatch
 
-The trainer ray.put's each version with the actor as the object's owner and the actor keeps the reference: the
-object outlives the trainer that made it, its bytes are copied once (into the object store), and every producer on a
-node maps the same copy (weights are large and read by many). Hashing and copying run off the caller's event loop.
+The actor ray.put's each version itself and keeps the reference: it owns the object (the trainer that sent it may
+die), and every producer on a node maps the same object-store copy (weights are large and read by many). Hashing
+and sending run in a worker thread, off the caller's event loop.
 The actor keeps the `ray.weight_versions_kept` versions put last (a resumed trainer's lower version included). A
 version's checksum is BLAKE3 over names, dtypes, shapes and bytes (`state_dict_checksum`); `check_checksum` is the
 one place that compares a state dict with the digest it should have, and its error carries the version, the
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import blake3
@@ -93,11 +92,12 @@ class _WeightStore:
         self.name = name
         self.versions: dict[int, tuple[list[ray.ObjectRef], WeightsInfo]] = {}
 
-    def put(self, version: int, refs: list[ray.ObjectRef], info: WeightsInfo) -> list[int]:
-        # `refs` holds one object the trainer made with this actor as its owner (ray.put(_owner=...)): the actor
-        # keeps the reference, the object outlives the trainer, and its bytes were copied once, not twice.
+    def put(self, version: int, packed: dict[str, Packed], info: WeightsInfo) -> list[int]:
+        # ray.put copies out of the call's argument buffer (owned by the trainer) into an object this actor owns,
+        # so the version outlives the trainer that sent it. (Ray 2.56 removed ray.put's `_owner`, which would have
+        # let the trainer make the actor's one copy itself.)
         self.versions.pop(version, None)  # a re-put moves to the end: dicts keep insertion order
-        self.versions[version] = (refs, info)
+        self.versions[version] = ([ray.put(packed)], info)
         evicted = list(self.versions)[: -self.keep]
         for v in evicted:
             del self.versions[v]
@@ -141,20 +141,15 @@ class WeightStore:
         by_dtype: dict[str, int] = {}
         for dtype, arr in packed.values():
             by_dtype[dtype] = by_dtype.get(dtype, 0) + arr.nbytes
-        # Hash and copy at once: both only read the trainer's tensors, and neither holds the GIL for long.
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            checksum = pool.submit(_checksum_packed, packed)
-            ref = ray.put(packed, _owner=self.actor)  # the one copy, into the object store, owned by the store actor
-            info = WeightsInfo(
-                version=version,
-                num_bytes=sum(by_dtype.values()),
-                checksum=checksum.result(),
-                num_tensors=len(packed),
-                dtype=max(by_dtype, key=by_dtype.__getitem__) if by_dtype else "float32",
-                store=self.name,
-            )
-        # The ref travels in a list, so the actor receives the reference, not the resolved state dict.
-        yield [self.actor.put.remote(version, [ref], info)]
+        info = WeightsInfo(
+            version=version,
+            num_bytes=sum(by_dtype.values()),
+            checksum=_checksum_packed(packed),
+            num_tensors=len(packed),
+            dtype=max(by_dtype, key=by_dtype.__getitem__) if by_dtype else "float32",
+            store=self.name,
+        )
+        yield [self.actor.put.remote(version, packed, info)]
         return info
 
     def _fetch_plan(self, version: int | None) -> Plan[tuple[WeightsInfo, dict[str, Packed]]]:

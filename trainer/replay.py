@@ -30,8 +30,8 @@ from rlbus.trainer.checkpoint import CheckpointError, list_checkpoints, load_che
 from rlbus.trainer.engine import TrainEngine
 from rlbus.trainer.metrics import read_metrics
 
-#: Replayed metrics that depend on wall-clock time, never compared.
-_TIMING_PREFIXES = ("timing/", "time/", "perf/tokens_per_s")
+#: Replayed metrics that depend on wall-clock time or on the process (memory), never compared.
+_TIMING_PREFIXES = ("timing/", "time/", "perf/tokens_per_s", "perf/peak_rss_gb")
 
 
 class MetricDiff(msgspec.Struct, kw_only=True):

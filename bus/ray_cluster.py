@@ -24,6 +24,8 @@ Two Ray defaults are overridden for the clusters rlbus starts itself:
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import json
 import logging
 import os
 import secrets
@@ -44,6 +46,7 @@ from rlbus.schemas.config import RayConfig
 
 log = logging.getLogger(__name__)
 
+LOOPBACK = "127.0.0.1"
 _STARTED: dict[int, subprocess.Popen] = {}  # heads this process started, by pid, so that stop can reap them
 
 
@@ -102,30 +105,81 @@ def start_ray_head(
     timeout_s: float = 90.0,
     die_with_parent: bool = True,
     token_dir: str | None = None,
+    node_ip: str = LOOPBACK,
+    resources: dict[str, float] | None = None,
 ) -> RayHead:
     """Start a loopback-only Ray head with token authentication as a child process; wait until it accepts drivers.
 
     num_cpus / object_store_memory: 0 = Ray's default. die_with_parent: SIGTERM the head when the calling thread
     exits (Linux PR_SET_PDEATHSIG; call it from a thread that lives as long as the cluster should, e.g. the main one).
     token_dir: where the token's private folder is made (e.g. the run directory); default: the head's temp dir.
+    node_ip: 127.0.0.1 makes a single-node cluster (Ray's loopback mode); another loopback address (127.0.0.2)
+    makes a head that other nodes may join (`start_ray_node`), each on an address of its own, as machines would be.
     Processes join the head with `head.apply_env()` (or head.env in their environment) and `ensure_ray`.
     """
     # Short path: Ray puts unix sockets under it and their paths are limited to ~107 bytes. Ray makes its own temp
     # dir (and the session, sockets and logs dirs in it) mode 0777, so it gets a subfolder of a private (0700) one:
     # nobody else can read its logs or swap its unix sockets.
+    _check_loopback(node_ip)
     root = temp_dir or tempfile.mkdtemp(prefix="rlbus-ray-", dir="/tmp")
-    ray_temp = os.path.join(root, "ray")
     token_path = write_token(token_dir or root)
-    head_env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token_path}
-    env = dict(os.environ, **head_env, RAY_USAGE_STATS_ENABLED="0")
-    env.pop("RAY_AUTH_TOKEN", None)  # Ray would prefer it to the file: someone else's token
+    head_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token_path}
+    if node_ip == LOOPBACK:  # Ray's only switch for "bind and advertise loopback" (read when ray is imported)
+        head_env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     port = free_port()
     cmd = [
         _ray_bin(), "start", "--head", "--block", "--disable-usage-stats",
-        "--node-ip-address=127.0.0.1", f"--port={port}", f"--temp-dir={ray_temp}",
-        "--include-dashboard=false",
-        # Every listening port explicit: several Ray clusters may share this machine, and Ray's defaults are fixed.
+        f"--node-ip-address={node_ip}", f"--port={port}", "--include-dashboard=false",
         f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}",
+    ]  # fmt: skip
+    head = RayHead(pid=0, address=f"{node_ip}:{port}", temp_dir=root, env=head_env, token_path=token_path)
+    try:
+        pid = _spawn(cmd, head, num_cpus, object_store_memory, resources, timeout_s, die_with_parent)
+    except BaseException:
+        shutil.rmtree(Path(token_path).parent, ignore_errors=True)
+        raise
+    head = dataclasses.replace(head, pid=pid)
+    log.info("Ray head up at %s (pid %d, logs in %s)", head.address, head.pid, root)
+    return head
+
+
+def start_ray_node(
+    head: RayHead,
+    node_ip: str,
+    num_cpus: int = 0,
+    object_store_memory: int = 0,
+    resources: dict[str, float] | None = None,
+    timeout_s: float = 90.0,
+    die_with_parent: bool = True,
+) -> RayHead:
+    """Join one more node to a multi-node head (`start_ray_head(node_ip="127.0.0.2")`), on its own loopback address,
+    as `ray start --address` does on a second machine. Returns its record (stop it with `stop_ray_head`; its
+    `address` is the head's GCS address, its `env` the head's). `resources` names it for placement."""
+    _check_loopback(node_ip)
+    if "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" in head.env:
+        raise RuntimeError(f"the head at {head.address} is a single-node (127.0.0.1) cluster; start it on another "
+                           "loopback address (node_ip='127.0.0.2') to join nodes to it")
+    root = tempfile.mkdtemp(prefix="rlbus-ray-", dir="/tmp")
+    cmd = [_ray_bin(), "start", f"--address={head.address}", "--block", "--disable-usage-stats",
+           f"--node-ip-address={node_ip}"]
+    node = RayHead(pid=0, address=head.address, temp_dir=root, env=dict(head.env), token_path="")
+    pid = _spawn(cmd, node, num_cpus, object_store_memory, resources, timeout_s, die_with_parent)
+    node = dataclasses.replace(node, pid=pid)
+    log.info("Ray node %s joined %s (pid %d, logs in %s)", node_ip, head.address, pid, root)
+    return node
+
+
+def _check_loopback(node_ip: str) -> None:
+    if not node_ip.startswith("127."):
+        raise ValueError(f"node_ip {node_ip!r}: clusters rlbus starts itself are loopback-only (127.0.0.0/8)")
+
+
+def _spawn(cmd: list[str], node: RayHead, num_cpus: int, object_store_memory: int,
+           resources: dict[str, float] | None, timeout_s: float, die_with_parent: bool) -> int:
+    """Run one `ray start ... --block` (every listening port explicit: several Ray clusters may share this machine,
+    and Ray's defaults are fixed); wait for it to be up; return its pid."""
+    cmd = [
+        *cmd, f"--temp-dir={os.path.join(node.temp_dir, 'ray')}",
         f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
         f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
         f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
@@ -134,39 +188,39 @@ def start_ray_head(
         cmd.append(f"--num-cpus={num_cpus}")
     if object_store_memory > 0:
         cmd.append(f"--object-store-memory={object_store_memory}")
-    log_path = Path(root) / "ray-start.log"
-    try:
-        with open(log_path, "wb") as out:
-            proc = subprocess.Popen(
-                cmd,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,  # its own process group: stop_ray_head kills exactly what it started
-                # `ray start --block` stops its children on SIGTERM
-                preexec_fn=kill_with_parent if die_with_parent else None,
-            )
-    except BaseException:
-        shutil.rmtree(Path(token_path).parent, ignore_errors=True)
-        raise
+    if resources:
+        cmd.append(f"--resources={json.dumps(resources)}")
+    env = dict(os.environ, **node.env, RAY_USAGE_STATS_ENABLED="0")
+    env.pop("RAY_AUTH_TOKEN", None)  # Ray would prefer it to the file: someone else's token
+    if "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in node.env:
+        env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # inherited from a loopback head would refuse to join
+    log_path = Path(node.temp_dir) / "ray-start.log"
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # its own process group: stop_ray_head kills exactly what it started
+            # `ray start --block` stops its children on SIGTERM
+            preexec_fn=kill_with_parent if die_with_parent else None,
+        )
     _STARTED[proc.pid] = proc
-    head = RayHead(
-        pid=proc.pid,
-        address=f"127.0.0.1:{port}",
-        temp_dir=root,
-        env=head_env,
-        token_path=token_path,
-    )
     deadline = time.monotonic() + timeout_s
     while b"Ray runtime started" not in log_path.read_bytes():
         if proc.poll() is not None or time.monotonic() > deadline:
             text = log_path.read_text(errors="replace")[-3000:]
-            stop_ray_head(head)
+            stop_ray_head(proc.pid)
             reason = f"exited with {proc.returncode}" if proc.returncode is not None else f"not up in {timeout_s}s"
-            raise RuntimeError(f"ray start --head {reason}; log tail:\n{text}")
+            raise RuntimeError(f"{' '.join(cmd[1:3])} {reason}; log tail:\n{text}")
         time.sleep(0.2)
-    log.info("Ray head up at %s (pid %d, logs in %s)", head.address, head.pid, root)
-    return head
+    return proc.pid
+
+
+def head_running(head: RayHead) -> bool:
+    """Whether a head (or node) this process started still runs: `ray start --block` exits when a Ray process
+    it started dies."""
+    return _alive(head.pid)
 
 
 def _alive(pid: int) -> bool:
@@ -212,9 +266,13 @@ def stop_ray_head(head: RayHead | int, timeout_s: float = 5.0, remove_temp_dir: 
         shutil.rmtree(head.temp_dir, ignore_errors=True)
 
 
+def _host(address: str) -> str:
+    return address.rsplit(":", 1)[0].strip("[]")
+
+
 def _is_loopback(address: str) -> bool:
-    host = address.rsplit(":", 1)[0].strip("[]")
-    return host == "localhost" or host.startswith("127.") or host == "::1"
+    """An address Ray rewrites to the machine's routable IP unless told it is a loopback-only cluster."""
+    return _host(address) in ("localhost", LOOPBACK, "::1")
 
 
 def use_loopback() -> None:
@@ -269,7 +327,10 @@ def ensure_ray(cfg: RayConfig) -> str:
         atexit.register(stop_ray_head, head)
         head.apply_env()
         address = head.address
-    if _is_loopback(address):
+    node_ip = cfg.node_ip_address
+    if not node_ip and _host(address).startswith("127.") and not _is_loopback(address):
+        node_ip = _host(address)  # a multi-node cluster on loopback: attach to the head's node unless told
+    if _is_loopback(address) and not node_ip:
         use_loopback()
     _reload_auth_settings()
     ray.init(
@@ -277,5 +338,9 @@ def ensure_ray(cfg: RayConfig) -> str:
         namespace=cfg.namespace,
         logging_level=logging.WARNING,
         log_to_driver=False,
+        # Which node of the cluster this process attaches to (its local raylet and object store): on real machines
+        # Ray finds it; several nodes on one machine's loopback addresses need it said.
+        _node_ip_address=node_ip or None,
     )
+    log.info("Ray: attached to node %s of the cluster at %s", ray.util.get_node_ip_address(), address)
     return ray.get_runtime_context().gcs_address

@@ -121,16 +121,22 @@ async def run_async(plan: Plan[T]) -> T:
         return done.value
 
 
-def retried(calls: Callable[[], list[ray.ObjectRef]], what: str,
-            budget_s: float = ACTOR_RESTART_WAIT_S) -> Plan[list[Any]]:
+def retried(calls: Callable[[], list[ray.ObjectRef]], what: str, budget_s: float = ACTOR_RESTART_WAIT_S,
+            revive: Callable[[], int] | None = None) -> Plan[list[Any]]:
     """A plan step that makes `calls()` again while an actor is restarting (ActorUnavailableError), with doubling
-    pauses, for at most `budget_s`. Only for calls that may run twice: a restarted actor starts empty, and an
-    unavailable one may or may not have run the call."""
+    pauses, for at most `budget_s`. With `revive`, an actor that died for good (its node is gone and Ray cannot
+    restart it where it was placed) is made again by `revive()` (which returns how many it made), and the calls go
+    to the new one. Only for calls that may run twice: a restarted actor starts empty, and an unavailable one may or
+    may not have run the call."""
     deadline = time.monotonic() + budget_s
     pause = 0.2
     while True:
         try:
             return (yield calls())
+        except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnschedulableError) as e:
+            if revive is None or time.monotonic() > deadline or not revive():
+                raise
+            log.warning("%s: an actor died for good (%s); made it again, empty", what, type(e).__name__)
         except ray.exceptions.ActorUnavailableError as e:
             if time.monotonic() + pause > deadline:
                 raise

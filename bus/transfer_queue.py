@@ -30,10 +30,12 @@ import uuid
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import ray
 import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlbus.bus.ray_cluster import ensure_ray
 from rlbus.bus.ray_store import (
@@ -173,6 +175,29 @@ class _Shard:
         }
 
 
+def _make_shard(run: str, cfg: RayConfig, i: int, placement: Any) -> ray.actor.ActorHandle:
+    n = cfg.num_storage_actors
+    # The shard count is part of the name: a client with another count would map keys to other shards.
+    return _ShardActor.options(
+        name=actor_name(run, f"tq-{i}-of-{n}"),
+        namespace=cfg.namespace,
+        lifetime="detached",
+        get_if_exists=True,
+        scheduling_strategy=placement,
+    ).remote(i, math.ceil(cfg.capacity_items / n), math.ceil(cfg.capacity_bytes / n))
+
+
+def _spread_over_nodes(n: int) -> list[Any]:
+    """Where each of n new shards goes: round-robin over the cluster's live nodes, so the tensors of a run are not
+    all lost with one machine and puts and gets use every node's object store. (Ray's "SPREAD" and soft node
+    affinity are best effort, and put both shards of a two-node cluster on one node here.) A node's death kills its
+    shard for good; `TransferQueue._revive` makes it again elsewhere."""
+    nodes = sorted((node["NodeManagerAddress"], node["NodeID"]) for node in ray.nodes() if node["Alive"])
+    if len(nodes) < 2:
+        return ["DEFAULT"] * n
+    return [NodeAffinitySchedulingStrategy(node_id=nodes[i % len(nodes)][1], soft=False) for i in range(n)]
+
+
 _ShardActor = ray.remote(num_cpus=0, max_restarts=-1)(_Shard)
 
 
@@ -181,10 +206,12 @@ class TransferQueue:
 
     run: str
     shards: list[ray.actor.ActorHandle]
+    _cfg: RayConfig  # for making a shard again (revive)
 
-    def __init__(self, run: str, shards: list[ray.actor.ActorHandle]):
+    def __init__(self, run: str, shards: list[ray.actor.ActorHandle], cfg: RayConfig):
         self.run = run
         self.shards = shards
+        self._cfg = cfg
 
     @classmethod
     def connect(cls, run: str, cfg: RayConfig) -> TransferQueue:
@@ -193,19 +220,29 @@ class TransferQueue:
         Initialises Ray with `cfg` if this process has not yet. Capacities are fixed by whoever creates the actors.
         """
         ensure_ray(cfg)
-        n = cfg.num_storage_actors
-        # The shard count is part of the name: a client with another count would map keys to other shards.
-        shards = [
-            _ShardActor.options(
-                name=actor_name(run, f"tq-{i}-of-{n}"),
-                namespace=cfg.namespace,
-                lifetime="detached",
-                get_if_exists=True,
-            ).remote(i, math.ceil(cfg.capacity_items / n), math.ceil(cfg.capacity_bytes / n))
-            for i in range(n)
-        ]
+        placement = _spread_over_nodes(cfg.num_storage_actors)
+        shards = [_make_shard(run, cfg, i, placement[i]) for i in range(cfg.num_storage_actors)]
         ray.get([s.stats.remote() for s in shards])
-        return cls(run, shards)
+        return cls(run, shards, cfg)
+
+    def _revive(self) -> int:
+        """Make again, empty and wherever Ray has room, every shard that died for good (its node is gone: a shard
+        placed on a node is not restarted elsewhere); a shard another client already made again is attached to.
+        Returns how many handles changed."""
+        changed = 0
+        for i, old in enumerate(self.shards):
+            name = actor_name(self.run, f"tq-{i}-of-{len(self.shards)}")
+            try:
+                handle = ray.get_actor(name, namespace=self._cfg.namespace)
+            except ValueError:  # no live actor holds the name any more
+                handle = _make_shard(self.run, self._cfg, i, "DEFAULT")
+            if handle._actor_id != old._actor_id:
+                self.shards[i] = handle
+                changed += 1
+        if changed:
+            log.warning("TransferQueue %s: %d shard(s) made again after their node died; what they held is lost",
+                        self.run, changed)
+        return changed
 
     def shard_of(self, key: str) -> int:
         return shard_of(key, len(self.shards))
@@ -223,12 +260,12 @@ class TransferQueue:
         order = list(by_shard)
         # A put may run twice (a shard restarting when called): it replaces the key, and a txn is staged again.
         rejections = yield from retried(lambda: [self.shards[i].put.remote(by_shard[i], txn) for i in order],
-                                        f"TransferQueue {self.run} put")
+                                        f"TransferQueue {self.run} put", revive=self._revive)
         if txn is not None:
             commit = all(r is None for r in rejections)
             accepted = [i for i, r in zip(order, rejections) if r is None]
             yield from retried(lambda: [self.shards[i].finish.remote(txn, commit) for i in accepted],
-                               f"TransferQueue {self.run} commit")
+                               f"TransferQueue {self.run} commit", revive=self._revive)
         refused = [r for r in rejections if r is not None]
         if refused:
             raise TransferQueueFull(self._full_message(refused[0], len(items)))
@@ -251,8 +288,8 @@ class TransferQueue:
         try:
             replies = yield from retried(
                 lambda: [self.shards[i].get.remote([keys[p] for p in by_shard[i]]) for i in order],
-                f"TransferQueue {self.run} get")
-        except ray.exceptions.RayActorError as e:
+                f"TransferQueue {self.run} get", revive=self._revive)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError) as e:
             # A shard that died (or is being restarted empty by Ray) took its tensors with it: for the caller that
             # is a missing payload, whose prompts are re-issued, not a crash.
             raise PayloadMissing(list(dict.fromkeys(keys))) from e
@@ -281,15 +318,15 @@ class TransferQueue:
             by_shard.setdefault(self.shard_of(key), []).append(key)
         try:
             counts = yield from retried(lambda: [self.shards[i].delete.remote(ks) for i, ks in by_shard.items()],
-                                        f"TransferQueue {self.run} delete")
-        except ray.exceptions.RayActorError as e:
+                                        f"TransferQueue {self.run} delete", revive=self._revive)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError) as e:
             # A dead shard's memory is gone with it: nothing left to free there.
             log.warning("TransferQueue %s: a shard is down (%s); its keys are gone with it", self.run, e)
             return 0
         return sum(counts)
 
     def _stats_plan(self) -> Plan[dict]:
-        shards = yield from retried(lambda: [s.stats.remote() for s in self.shards], f"TransferQueue {self.run} stats")
+        shards = yield from retried(lambda: [s.stats.remote() for s in self.shards], f"TransferQueue {self.run} stats", revive=self._revive)
         total = {k: sum(s[k] for s in shards) for k in ("items", "bytes", "capacity_items", "capacity_bytes")}
         return {**total, "shards": shards}
 

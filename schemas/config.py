@@ -77,6 +77,7 @@ class RayConfig(_Section):
     weight_versions_kept: int = 3  # weight store keeps the newest N versions
     num_cpus: int = 0  # CPUs of a locally started Ray; 0 = Ray's default
     object_store_memory: int = 0  # bytes for a locally started Ray's object store; 0 = Ray's default
+    node_ip_address: str = ""  # Ray node this process attaches to; "" = its machine's (set for nodes on loopback)
 
     def __post_init__(self) -> None:
         _need(self.num_storage_actors >= 1, "num_storage_actors", "must be >= 1")

@@ -35,9 +35,10 @@ from rlbus.bus.auth import Role, load_creds, private_dir, write_private
 from rlbus.bus.client import Bus
 from rlbus.bus.loop import run
 from rlbus.bus.proc import die_with_parent
-from rlbus.bus.ray_cluster import RayHead, start_ray_head, stop_ray_head
+from rlbus.bus.ray_cluster import RayHead, head_running, start_ray_head, stop_ray_head
 from rlbus.bus.server import EmbeddedServer
 from rlbus.cli.progress import RunMonitor, summary_table
+from rlbus.cli.run_lock import RunDirBusy, RunLock
 from rlbus.common.model.ensure import ensure_model
 from rlbus.schemas.config import BusConfig, RunConfig, to_yaml
 from rlbus.schemas.errors import BusError
@@ -46,6 +47,8 @@ from rlbus.trainer.metrics import require_wandb
 
 #: Seconds a stopping child gets before SIGKILL.
 STOP_TIMEOUT_S = 60.0
+#: How long a new `rlbus up` waits for the roles of an earlier one (say, SIGKILLed) to exit before giving up.
+RUN_LOCK_WAIT_S = 300.0
 #: A role that dies this many times in a row before it got going (announced RoleStarted) makes the launcher give
 #: up: that is a role that cannot start (a bad config, a missing model), not a fault to ride out. Deaths after it
 #: got going are faults (a SIGKILL, an OOM): they are restarted however often they happen.
@@ -242,6 +245,20 @@ class Launcher:
 
     async def run(self) -> int:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # One launcher per run directory, and none while an earlier one's roles still shut down (cli/run_lock.py).
+        try:
+            lock = await asyncio.to_thread(RunLock.acquire, self.run_dir, wait_s=RUN_LOCK_WAIT_S,
+                                           on_wait=lambda m: self._console.print(f"[yellow]{m}[/yellow]"))
+        except RunDirBusy as e:
+            self._console.print(f"[red]{e}[/red]")
+            return 1
+        os.environ.update(lock.env())  # every role started from here holds it shared
+        try:
+            return await self._run_locked()
+        finally:
+            lock.release()
+
+    async def _run_locked(self) -> int:
         (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
         self._console.print(f"[bold]rlbus up[/bold] run [cyan]{self.cfg.name}[/cyan] in {self.run_dir}")
         # A missing optional package or W&B login fails here, not in a trainer restarted again and again.
@@ -295,6 +312,7 @@ class Launcher:
                     await self._stop_children()
                     return 130
                 self._restart_dead_bus()
+                child_cfg = await self._restart_dead_ray(child_cfg)
                 await self._apply_scale(child_cfg)
                 self._reap_retired()
                 self._report_producers()
@@ -402,6 +420,31 @@ class Launcher:
         self._console.print(f"[yellow]nats-server exited; restarting it on {self.server.store_dir}[/yellow]")
         self.server.restart()
 
+    async def _restart_dead_ray(self, child_cfg: RunConfig) -> RunConfig:
+        """A Ray head the launcher started that died took the TransferQueue and the weight store with it, and every
+        role's connection to Ray. Every role is stopped, a new head started, and the roles started again against it:
+        the trainer from its checkpoint (it republishes that version into the new weight store), producers from the
+        newest weights; groups whose payloads died with the head are re-issued by name (PayloadMissing)."""
+        if self.ray_head is None or head_running(self.ray_head):
+            return child_cfg
+        self._console.print("[yellow]Ray head exited; stopping every role, starting a new head, starting them "
+                            "again[/yellow]")
+        await self._stop_children()
+        stop_ray_head(self.ray_head)  # whatever is left of its process group, its temp dir and token
+        ray_cfg = self.cfg.ray
+        self.ray_head = start_ray_head(num_cpus=ray_cfg.num_cpus, object_store_memory=ray_cfg.object_store_memory)
+        self.ray_head.apply_env()
+        child_cfg = msgspec.structs.replace(child_cfg, ray=msgspec.structs.replace(child_cfg.ray,
+                                                                                   address=self.ray_head.address))
+        assert self._launch is not None
+        self._launch.write_text(to_yaml(child_cfg))
+        self._console.print(f"[dim]ray[/dim] {self.ray_head.address}")
+        for child in [self.trainer, *self.producers, self.evaluator]:
+            if child is not None:
+                child.restarts += 1
+                child.start()
+        return child_cfg
+
     async def _stop_children(self) -> None:
         # All at once: the trainer checkpoints after the step in hand, producers nak what they hold. Stopping
         # producers first would let the trainer go on training from the groups already queued meanwhile.
@@ -420,6 +463,17 @@ class Launcher:
             self._console.print(f"curves: {plot_run(self.run_dir)}")
         final = export_checkpoint(self.run_dir / "checkpoints", self.run_dir / "final_model", cfg.model.path)
         self._console.print(f"final model: {final}")
+        if self.ray_head is None:
+            # A Ray cluster of the user's: the finished run's detached actors (TransferQueue shards, weight store)
+            # would outlive it there, holding memory. A head of our own goes with everything on it.
+            from rlbus.bus.ray_store import teardown
+
+            try:
+                gone = teardown(cfg.name, cfg.ray)
+                self._console.print(f"[dim]ray: removed the run's actors {gone}[/dim]")
+            except Exception as e:  # the run is done; a cluster that cannot be reached keeps them, say so
+                self._console.print(f"[yellow]could not remove the run's Ray actors ({type(e).__name__}: {e}); "
+                                    f"`ray list actors` shows them as rlbus-{cfg.name}-*[/yellow]")
         self._console.print(summary_table(self.run_dir))
         return 0
 

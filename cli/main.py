@@ -137,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--tls-cert", default="", help="server certificate (PEM): clients must connect with TLS")
     up.add_argument("--tls-key", default="", help="the certificate's private key (PEM)")
     up.add_argument("--tls-ca", default="", help="CA (PEM) client certificates must be signed by (mutual TLS)")
+    up.add_argument("--cluster-port", type=int, default=0, help="route port: join a NATS cluster (JetStream R3)")
+    up.add_argument("--cluster-name", default="rlbus", help="the cluster's name (the same on every server)")
+    up.add_argument("--routes", default="", help="the other servers' route addresses, host:port,host:port")
+    up.add_argument("--creds-store", default="", help="directory holding creds/ (shared by a cluster's servers; "
+                    "default: --dir)")
     up.set_defaults(func=cmd_bus_up)
 
     # init-model and rollout parse their own arguments (their modules own the flags).
@@ -145,11 +150,6 @@ def build_parser() -> argparse.ArgumentParser:
     im.set_defaults(func=cmd_init_model)
     ro = sub.add_parser("rollout", help="dry-run the agent loop on N prompts (no bus, no Ray)", add_help=False)
     ro.add_argument("rest", nargs=argparse.REMAINDER)
-    up.add_argument("--cluster-port", type=int, default=0, help="route port: join a NATS cluster (JetStream R3)")
-    up.add_argument("--cluster-name", default="rlbus", help="the cluster's name (the same on every server)")
-    up.add_argument("--routes", default="", help="the other servers' route addresses, host:port,host:port")
-    up.add_argument("--creds-store", default="", help="directory holding creds/ (shared by a cluster's servers; "
-                    "default: --dir)")
     ro.set_defaults(func=cmd_rollout)
     ev = sub.add_parser("events", help="inspect a run's event log (filter, decode, export, follow)", add_help=False)
     ev.add_argument("rest", nargs=argparse.REMAINDER)
@@ -219,8 +219,10 @@ def main(argv: list[str] | None = None) -> int:
         args = argparse.Namespace(rest=argv[1:], func=PASSTHROUGH[argv[0]])
     else:
         args = build_parser().parse_args(argv)
+    from rlbus.cli.run_lock import hold_inherited
     from rlbus.schemas.errors import ConfigError
 
+    hold_inherited()  # a role `rlbus up` started shares its run directory's lock until it exits
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:

@@ -99,7 +99,7 @@ def test_a_producer_stopped_past_ack_wait_has_its_task_redelivered_and_catches_u
     # SIGSTOP a producer for longer than ack_wait (8 s here) and than weight_versions_kept versions: its task goes to
     # the other producer; woken, it finds its versions evicted, jumps to the newest weights and works on; the
     # group it finishes late is either trained or dropped as too stale -- never trained twice.
-    run_dir, cfg, cfg_path = _up(tmp_path, tiny_model_dir, run_name, 14, rollout={"num_producers": 2},
+    run_dir, cfg, cfg_path = _up(tmp_path, tiny_model_dir, run_name, 80, rollout={"num_producers": 2},
                                  ray={"weight_versions_kept": 2})
     up = start_role("up", cfg_path, tmp_path / "logs", name="up")
     try:
@@ -109,16 +109,36 @@ def test_a_producer_stopped_past_ack_wait_has_its_task_redelivered_and_catches_u
         os.kill(victim, signal.SIGSTOP)  # our launcher's own child, by pid
         try:
             stopped_at = read_metrics(run_dir)[-1]["step"]
-            wait_for_steps(run_dir, stopped_at + 4, [up], timeout=400)  # the run goes on without it
-            time.sleep(9.0)  # past ack_wait, whatever the steps took
+            time.sleep(cfg["bus"]["ack_wait_s"] + 2.0)  # past ack_wait
+            went_on = read_metrics(run_dir)[-1]["step"] - stopped_at
         finally:
             os.kill(victim, signal.SIGCONT)
+        assert went_on > 2, "the run did not go on without the stopped producer"  # > weight_versions_kept too
+        assert up.poll() is None, "the run ended before the producer woke: make it longer"
         assert up.wait(timeout=600) == 0
         assert _state(victim) == "gone"  # it drained and stopped with the run, not crashed and restarted
     finally:
         stop(up, signal.SIGKILL)
     log = (tmp_path / "logs" / "up.log").read_text()
     assert re.search(r"producer-\d exited with code -?\d+; restarting", log) is None, log[-3000:]
+    check_ledger(run_dir, cfg)
+
+
+def test_ray_head_sigkilled_mid_run_is_restarted_with_every_role(tmp_path, tiny_model_dir, run_name):
+    # The whole head (its process group: GCS, raylet, the TransferQueue and weight-store actors) dies. The launcher
+    # stops every role, starts a new head and the roles again; the trainer resumes from its checkpoint and the
+    # groups whose payloads were lost are re-issued.
+    run_dir, cfg, cfg_path = _up(tmp_path, tiny_model_dir, run_name, 60, trainer={"checkpoint_interval": 3},
+                                 rollout={"num_producers": 2})
+    up = start_role("up", cfg_path, tmp_path / "logs", name="up")
+    try:
+        head = _child_running(up, "ray", argv_index=1)  # `python .../bin/ray start --head --block`
+        wait_for_steps(run_dir, 4, [up], timeout=400)
+        os.killpg(head, signal.SIGKILL)  # our launcher's own child's process group, by its pid
+        assert up.wait(timeout=900) == 0
+    finally:
+        stop(up, signal.SIGKILL)
+    assert "Ray head exited" in (tmp_path / "logs" / "up.log").read_text()
     check_ledger(run_dir, cfg)
 
 
@@ -178,14 +198,14 @@ def test_rlbus_up_sigkilled_leaves_nothing_behind_and_the_same_command_resumes(t
     finally:
         stop(first, signal.SIGKILL)
     # They shut down as on a Ctrl-C (the trainer checkpoints, producers give tasks back); with the bus and Ray gone
-    # too, their bounded retries take a while.
-    deadline = time.monotonic() + 240
-    while any(Path(f"/proc/{pid}").exists() and _state(pid) != "Z" for pid in children):
-        assert time.monotonic() < deadline, f"left behind: {[p for p in children if Path(f'/proc/{p}').exists()]}"
-        time.sleep(0.5)
+    # too, their bounded retries take a while. The same command, run at once, waits for them (the run directory's
+    # lock, cli/run_lock.py) instead of racing them for the run's checkpoints and streams.
+    assert any(Path(f"/proc/{pid}").exists() and _state(pid) != "Z" for pid in children), "nothing to wait for"
     second = subprocess.run([sys.executable, "-m", "rlbus.cli", "up", str(cfg_path)], capture_output=True,
                             text=True, timeout=900)
     assert second.returncode == 0, second.stderr[-4000:] + second.stdout[-4000:]
+    assert "waiting for the roles of an earlier rlbus up" in second.stderr + second.stdout
+    assert not [p for p in children if Path(f"/proc/{p}").exists() and _state(p) != "Z"], "left behind"
     check_ledger(run_dir, cfg)
 
 

@@ -79,7 +79,7 @@ def test_trainer_killed_between_step_and_checkpoint_trains_every_group_once(
 
 def test_up_stopped_with_ctrl_c_resumes_to_the_end(tmp_path, tiny_model_dir, run_name):
     run_dir = tmp_path / "run"
-    total = 12
+    total = 60  # long enough that the Ctrl-C lands mid-run on a fast machine (12 finished first)
     cfg = small_run_config(run_name, run_dir, tiny_model_dir, "", "", "",
                            trainer={"total_steps": total, "checkpoint_interval": 4},
                            rollout={"num_producers": 1})

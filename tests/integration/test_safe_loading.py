@@ -294,6 +294,7 @@ def _two_rank_worker(model_dir: str, root: str, marker: str) -> dict:
         load_checkpoint(TrainEngine(model_dir, cfg, algo, temperature=0.9), root)
     except CheckpointError as e:
         out = {"type": type(e).__name__, "message": str(e)}
+    barrier()  # both ranks past the load before the process group goes (once, under load, rank 1 aborted in gloo)
     destroy_distributed()
     return out
 

@@ -65,12 +65,14 @@ def _shard_nodes(run: str, ray_address: str, create: bool = False) -> dict[str, 
         "ensure_ray(cfg)\n"
         f"if {create}: TransferQueue.connect({run!r}, cfg)\n"
         "ips = {n['NodeID']: n['NodeManagerAddress'] for n in ray.nodes()}\n"
-        "print(json.dumps({a['Name']: ips.get(a['Address']['NodeID'], '?') for a in ray._private.state.actors().values()"
+        "print('SHARDS', json.dumps({a['Name']: ips.get(a['Address']['NodeID'], '?')"
+        " for a in ray._private.state.actors().values()"
         f" if a['Name'].startswith('rlbus-{run}-tq-') and a['State'] == 'ALIVE'}}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    # Ray may print its own lines (a node marked dead, ...) to stdout too.
+    return json.loads(next(line for line in out.stdout.splitlines() if line.startswith("SHARDS "))[len("SHARDS "):])
 
 
 def test_second_ray_node_sigkilled_mid_run_loses_only_what_it_held(tmp_path, tiny_model_dir, run_name, two_ray_nodes):

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
 import ssl
+import time
 from types import TracebackType
 from typing import Any, AsyncIterator, Literal, TypeVar
 
@@ -28,6 +30,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import (
+    ConsumerConfig,
     DeliverPolicy,
     PubAck,
     StreamConfig,
@@ -404,14 +407,20 @@ class Bus:
             if not self.nc.is_closed:
                 await sub.unsubscribe()
 
-    async def _ordered(self, subject: str, deliver: DeliverFrom) -> Any:
+    async def _ordered(self, subject: str, deliver: DeliverFrom, since_s: float | None = None) -> Any:
         # An ordered consumer re-creates itself after a failover (nats-py resets it on missed heartbeats).
+        policy, config = _DELIVER[deliver], None
+        if since_s is not None:  # from a moment on, whatever `deliver` says
+            start = datetime.datetime.fromtimestamp(time.time() - since_s, tz=datetime.timezone.utc)
+            policy = DeliverPolicy.BY_START_TIME
+            config = ConsumerConfig(opt_start_time=start.isoformat().replace("+00:00", "Z"))
         return await self._retry(f"ordered consumer on {subject}", lambda: self.js.subscribe(
-            subject, stream=self.stream_of(subject), ordered_consumer=True, deliver_policy=_DELIVER[deliver]))
+            subject, stream=self.stream_of(subject), ordered_consumer=True, deliver_policy=policy, config=config))
 
     async def snapshot(self, subject: str, typ: type[T] | Any, *, deliver: DeliverFrom = "all",
-                       timeout: float = 30.0) -> list[T]:
-        """What the stream holds for `subject` now (all of it, the last, or the last per subject), then stop.
+                       timeout: float = 30.0, since_s: float | None = None) -> list[T]:
+        """What the stream holds for `subject` now (all of it, the last, the last per subject, or what came in the
+        last `since_s` seconds), then stop.
 
         Caught up is known exactly, not guessed from a quiet spell: every JetStream delivery says how many
         messages remain for its consumer, and the read ends at the first one that says none. Messages published
@@ -420,7 +429,7 @@ class Bus:
         if deliver not in ("all", "last", "last_per_subject"):
             raise BusError(f"snapshot deliver={deliver!r}; expected all, last or last_per_subject")
         decoder = TypedDecoder(typ)
-        sub = await self._ordered(subject, deliver)
+        sub = await self._ordered(subject, deliver, since_s)
         out: list[T] = []
         try:
             info = await self._retry(f"consumer info of a snapshot of {subject}", sub.consumer_info)

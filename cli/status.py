@@ -10,19 +10,15 @@ heartbeats) and last heartbeat, the queue depths, and the staleness of recent st
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import datetime
 import time
 from typing import Any
 
-from nats.js.api import ConsumerConfig, DeliverPolicy
 from rich.console import Console
 from rich.table import Table
 
 from rlbus.bus.client import Bus
 from rlbus.schemas.config import RunConfig
-from rlbus.schemas.errors import SchemaError
-from rlbus.schemas.wire import ProducerHeartbeat, StepCompleted, TypedDecoder, WeightsPublished
+from rlbus.schemas.wire import ProducerHeartbeat, StepCompleted, WeightsPublished
 
 #: Heartbeats this recent give a producer's rate.
 RATE_WINDOW_S = 60.0
@@ -63,26 +59,8 @@ def version_lag(trainer_version: int | None, hb: ProducerHeartbeat) -> int | Non
 
 
 async def recent(bus: Bus, subject: str, typ: Any, since_s: float, timeout: float = 30.0) -> list[Any]:
-    """What the stream holds for `subject` from `since_s` seconds ago to now (an ordered consumer by start time)."""
-    start = datetime.datetime.fromtimestamp(time.time() - since_s, tz=datetime.UTC)
-    decoder = TypedDecoder(typ)
-    config = ConsumerConfig(opt_start_time=start.isoformat().replace("+00:00", "Z"))
-    sub = await bus.js.subscribe(subject, stream=bus.stream_of(subject), ordered_consumer=True,
-                                 deliver_policy=DeliverPolicy.BY_START_TIME, config=config)
-    out: list[Any] = []
-    try:
-        info = await sub.consumer_info()
-        if info.num_pending == 0:
-            return out
-        async with asyncio.timeout(timeout):
-            async for m in sub.messages:
-                with contextlib.suppress(SchemaError):
-                    out.append(decoder.decode(m.data))
-                if m.metadata.num_pending == 0:
-                    break
-    finally:
-        await sub.unsubscribe()
-    return out
+    """What the stream holds for `subject` from `since_s` seconds ago to now."""
+    return await bus.snapshot(subject, typ, since_s=since_s, timeout=timeout)
 
 
 async def gather_status(cfg: RunConfig) -> dict[str, Any]:

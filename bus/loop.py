@@ -10,7 +10,8 @@ producer's or trainer's bus overhead; it is a pyproject dependency on every plat
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Coroutine, TypeVar
+import signal
+from typing import Any, Coroutine, Protocol, TypeVar
 
 T = TypeVar("T")
 
@@ -39,3 +40,26 @@ def raise_if_failed(*tasks: "asyncio.Task | None") -> None:
     for t in tasks:
         if t is not None and t.done() and not t.cancelled() and t.exception() is not None:
             raise t.exception()
+
+
+class Role(Protocol):
+    async def start(self) -> None: ...
+    async def run(self) -> None: ...
+    def stop(self) -> None: ...
+    async def close(self, reason: str = "", clean: bool = True) -> None: ...
+
+
+async def serve(role: Role) -> None:
+    """start(), then run() until it returns (stop() on SIGTERM / SIGINT asks it to); close() on every exit path,
+    saying whether it was clean."""
+    loop = asyncio.get_running_loop()
+    try:
+        await role.start()
+        # After start(): ray.init installs its own SIGTERM handler, which would exit without draining.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, role.stop)
+        await role.run()
+    except BaseException as e:
+        await role.close(reason=f"{type(e).__name__}: {e}", clean=False)
+        raise
+    await role.close(reason="stopped", clean=True)

@@ -21,14 +21,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import socket
 import time
 
 import msgspec
 
 from rlbus.bus.client import Bus
-from rlbus.bus.loop import run
+from rlbus.bus.loop import run, serve
 from rlbus.bus.ray_cluster import ensure_ray
 from rlbus.bus.weight_store import WeightStore
 from rlbus.common.data.datasets import example_to_task, load_heldout
@@ -173,17 +172,7 @@ class Evaluator:
 
 
 async def run_evaluator(cfg: RunConfig) -> None:
-    evaluator = Evaluator(cfg)
-    loop = asyncio.get_running_loop()
-    try:
-        await evaluator.start()
-        for sig in (signal.SIGTERM, signal.SIGINT):  # after start(): ray.init installs its own SIGTERM handler
-            loop.add_signal_handler(sig, evaluator.stop)
-        await evaluator.run()
-    except BaseException as e:
-        await evaluator.close(reason=f"{type(e).__name__}: {e}", clean=False)
-        raise
-    await evaluator.close(reason="stopped", clean=True)
+    await serve(Evaluator(cfg))
 
 
 def main(cfg: RunConfig) -> int:

@@ -19,13 +19,12 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import socket
 import time
 
 from rlbus.bus.client import Bus
 from rlbus.bus.delivery import Delivery
-from rlbus.bus.loop import raise_if_failed, run
+from rlbus.bus.loop import raise_if_failed, run, serve
 from rlbus.bus.ray_cluster import ensure_ray
 from rlbus.bus.transfer_queue import TransferQueue
 from rlbus.bus.weight_store import WeightStore
@@ -322,18 +321,7 @@ class Producer:
 
 
 async def run_producer(cfg: RunConfig, producer_id: str = "") -> None:
-    producer = Producer(cfg, producer_id)
-    loop = asyncio.get_running_loop()
-    try:
-        await producer.start()
-        # After start(): ray.init installs its own SIGTERM handler, which would exit without draining.
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, producer.stop)
-        await producer.run()
-    except BaseException as e:
-        await producer.close(reason=f"{type(e).__name__}: {e}", clean=False)
-        raise
-    await producer.close(reason="stopped", clean=True)
+    await serve(Producer(cfg, producer_id))
 
 
 def main(cfg: RunConfig, producer_id: str = "") -> int:

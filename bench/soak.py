@@ -2,7 +2,7 @@
 and the resources that must stay flat sampled all along: every process's RSS, the TransferQueue's stored items
 (back to the groups in flight, not growing with the run), the streams' sizes (bounded by `bus.max_age_s`).
 
-    .venv/bin/python bench/soak.py                       # ~8 minutes here: 8 producers, 3000+ groups
+    .venv/bin/python bench/soak.py                       # ~12 minutes here: 8 producers, 16000 groups
     .venv/bin/python bench/soak.py --steps 60 --docs ""  # a quick look, nothing written to the docs
 
 Writes bench/results/soak.json and the "Soak" section of docs/reliability.md. The bench starts the nats-server and
@@ -103,11 +103,11 @@ async def _bus_sizes(bus_cfg: Any, run: str) -> dict[str, int]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=400, help="optimizer steps (8 groups each)")
+    ap.add_argument("--steps", type=int, default=2000, help="optimizer steps (8 groups each)")
     ap.add_argument("--producers", type=int, default=8)
     ap.add_argument("--kill-every-s", type=float, default=25.0, help="mean seconds between producer SIGKILLs")
     ap.add_argument("--sample-every-s", type=float, default=5.0)
-    ap.add_argument("--max-age-s", type=float, default=60.0, help="bus.max_age_s of the run's streams")
+    ap.add_argument("--max-age-s", type=float, default=300.0, help="bus.max_age_s of the run's streams (>= 300)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
     ap.add_argument("--name", default="soak")
     ap.add_argument("--results", default=str(ROOT / "bench" / "results" / "soak.json"))
@@ -153,10 +153,10 @@ def main() -> int:
         while up.poll() is None:
             now = time.monotonic()
             roles = _roles(up.pid)
-            if now >= next_sample and "trainer" in roles:
+            rows = read_metrics(run_dir) if now >= next_sample and "trainer" in roles else []
+            if rows:  # from the first step on: the streams and shards exist by then
                 next_sample = now + args.sample_every_s
-                rows = read_metrics(run_dir)
-                if tq is None and rows:
+                if tq is None:
                     tq = TransferQueue.connect(args.name, ray_cfg)  # the run's shards, by name
                 stats = tq.stats_sync() if tq is not None else {"items": 0, "bytes": 0}
                 sample = {"t": round(now - t0, 1), "step": rows[-1]["step"] if rows else 0,
@@ -177,13 +177,21 @@ def main() -> int:
         wall = time.monotonic() - t0
         code = up.returncode
     finally:
-        if up.poll() is None:
-            up.send_signal(signal.SIGTERM)
-            up.wait(timeout=120)
-        log.close()
-    ledger = subprocess.run([*RLBUS, "events", str(run_dir), "--ledger", "--json"], capture_output=True, text=True)
-    stop_ray_head(head)
-    server.stop()
+        try:
+            if up.poll() is None:
+                up.send_signal(signal.SIGTERM)
+                up.wait(timeout=120)
+        except subprocess.TimeoutExpired:  # the launcher did not stop: end the process group this bench started
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
+        finally:
+            log.close()
+    try:
+        ledger = subprocess.run([*RLBUS, "events", str(run_dir), "--ledger", "--json"], capture_output=True,
+                                text=True)
+    finally:
+        stop_ray_head(head)
+        server.stop()
     rows = read_metrics(run_dir)
     groups = sum(int(r.get("groups", 8)) for r in rows) if rows else 0
     result = {"machine": machine(), "config": cfg, "exit_code": code, "wall_s": round(wall, 1),

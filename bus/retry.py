@@ -51,11 +51,11 @@ def is_transient(e: BaseException) -> bool:
     """True for errors a leader election, a reconnect or a lost reply produce; False for a wrong call."""
     if isinstance(e, (nats.js.errors.NotFoundError, nats.js.errors.BadRequestError)):
         return False  # not found / bad request are answers, not outages
-    if isinstance(e, _TRANSIENT_TYPES):
-        return True
     if isinstance(e, nats.js.errors.APIError):
+        if e.err_code is not None and e.err_code not in _TRANSIENT_ERR_CODES:
+            return False  # the server named what is wrong (e.g. 10052: an invalid stream config); asking again won't fix it
         return e.err_code in _TRANSIENT_ERR_CODES or (e.code or 0) in _TRANSIENT_STATUS
-    return False
+    return isinstance(e, _TRANSIENT_TYPES)
 
 
 async def retrying(what: str, call: Callable[[], Awaitable[T]], *, budget_s: float,

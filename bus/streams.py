@@ -7,11 +7,10 @@ from typing import Any
 
 from nats.js.api import AckPolicy, ConsumerConfig, KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
 
-from rlbus.schemas.config import BusConfig
+from rlbus.schemas.config import DUPLICATE_WINDOW_S, BusConfig
 from rlbus.schemas.subjects import Subjects
 
-#: Window in which JetStream drops a re-published message with the same Nats-Msg-Id (seconds).
-DUPLICATE_WINDOW_S = 300.0
+__all__ = ["DUPLICATE_WINDOW_S", "consumer_configs", "kv_config", "stream_configs"]
 
 
 def stream_configs(s: Subjects, cfg: BusConfig) -> list[StreamConfig]:

@@ -4,6 +4,7 @@
     await tq.put_many({"g7/0": {"prompt_ids": ids_P, ...}, ...})  # producer; then publish the keys on NATS
     tensors = await tq.get_list(["g7/0", "g7/1"])                # trainer ranks: each key's unpadded tensors
     await tq.delete(["g7/0", "g7/1"])                            # after the step that used them is durable
+    await tq.delete([], owners=["g7"])                           # every key under g7/ (each shard is asked)
 
 Every async method has a `*_sync` twin with the same arguments for synchronous code (trainer ranks); both run the
 same plan (bus/ray_store.py).
@@ -15,6 +16,10 @@ flat array of the requested keys: a handful of large zero-copy buffers instead o
 (bench/transfer_queue.py measures this against raw ray.put/ray.get of one object per trajectory). Tensors handed
 out by get_list may share read-only shared memory: treat them as read-only. The trainer turns them into its batch
 with consumers/collate.py.
+
+Owners. A key's first path component is its owner (`g7` for `g7/d2/0`; producers use the task id). Deleting by
+owner frees every key under it, including keys no message names: those of a producer that died between its put and
+its publish, which nobody could otherwise find. The trainer drops a task's owner once the task is trained or given up.
 
 Capacity (cfg.capacity_items / capacity_bytes) is split evenly over the shards; a put that would exceed its shard's
 share raises TransferQueueFull and stores nothing. A put_many spanning shards is staged on each shard first and
@@ -57,6 +62,11 @@ log = logging.getLogger("rlbus.transfer_queue")
 STAGE_EXPIRY_S = 300.0  # staged (uncommitted) puts older than this belong to a crashed client and are dropped
 
 
+def owner_of(key: str) -> str:
+    """The first path component of a key: `e0-i5-a0` for `e0-i5-a0/d1/3`."""
+    return key.split("/", 1)[0]
+
+
 def shard_of(key: str, num_shards: int) -> int:
     """Stable across processes and machines (Python's hash() is salted per process)."""
     return zlib.crc32(key.encode()) % num_shards
@@ -82,6 +92,7 @@ class _Shard:
         self.items: dict[str, tuple[dict[str, Packed], int]] = {}  # key -> (fields, num_bytes)
         self.num_bytes = 0
         self.staged: dict[str, _Staged] = {}  # txn id -> a put waiting for commit
+        self.by_owner: dict[str, set[str]] = {}  # owner_of(key) -> the stored keys under it
 
     def _usage(self) -> tuple[int, int]:
         return (
@@ -125,6 +136,7 @@ class _Shard:
                 self.num_bytes -= old[1]
             self.items[key] = entry
             self.num_bytes += entry[1]
+            self.by_owner.setdefault(owner_of(key), set()).add(key)
 
     def finish(self, txn: str, commit: bool) -> bool:
         """Commit or drop a staged put. False if it is unknown (expired)."""
@@ -154,13 +166,19 @@ class _Shard:
             }
         }
 
-    def delete(self, keys: list[str]) -> int:
+    def delete(self, keys: list[str], owners: list[str] = ()) -> int:
+        """Drop keys, and every key of each owner; returns how many were stored."""
+        doomed = set(keys).union(*(self.by_owner.get(o, ()) for o in owners))
         num_deleted = 0
-        for key in keys:
+        for key in doomed:
             entry = self.items.pop(key, None)
             if entry is not None:
                 self.num_bytes -= entry[1]
                 num_deleted += 1
+                same = self.by_owner[owner_of(key)]
+                same.discard(key)
+                if not same:
+                    del self.by_owner[owner_of(key)]
         return num_deleted
 
     def stats(self) -> dict:
@@ -312,12 +330,14 @@ class TransferQueue:
                         offset += size
         return out
 
-    def _delete_plan(self, keys: Sequence[str]) -> Plan[int]:
-        by_shard: dict[int, list[str]] = {}
+    def _delete_plan(self, keys: Sequence[str], owners: Sequence[str] = ()) -> Plan[int]:
+        by_shard: dict[int, list[str]] = {i: [] for i in range(len(self.shards))} if owners else {}
         for key in keys:
             by_shard.setdefault(self.shard_of(key), []).append(key)
+        owners = list(owners)
         try:
-            counts = yield from retried(lambda: [self.shards[i].delete.remote(ks) for i, ks in by_shard.items()],
+            counts = yield from retried(lambda: [self.shards[i].delete.remote(ks, owners)
+                                                 for i, ks in by_shard.items()],
                                         f"TransferQueue {self.run} delete", revive=self._revive)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError) as e:
             # A dead shard's memory is gone with it: nothing left to free there.
@@ -344,9 +364,10 @@ class TransferQueue:
         """The stored tensors of each key, unpadded, in the order of keys (read-only views). Raises PayloadMissing."""
         return await run_async(self._get_list_plan(keys))
 
-    async def delete(self, keys: Sequence[str]) -> int:
-        """Drop keys and free their memory; returns how many were stored. Unknown keys are ignored."""
-        return await run_async(self._delete_plan(keys))
+    async def delete(self, keys: Sequence[str], owners: Sequence[str] = ()) -> int:
+        """Drop keys, and every key under each of `owners`, and free their memory; returns how many were stored.
+        Unknown keys and owners are ignored."""
+        return await run_async(self._delete_plan(keys, owners))
 
     async def stats(self) -> dict:
         """items, bytes, capacity_items, capacity_bytes over all shards, and `shards`: each shard's counters."""
@@ -363,8 +384,8 @@ class TransferQueue:
     def get_list_sync(self, keys: Sequence[str]) -> list[dict[str, torch.Tensor]]:
         return run_sync(self._get_list_plan(keys))
 
-    def delete_sync(self, keys: Sequence[str]) -> int:
-        return run_sync(self._delete_plan(keys))
+    def delete_sync(self, keys: Sequence[str], owners: Sequence[str] = ()) -> int:
+        return run_sync(self._delete_plan(keys, owners))
 
     def stats_sync(self) -> dict:
         return run_sync(self._stats_plan())

@@ -76,18 +76,31 @@ class RunMonitor:
 
     async def __aenter__(self) -> "RunMonitor":
         self._bus = await Bus.connect(self.cfg.bus, self.cfg.name, name="monitor")
-        await self._bus.await_streams()
-        self._live = Live(self._render(), console=self._console, refresh_per_second=2, transient=False)
-        self._live.__enter__()
-        self._tasks = [asyncio.create_task(self._watch_heartbeats()), asyncio.create_task(self._watch_starts()),
-                       asyncio.create_task(self._refresh())]
+        # In the background: on a bus of the user's the trainer creates the streams, and the supervisor must see to
+        # a trainer that dies first (and to Ctrl-C) instead of waiting here for streams that will not come.
+        self._tasks = [asyncio.create_task(self._begin())]
         return self
 
+    async def _begin(self) -> None:
+        while True:
+            try:
+                await self._bus.await_streams()
+                break
+            except BusError as e:
+                self._console.print(f"[yellow]{e}; still waiting[/yellow]")
+        self._live = Live(self._render(), console=self._console, refresh_per_second=2, transient=False)
+        self._live.__enter__()
+        self._tasks += [asyncio.create_task(self._watch_heartbeats()), asyncio.create_task(self._watch_starts()),
+                        asyncio.create_task(self._refresh())]
+
     async def __aexit__(self, *exc) -> None:
+        begin = self._tasks[0]
+        begin.cancel()  # first, so that it adds no task after the others are cancelled
+        await asyncio.gather(begin, return_exceptions=True)
         self.stop()
-        for t in self._tasks:
+        for t in self._tasks[1:]:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks[1:], return_exceptions=True)
         if self._bus is not None:
             await self._bus.close()
 

@@ -132,11 +132,12 @@ class Batcher:
         if g.group_id in self.trained:  # trained in a durable step; the ack was lost (e.g. crash after checkpoint)
             self.counts.duplicates += 1
             await d.ack()
-            await self._tq.delete(g.keys)  # a crash between checkpoint and commit() left them stored
+            await self._free(g)  # a crash between checkpoint and commit() left them stored
             return None
         if g.group_id in self._discarded:  # a second delivery of a group already discarded (its slot is freed)
             self.counts.duplicates += 1
             await d.ack()
+            await self._free(g)  # a second copy (a redo published after the duplicate window) stored its own
             return None
         if g.group_id in self._held:  # redelivered while we hold it: keep the first delivery
             self.counts.duplicates += 1
@@ -148,7 +149,7 @@ class Batcher:
             self.counts.dead_lettered += 1
             self._discarded.add(g.group_id)
             await d.dead_letter(f"group {g.group_id} (task {g.task_id}) has non-finite rewards for {bad}")
-            await self._tq.delete(g.keys)
+            await self._free(g)
             self._releases.abandon(g.index, g.epoch, g.attempt, reissue=False)
             return None
         if staleness.rolled_back(version, g.max_version):
@@ -168,11 +169,16 @@ class Batcher:
         self._held[g.group_id] = Held(delivery=d, step=-1)
         return g
 
+    async def _free(self, g: TrajectoryGroup) -> None:
+        """Drop a finished group's tensors, and whatever else its task stored: the keys of an earlier delivery whose
+        producer died between its put and its publish belong to the same task and are named by nobody else."""
+        await self._tq.delete(g.keys, owners=[g.task_id])
+
     async def _discard(self, d: Delivery[TrajectoryGroup], *, reissue: bool) -> None:
         g = d.data
         self._discarded.add(g.group_id)
         await d.ack()
-        await self._tq.delete(g.keys)
+        await self._free(g)
         self._releases.abandon(g.index, g.epoch, g.attempt, reissue=reissue)
 
     async def payload_missing(self, group_ids: list[str]) -> None:
@@ -182,7 +188,7 @@ class Batcher:
             self.counts.missing_payload += 1
             g = held.delivery.data
             await held.delivery.ack()
-            await self._tq.delete(g.keys)
+            await self._free(g)
             self._releases.abandon(g.index, g.epoch, g.attempt, reissue=True)
 
     # -------------------------------------------------------------- acks after durability
@@ -195,10 +201,12 @@ class Batcher:
         """Ack every group trained in a step <= durable_step, free its tensors; returns how many were acked."""
         done = [gid for gid, h in self._held.items() if 0 <= h.step <= durable_step]
         keys: list[str] = []
+        owners: list[str] = []  # each task's other stored keys too (see _free)
         for gid in done:
             held = self._held.pop(gid)
             self.trained.add(gid)  # the step is durable: whatever happens to the ack, this group is trained
             keys.extend(held.delivery.data.keys)
+            owners.append(held.delivery.data.task_id)
             try:
                 await held.delivery.ack()
             except BusError as e:
@@ -206,7 +214,7 @@ class Batcher:
                 # redelivery meets `trained` and is acked then (`_admit`). Nothing is lost or trained twice.
                 log.warning("ack of trained group %s not confirmed (%s); its redelivery will be acked", gid, e)
         if keys:
-            await self._tq.delete(keys)
+            await self._tq.delete(keys, owners=owners)
         return len(done)
 
     def trained_ids(self) -> set[str]:

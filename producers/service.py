@@ -175,6 +175,7 @@ class Producer:
         cfg = self.cfg
         max_deliver = cfg.bus.max_deliver
         ticker = asyncio.create_task(self._keep_alive(delivery))
+        unpublished: list[str] = []  # keys stored but not yet named by a group on the bus: freed if we fail
         try:
             await self._await_weights(task.released_version)
             started = time.monotonic()
@@ -192,6 +193,7 @@ class Producer:
             # group's metadata must keep pointing at its own tensors, not at this redo's.
             prefix = f"{task.task_id}/d{delivery.num_delivered}"
             items = {f"{prefix}/{i}": t.tensors() for i, t in enumerate(trajectories)}
+            unpublished = list(items)
             await self.tq.put_many(items)
             group = TrajectoryGroup(
                 group_id=task.task_id, task_id=task.task_id, producer_id=self.producer_id,
@@ -199,6 +201,7 @@ class Producer:
                 data_source=task.data_source, index=task.index, epoch=task.epoch, attempt=task.attempt,
             )
             ack = await self.bus.publish(self.bus.subjects.traj, group, msg_id=group.group_id)
+            unpublished = []
             if ack.duplicate:  # an earlier delivery's group is already on the bus: this redo is surplus
                 await self.tq.delete(list(items))
             await delivery.ack()
@@ -208,9 +211,11 @@ class Producer:
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await delivery.nak()
+            await self._free(unpublished)
             raise
         except Exception as e:
             log.exception("task %s failed", task.task_id)
+            await self._free(unpublished)
             await self.bus.publish_event(ErrorRaised(role="producer", role_id=self.producer_id,
                                                      error=type(e).__name__, message=f"task {task.task_id}: {e}"))
             if delivery.num_delivered >= max_deliver:
@@ -219,6 +224,16 @@ class Producer:
                 await delivery.nak(delay=1.0)
         finally:
             ticker.cancel()
+
+    async def _free(self, keys: list[str]) -> None:
+        """Best effort: drop tensors no group names (a SIGKILL here leaves them to the trainer, which frees every key
+        of a task once the task is done: transfer_queue.py, "Owners")."""
+        if keys:
+            try:
+                await self.tq.delete(keys)
+            except Exception as e:
+                log.warning("could not free %d unpublished key(s) (%s); the trainer frees them with their task",
+                            len(keys), e)
 
     async def _await_weights(self, released_version: int) -> None:
         """Do not start a task on weights older than those it was released for: the announcement of that version

@@ -21,6 +21,9 @@ import yaml
 from rlbus.schemas.errors import ConfigError
 from rlbus.schemas.subjects import check_run_name
 
+#: Window in which JetStream drops a re-published message with the same Nats-Msg-Id (seconds).
+DUPLICATE_WINDOW_S = 300.0
+
 
 def _need(ok: bool, field: str, reason: str) -> None:
     # msgspec wraps a ValueError raised in __post_init__ and appends the struct's path; the loader joins them.
@@ -48,7 +51,7 @@ class BusConfig(_Section):
     ack_wait_s: float = 60.0  # prompt consumer ack_wait; producers send in_progress() while they generate
     max_deliver: int = 5  # deliveries of one prompt before it is dead-lettered
     replicas: int = 1  # JetStream stream replicas (3 on a NATS cluster)
-    max_age_s: float = 0.0  # age limit of the traj / weights / events streams; 0 keeps everything
+    max_age_s: float = 0.0  # age limit of the traj / weights / events streams; 0 keeps everything, else >= 300
     embedded_dir: str = ""  # store of the server `rlbus up` starts; "" = <run_dir>/bus
     max_ack_pending: int = 0  # traj consumer's unacked-group limit; 0 = sized from the trainer config
 
@@ -60,7 +63,9 @@ class BusConfig(_Section):
         _need(self.retry_s >= 0, "retry_s", "must be >= 0 seconds")
         _need(self.max_deliver >= 1, "max_deliver", "must be >= 1")
         _need(self.replicas in (1, 3, 5), "replicas", "must be 1, 3 or 5")
-        _need(self.max_age_s >= 0, "max_age_s", "must be >= 0")
+        _need(self.max_age_s == 0 or self.max_age_s >= DUPLICATE_WINDOW_S, "max_age_s",
+              f"must be 0 (keep everything) or >= {DUPLICATE_WINDOW_S:g} s: JetStream's duplicate window must fit in "
+              "it, and a trajectory group must outlive its wait for the checkpoint that acknowledges it")
         _need(self.max_ack_pending >= 0, "max_ack_pending", "must be >= 0 (0 = sized from the trainer config)")
         _need(not (self.user and not self.password), "password", "is required when user is set")
         for name in ("token", "password"):

@@ -22,7 +22,7 @@ import logging
 import os
 import random
 from pathlib import Path
-from typing import Callable
+from typing import Any, Awaitable, Callable
 
 import msgspec
 
@@ -78,10 +78,13 @@ class Feeder:
     _path: Path
     _order: list[int]
     _on_release: Callable[[PromptTask, str], None] | None  # the event recorder (the work queue allows no 2nd reader)
+    _forget: Callable[[list[str]], Awaitable[Any]] | None  # frees whatever tasks stored in the TransferQueue
 
     def __init__(self, cfg: RunConfig, dataset: PromptDataset, bus: Bus, version_fn: Callable[[], int], state: FeederState | None = None,
-                 on_release: Callable[[PromptTask, str], None] | None = None):
+                 on_release: Callable[[PromptTask, str], None] | None = None,
+                 forget: Callable[[list[str]], Awaitable[Any]] | None = None):
         self.cfg = cfg
+        self._forget = forget
         self._on_release = on_release
         self._dataset = dataset
         self._bus = bus
@@ -204,6 +207,11 @@ class Feeder:
             self.state.dead_lettered.append(task.task_id)
             log.warning("task %s was dead-lettered (%s); releasing it again", task.task_id, letter.reason)
             self.abandon(task.index, task.epoch, task.attempt, reissue=True)  # saves the state
+            if self._forget is not None:  # a producer killed between its put and its publish left tensors behind
+                try:
+                    await self._forget([task.task_id])
+                except Exception as e:  # the re-issue matters, the memory less: a shard down is no reason to stop
+                    log.warning("could not free the stored tensors of task %s: %s", task.task_id, e)
 
     # -------------------------------------------------------------- persistence
 

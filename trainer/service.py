@@ -106,7 +106,8 @@ class TrainerService:
         await self.recorder.start(self.bus)
         dataset = load_dataset(cfg.data, self.worker.tokenizer)  # drops prompts over data.max_prompt_tokens
         self.feeder = Feeder(cfg, dataset, self.bus, lambda: self.version,
-                             on_release=self.recorder.prompt)
+                             on_release=self.recorder.prompt,
+                             forget=lambda task_ids: self.worker.tq.delete([], owners=task_ids))
         if "feeder" in extra:
             self.feeder.load_state_dict(extra["feeder"])
         self.batcher = Batcher(cfg, self.bus, self.worker.tq, self.feeder, trained=set(extra.get("trained", ())))

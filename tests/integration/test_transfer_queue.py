@@ -102,6 +102,12 @@ async def test_tensors_put_by_a_dead_producer_survive(ray_config, run_name, ray_
     assert all(torch.equal(item["ids"], torch.arange(50) + i) for i, item in enumerate(got))
     weights = await WeightStore.connect(run_name, ray_config).get(7, verify=True)
     assert torch.equal(weights["w"], torch.full((64, 64), 7.0))
+    # No message names them (the producer died before publishing): its task's owner frees them all, on every shard.
+    await tq.put_many({"sub2/0": {"x": torch.zeros(4)}, "other/sub/0": {"x": torch.zeros(4)}})
+    assert await tq.delete([], owners=["sub"]) == 4
+    assert (await tq.stats())["items"] == 2  # an owner is the whole first component: sub2/ and other/ stay
+    with pytest.raises(PayloadMissing):
+        await tq.get_list(["sub/0"])
 
 
 async def test_delete_frees_memory_and_later_gets_are_missing(ray_config, run_name):

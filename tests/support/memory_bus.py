@@ -149,7 +149,9 @@ class MemoryBus:
 class MemoryTransferQueue:
     def __init__(self) -> None:
         self.deleted: list[list[str]] = []  # the keys of every delete call
+        self.owners_deleted: list[list[str]] = []  # its owners
 
-    async def delete(self, keys: list[str]) -> int:
+    async def delete(self, keys: list[str], owners: list[str] = ()) -> int:
         self.deleted.append(list(keys))
+        self.owners_deleted.append(list(owners))
         return len(keys)

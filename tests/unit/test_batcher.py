@@ -185,6 +185,7 @@ async def test_acks_are_held_until_commit_of_a_durable_step(bus, tq, releases):
     assert await b.commit(1) == 2
     assert [d.acks for d in ds] == [1, 1, 0, 0, 0]
     assert tq.deleted == [["e0-i0-a0/0", "e0-i0-a0/1", "e0-i1-a0/0", "e0-i1-a0/1"]]
+    assert tq.owners_deleted == [["e0-i0-a0", "e0-i1-a0"]]  # and what else their tasks stored (a dead producer's)
     assert b.trained == {"e0-i0-a0", "e0-i1-a0"} and b.trained_ids() == all4
     assert await b.commit(1) == 0  # nothing acked twice
     assert await b.commit(10) == 2  # step 2; the group without a step is not acked
@@ -198,6 +199,7 @@ async def test_payload_missing_acks_deletes_and_reissues(bus, tq, releases):
     await b.next_batch(version=0)
     await b.payload_missing(["e2-i1-a0"])
     assert [d.acks for d in ds] == [0, 1] and tq.deleted == [["e2-i1-a0/0", "e2-i1-a0/1"]]
+    assert tq.owners_deleted == [["e2-i1-a0"]]
     assert releases.calls == [(1, 2, 0, True)] and b.counts.missing_payload == 1
     b.trained_in(0, ["e2-i0-a0"])
     assert await b.commit(0) == 1 and b.trained_ids() == {"e2-i0-a0"}
@@ -262,3 +264,19 @@ async def test_a_group_with_a_non_finite_reward_is_dead_lettered_not_trained(bus
     assert tq.deleted == [["e0-i0-a0/0", "e0-i0-a0/1"]]
     assert releases.calls == [(0, 0, 0, False)]  # its slot is freed; the prompt is accounted for by the letter
     assert b.counts.dead_lettered == 1
+
+
+async def test_a_second_copy_of_a_discarded_group_is_acked_and_freed(bus, tq, releases):
+    # A redo published after the duplicate window is a second message with the same group id and its own tensors.
+    b = batcher(bus, tq, releases, "trainer.staleness_policy=drop")
+    first = bus.deliver_group(group(0, versions=(0,)))  # too stale at version 5
+    again = group(0, versions=(4,))
+    for j, sample in enumerate(again.samples):
+        sample.key = f"e0-i0-a0/d2/{j}"
+    second = bus.deliver_group(again)
+    bus.deliver_group(group(1, versions=(5,)))
+    assert ids(await b.next_batch(version=5, need=1)) == ["e0-i1-a0"]
+    assert (first.acks, second.acks, b.counts.duplicates) == (1, 1, 1)
+    assert tq.deleted == [["e0-i0-a0/0", "e0-i0-a0/1"], ["e0-i0-a0/d2/0", "e0-i0-a0/d2/1"]]
+    assert tq.owners_deleted == [["e0-i0-a0"], ["e0-i0-a0"]]
+    assert releases.calls == [(0, 0, 0, True)]  # abandoned once

@@ -46,6 +46,7 @@ def test_engine_is_a_tagged_union_defaulting_to_hf(tmp_path):
         (["name=has space"], "name", "letters"),
         (["model.path="], "model.path", "required"),
         (["data.type=parquet"], "data.path", "required"),
+        (["bus.max_age_s=60"], "bus.max_age_s", "duplicate window must fit"),  # the server refuses it
     ],
 )
 def test_bad_config_names_the_field(tmp_path, overrides, field, words):

@@ -21,6 +21,7 @@ from rlbus.schemas.errors import BusError
     nats.js.errors.APIError(code=500, err_code=10008, description="JetStream system temporarily unavailable"),
     nats.js.errors.APIError(code=500, err_code=10009, description="JetStream cluster can not handle request"),
     nats.js.errors.APIError(code=503, description="no leader"),
+    nats.js.errors.ServerError(code=500, description="no err_code given"),
 ])
 def test_election_errors_are_transient(error: Exception) -> None:
     assert is_transient(error)
@@ -32,6 +33,8 @@ def test_election_errors_are_transient(error: Exception) -> None:
     nats.js.errors.BadRequestError(code=400, err_code=10058, description="stream name already in use"),
     nats.js.errors.APIError(code=400, err_code=10077, description="maximum messages per subject exceeded"),
     nats.errors.MaxPayloadError(),
+    # A 500 that names its cause is an answer too (a stream config the server refuses: retrying it cost 30 s).
+    nats.js.errors.ServerError(code=500, err_code=10052, description="duplicates window can not be larger then max age"),
     ValueError("a bug"),
 ])
 def test_answers_and_bugs_are_not_transient(error: Exception) -> None:

@@ -112,7 +112,12 @@ def main() -> int:
     ap.add_argument("--name", default="soak")
     ap.add_argument("--results", default=str(ROOT / "bench" / "results" / "soak.json"))
     ap.add_argument("--docs", default=str(RELIABILITY), help='page to write the "Soak" section to ("" = none)')
+    ap.add_argument("--render", default="", help="only rewrite the docs section from a results file")
     args = ap.parse_args()
+    if args.render:
+        result = json.loads(Path(args.render).read_text())
+        write_section("## Soak", _section(result, args), Path(args.docs))
+        return 0
 
     import msgspec
 
@@ -208,12 +213,13 @@ def main() -> int:
 
 
 def _flat(values: list[float]) -> str:
-    """first quarter's median -> last quarter's median, and the peak."""
+    """The median of each quarter of the run, and the peak."""
     values = [v for v in values if v is not None]
     if len(values) < 4:
         return "n/a"
-    q = max(1, len(values) // 4)
-    return f"{statistics.median(values[:q]):.0f} -> {statistics.median(values[-q:]):.0f} (peak {max(values):.0f})"
+    q = len(values) / 4
+    quarters = [statistics.median(values[round(i * q):round((i + 1) * q)]) for i in range(4)]
+    return " / ".join(f"{v:.0f}" for v in quarters) + f" (peak {max(values):.0f})"
 
 
 def _section(r: dict[str, Any], args: argparse.Namespace) -> str:
@@ -229,7 +235,7 @@ def _section(r: dict[str, Any], args: argparse.Namespace) -> str:
         f"{r['wall_s']:.0f} s, {len(r['kills'])} producer SIGKILLs at random moments; exit code {r['exit_code']}, "
         f"ledger check exit {r['ledger_exit']}. Sampled every {args.sample_every_s:g} s ({len(s)} samples).",
         "",
-        "| what | first quarter -> last quarter (peak) |",
+        "| what | median of each quarter of the run (peak) |",
         "|---|---|",
     ]
     for role in roles:
@@ -242,11 +248,19 @@ def _section(r: dict[str, Any], args: argparse.Namespace) -> str:
     lines.append(f"| TransferQueue items stored | {_flat([x['tq_items'] for x in s])} |")
     for stream in ("prompts", "traj", "weights", "events"):
         lines.append(f"| `{stream}` stream messages | {_flat([x['streams'][stream] for x in s])} |")
+    trainer = [x["rss_mb"].get("trainer") for x in s if x["rss_mb"].get("trainer")]
+    if len(trainer) >= 8:
+        q = len(trainer) // 4
+        grew = statistics.median(trainer[-q:]) - statistics.median(trainer[:q])
+        lines += ["", f"The trainer's RSS moved {grew:+.0f} MB from the first quarter to the last, "
+                      f"{1024 * grew / max(1, r['steps']):+.0f} KB per step over the run's {r['steps']} steps "
+                      "(not yet traced to a cause)."]
     lines += ["", machine_line(r["machine"]), "",
-              "The TransferQueue holds the groups in flight and those trained since the last checkpoint (a group's keys "
-              "are deleted once the checkpoint that makes its step durable is written; a killed producer's stored "
-              "but unpublished keys are the open item in \"Not yet\"), and the streams are bounded by "
-              "`bus.max_age_s`."]
+              "The TransferQueue holds the groups in flight and those trained since the last checkpoint: a task's keys "
+              "(a killed producer's unpublished ones too) are freed once the checkpoint that makes its step durable "
+              "is written. The `traj`, `weights` and `events` streams grow until their oldest messages reach "
+              f"`bus.max_age_s` ({args.max_age_s:g} s) and stay flat from there; the `prompts` work queue holds only "
+              "what admission released and no producer took yet."]
     return "\n".join(lines)
 
 

@@ -4,9 +4,13 @@
     info = await ws.put(3, model.state_dict())                       # trainer: returns size and checksum
     state_dict = await ws.get(3, expect=announced.checksum)          # producer: raises WeightsChecksumMismatch
 
-The actor ray.put's each version itself and keeps the reference: it owns the object (the trainer that sent it may
-die), and every producer on a node maps the same object-store copy (weights are large and read by many). Hashing
-and sending run in a worker thread, off the caller's event loop.
+The trainer ray.put's a version (the one copy a publish makes) and hands the store actor the reference: the store
+keeps and hands out the trainer's own object. Every producer on a node maps that same object-store copy (weights are
+large and read by many); an HF engine reads it in place. The versions die with the trainer that made them, which
+loses nothing: a restarted trainer resumes from its checkpoint, publishes that version again, and the dead one's
+later versions were rolled back with it. A fetch of a lost version raises WeightsLost. Before it exits, the trainer
+has the store copy the last version into an object of its own (`flush`), for readers after the run (the
+evaluator's last score). Hashing and sending run in a worker thread, off the caller's event loop.
 The actor keeps the `ray.weight_versions_kept` versions put last (a resumed trainer's lower version included). A
 version's checksum is BLAKE3 over names, dtypes, shapes and bytes (`state_dict_checksum`); `check_checksum` is the
 one place that compares a state dict with the digest it should have, and its error carries the version, the
@@ -19,6 +23,9 @@ produce new tensors are fine).
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -39,7 +46,9 @@ from rlbus.bus.ray_store import (
     unpack_tensor,
 )
 from rlbus.schemas.config import RayConfig
-from rlbus.schemas.errors import WeightsChecksumMismatch, WeightsMissing
+from rlbus.schemas.errors import WeightsChecksumMismatch, WeightsLost, WeightsMissing
+
+log = logging.getLogger("rlbus.weight_store")
 
 
 @dataclass(frozen=True)
@@ -81,41 +90,69 @@ def check_checksum(version: int, packed: Mapping[str, Packed], expected: str) ->
 
 
 class _WeightStore:
-    """Keeps the `keep` versions put last; each is one object the actor ray.put itself, so the actor owns it.
+    """Keeps the `keep` versions put last, each as one object-store object: the publisher's, or after `adopt` the
+    actor's own copy (which outlives the publisher).
 
     "Last put", not "highest number": a trainer resumed from an older checkpoint puts a lower version than the
-    store holds, and that version (the one producers are told to load) must stay.
+    store holds, and that version (the one producers are told to load) must stay. Calls may run at once (an
+    `adopt` copying while producers `get`), so the table is guarded by a lock.
     """
 
     def __init__(self, keep: int, name: str):
         self.keep = keep
         self.name = name
-        self.versions: dict[int, tuple[list[ray.ObjectRef], WeightsInfo]] = {}
+        self.versions: dict[int, tuple[list[ray.ObjectRef], WeightsInfo, bool]] = {}  # ..., adopted
+        self._lock = threading.Lock()
 
-    def put(self, version: int, packed: dict[str, Packed], info: WeightsInfo) -> list[int]:
-        # ray.put copies out of the call's argument buffer (owned by the trainer) into an object this actor owns,
-        # so the version outlives the trainer that sent it. (Ray 2.56 removed ray.put's `_owner`, which would have
-        # let the trainer make the actor's one copy itself.)
-        self.versions.pop(version, None)  # a re-put moves to the end: dicts keep insertion order
-        self.versions[version] = ([ray.put(packed)], info)
-        evicted = list(self.versions)[: -self.keep]
-        for v in evicted:
-            del self.versions[v]
+    def put(self, version: int, refs: list[ray.ObjectRef], info: WeightsInfo) -> list[int]:
+        """Hold `version` as the publisher's object (`refs[0]`); returns the versions evicted."""
+        with self._lock:
+            self.versions.pop(version, None)  # a re-put moves to the end: dicts keep insertion order
+            self.versions[version] = (refs, info, False)
+            evicted = list(self.versions)[: -self.keep]
+            for v in evicted:
+                del self.versions[v]
         return evicted
+
+    def adopt(self, version: int) -> bool:
+        """Copy the publisher's object of `version` into one this actor owns. (Ray 2.56 removed ray.put's `_owner`,
+        which would have let the publisher make such a copy without a second one.) False if evicted or lost."""
+        with self._lock:
+            held = self.versions.get(version)
+        if held is None or held[2]:
+            return held is not None
+        t0 = time.perf_counter()
+        try:
+            own = ray.put(ray.get(held[0][0]))  # zero-copy read of the publisher's object, one copy into ours
+        except ray.exceptions.RayError as e:  # the publisher died before we got to it
+            log.warning("%s: could not adopt weights v%d: %s", self.name, version, e)
+            return False
+        with self._lock:
+            if self.versions.get(version) is held:  # not evicted or re-put while we copied
+                self.versions[version] = ([own], held[1], True)
+        log.info("%s: adopted weights v%d in %.0f ms", self.name, version, 1e3 * (time.perf_counter() - t0))
+        return True
 
     def get(self, version: int | None) -> tuple[list[ray.ObjectRef], WeightsInfo] | list[int]:
         """([ref], info), or the versions held when `version` is not. The ref travels inside a list so that Ray
         hands the caller the reference (to fetch zero-copy) instead of resolving it here."""
-        if version is None and self.versions:
-            version = next(reversed(self.versions))  # the one put last
-        held = self.versions.get(version) if version is not None else None
-        return held if held is not None else sorted(self.versions)
+        with self._lock:
+            if version is None and self.versions:
+                version = next(reversed(self.versions))  # the one put last
+            held = self.versions.get(version) if version is not None else None
+            return held[:2] if held is not None else sorted(self.versions)
+
+    def adopted(self, version: int) -> bool:
+        with self._lock:
+            held = self.versions.get(version)
+            return held is not None and held[2]
 
     def list_versions(self) -> list[int]:
-        return sorted(self.versions)
+        with self._lock:
+            return sorted(self.versions)
 
 
-_WeightStoreActor = ray.remote(num_cpus=0, max_restarts=-1)(_WeightStore)
+_WeightStoreActor = ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=4)(_WeightStore)
 
 
 class WeightStore:
@@ -125,6 +162,7 @@ class WeightStore:
         self.run = run
         self.actor = actor
         self.name = name
+        self._last: int | None = None  # the version this client put last
 
     @classmethod
     def connect(cls, run: str, cfg: RayConfig) -> WeightStore:
@@ -149,7 +187,9 @@ class WeightStore:
             dtype=max(by_dtype, key=by_dtype.__getitem__) if by_dtype else "float32",
             store=self.name,
         )
-        yield [self.actor.put.remote(version, packed, info)]
+        ref = ray.put(packed)  # the one copy of a publish; the store hands out this object of ours
+        yield [self.actor.put.remote(version, [ref], info)]
+        self._last = version
         return info
 
     def _fetch_plan(self, version: int | None) -> Plan[tuple[WeightsInfo, dict[str, Packed]]]:
@@ -158,7 +198,11 @@ class WeightStore:
             want = "any version" if version is None else f"version {version}"
             raise WeightsMissing(f"weight store {self.name!r} does not hold {want}; it holds {reply}")
         (ref,), info = reply
-        (packed,) = yield [ref]
+        try:
+            (packed,) = yield [ref]
+        except ray.exceptions.ObjectLostError as e:  # its publisher died (and did not flush it)
+            raise WeightsLost(f"weight store {self.name!r}: version {info.version} was lost with the trainer that "
+                              f"published it ({type(e).__name__}); a restarted trainer publishes again") from e
         return info, packed
 
     def _info_plan(self, version: int | None) -> Plan[WeightsInfo]:
@@ -199,6 +243,16 @@ class WeightStore:
 
     def put_sync(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> WeightsInfo:
         return run_sync(self._put_plan(version, state_dict))
+
+    async def flush(self) -> bool:
+        """Have the store copy the version this client put last into an object of its own, which outlives this
+        process (the trainer flushes before it exits). False if there was nothing to copy."""
+        if self._last is None:
+            return False
+        return await self.actor.adopt.remote(self._last)
+
+    def flush_sync(self) -> bool:
+        return self._last is not None and ray.get(self.actor.adopt.remote(self._last))
 
     def get_sync(self, version: int | None = None, *, expect: str | None = None,
                  verify: bool = False) -> dict[str, torch.Tensor]:

@@ -35,7 +35,7 @@ from rlbus.producers.build import build_rollout
 from rlbus.producers.engines import RolloutEngine
 from rlbus.schemas import staleness
 from rlbus.schemas.config import RunConfig
-from rlbus.schemas.errors import WeightsChecksumMismatch, WeightsMissing
+from rlbus.schemas.errors import WeightsChecksumMismatch, WeightsLost, WeightsMissing
 from rlbus.schemas.staleness import generated_span
 from rlbus.schemas.wire import (
     DeadLetter,
@@ -294,6 +294,10 @@ class Producer:
                 self._weights_changed.notify_all()
 
     async def _refuse(self, published: WeightsPublished, error: Exception) -> None:
+        if isinstance(error, WeightsLost):  # died with its trainer; the restarted one announces again
+            log.info("weights v%d are gone with the trainer that made them (%s); waiting for a newer announcement",
+                     published.version, error)
+            return
         held = await self.weight_store.versions()
         if isinstance(error, WeightsMissing) and held and published.version < max(held):
             # Merely old: evicted since it was announced (this producer fell behind); a newer one follows.

@@ -127,6 +127,7 @@ class HFEngineConfig(_Section, tag="hf", tag_field="type"):
 
     device: str = "cpu"  # torch device of the engine
     max_batch_size: int = 16  # sequences per generate() call
+    share_weights: bool = True  # on CPU, read loaded weights in place from Ray's object store (one copy per node)
 
     def __post_init__(self) -> None:
         _need(self.max_batch_size >= 1, "max_batch_size", "must be >= 1")

@@ -45,6 +45,10 @@ class WeightsMissing(TransferQueueError):
     """A weight version is not (or no longer) held by the weight store."""
 
 
+class WeightsLost(WeightsMissing):
+    """The weight store names a version whose object died with the trainer that published it."""
+
+
 class WeightsChecksumMismatch(TransferQueueError):
     """Weights fetched for a version do not have the digest they were announced (or stored) with."""
 

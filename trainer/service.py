@@ -327,6 +327,11 @@ class TrainerService:
                 await asyncio.gather(task, return_exceptions=True)
         if self.batcher is not None:
             await self.batcher.stop()
+        if self.weight_store is not None:  # our last version must outlive us (the evaluator's last score reads it)
+            try:
+                await asyncio.wait_for(self.weight_store.flush(), timeout=30.0)
+            except Exception as e:
+                log.warning("the weight store did not keep a copy of the last version: %s", e)
         if self.metrics is not None:
             self.metrics.close()
         if self.bus is not None:

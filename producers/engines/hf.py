@@ -121,7 +121,9 @@ class HFEngine(RolloutEngine):
     _lock: threading.Lock  # serialises generate chunks and the swap of new weights (both in worker threads)
     _load_lock: threading.Lock  # one weight load at a time
     last_load_pause_s: float  # how long the last weight load held generation (the swap, not the copy)
+    last_load_work_s: float  # the last load's own work: staging (copies, if any) plus the swap, not its waits
     _spare: dict[str, torch.Tensor]  # the tensors the last load swapped out: the next load copies into them
+    _shared: set[str]  # parameters that are read in place from the weight store's object (not ours to write)
     _generator: torch.Generator
 
     def __init__(self, model_path: str, engine_cfg: HFEngineConfig, *, version: int = 0, seed: int | None = None):
@@ -138,7 +140,9 @@ class HFEngine(RolloutEngine):
         self._lock = threading.Lock()
         self._load_lock = threading.Lock()
         self.last_load_pause_s = 0.0
+        self.last_load_work_s = 0.0
         self._spare = {}
+        self._shared = set()
         self._generator = torch.Generator(device=engine_cfg.device)
         if seed is None:
             self._generator.seed()
@@ -185,11 +189,15 @@ class HFEngine(RolloutEngine):
             bad_shape = [k for k in state_dict if k in own and tuple(state_dict[k].shape) != tuple(own[k].shape)]
             if missing or unexpected or bad_shape:
                 raise WeightLoadError(version, missing=missing, unexpected=unexpected, bad_shape=bad_shape)
-            # Copy aside first, outside the generation lock, into the tensors the previous load swapped out (memory
-            # already touched: a copy into fresh pages costs several times more) or, the first time, new ones. A
-            # tensor shared by two names (tied embeddings) is copied once. From the second load on the engine holds
-            # two copies of the weights.
-            staged: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+            # Shared (engine.share_weights, CPU, same dtype): the parameter becomes the fetched tensor itself, a
+            # read-only view of the weight store's object in Ray's shared memory. Nothing is copied, and every
+            # producer on a node reads the same bytes; the object stays pinned while a producer uses it. Else copy
+            # aside first, outside the generation lock, into the tensors the previous load swapped out (memory
+            # already touched: a copy into fresh pages costs several times more) or, the first time, new ones; from
+            # the second load on the engine then holds two copies of the weights. A tensor shared by two names (tied
+            # embeddings) is taken once.
+            t_stage = time.perf_counter()
+            staged: list[tuple[str, torch.Tensor, torch.Tensor, bool]] = []  # (name, param, new data, shared)
             seen: set[int] = set()
             with torch.no_grad():
                 for name, tensor in state_dict.items():
@@ -197,19 +205,31 @@ class HFEngine(RolloutEngine):
                     if id(target) in seen:
                         continue
                     seen.add(id(target))
+                    if self._cfg.share_weights and tensor.device.type == "cpu" and target.device == tensor.device \
+                            and tensor.dtype == target.dtype:
+                        staged.append((name, target, tensor, True))
+                        continue
                     spare = self._spare.pop(name, None)
                     if spare is not None and spare.shape == target.shape and spare.dtype == target.dtype \
                             and spare.device == target.device:
-                        staged.append((name, target, spare.copy_(tensor)))
+                        staged.append((name, target, spare.copy_(tensor), False))
                     else:
-                        staged.append((name, target, tensor.to(device=target.device, dtype=target.dtype, copy=True)))
+                        staged.append((name, target, tensor.to(device=target.device, dtype=target.dtype, copy=True),
+                                       False))
+            staging_s = time.perf_counter() - t_stage
             with self._lock:  # waits for the chunk in flight; generation pauses only for the swap
                 t0 = time.perf_counter()
-                for name, target, fresh in staged:
-                    self._spare[name] = target.data
+                for name, target, fresh, shared in staged:
+                    if shared:  # our own copy (if any) is freed: no load copies into memory any more
+                        self._shared.add(name)
+                    elif name in self._shared:  # the store's object is not ours to copy into
+                        self._shared.discard(name)
+                    else:
+                        self._spare[name] = target.data
                     target.data = fresh
                 self._version = version
                 self.last_load_pause_s = time.perf_counter() - t0
+                self.last_load_work_s = staging_s + self.last_load_pause_s
 
     async def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         await asyncio.to_thread(self._load_sync, state_dict, version)
@@ -218,3 +238,4 @@ class HFEngine(RolloutEngine):
         with self._lock:
             self.model = None  # type: ignore[assignment]  # frees the weights; the engine is unusable afterwards
             self._spare = {}
+            self._shared = set()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 
 import pytest
 import torch
@@ -144,7 +145,7 @@ async def test_load_weights_changes_generation_and_stamps_version(model_dir, pro
 
 
 async def test_a_load_copies_aside_and_pauses_generation_only_to_swap(model_dir, prompts):
-    engine = HFEngine(str(model_dir), HFEngineConfig(), version=0, seed=0)
+    engine = HFEngine(str(model_dir), HFEngineConfig(share_weights=False), version=0, seed=0)
     new_model = tiny_model(AutoTokenizer.from_pretrained(model_dir), seed=7, spec=ENGINE_SPEC)
     source = {k: v.clone() for k, v in new_model.state_dict().items()}
     engine._lock.acquire()  # a generation chunk in flight
@@ -177,6 +178,43 @@ async def test_a_load_copies_aside_and_pauses_generation_only_to_swap(model_dir,
     await engine.load_weights(source, version=5)
     assert model.model.norm.weight.data_ptr() == first_ptr and torch.equal(model.model.norm.weight,
                                                                           source["model.norm.weight"])
+
+
+async def test_a_shared_load_reads_the_weight_store_object_in_place(model_dir, prompts, ray_config):
+    from rlbus.bus.ray_store import teardown
+    from rlbus.bus.weight_store import WeightStore
+
+    run = f"t-shared-{uuid.uuid4().hex[:8]}"
+    ws = WeightStore.connect(run, ray_config)
+    try:
+        new_model = tiny_model(AutoTokenizer.from_pretrained(model_dir), seed=9, spec=ENGINE_SPEC)
+        info = await ws.put(1, new_model.state_dict())
+        fetched = await ws.get(1, expect=info.checksum)  # read-only views of the store's object
+        shared = HFEngine(str(model_dir), HFEngineConfig(), version=0, seed=0)
+        copied = HFEngine(str(model_dir), HFEngineConfig(share_weights=False), version=0, seed=0)
+        for engine in (shared, copied):
+            await engine.load_weights(fetched, version=1)
+        for name, w in shared.model.state_dict().items():
+            assert torch.equal(w, fetched[name]), name
+        in_store = fetched["model.norm.weight"].data_ptr()
+        assert shared.model.model.norm.weight.data_ptr() == in_store  # nothing copied
+        assert copied.model.model.norm.weight.data_ptr() != in_store
+        assert shared.model.lm_head.weight is shared.model.model.embed_tokens.weight  # still tied
+        greedy = SamplingParams(temperature=1e-4, max_new_tokens=12)
+        a, b = await shared.generate(prompts, greedy), await copied.generate(prompts, greedy)
+        assert [g.token_ids for g in a] == [g.token_ids for g in b]
+        # Another dtype cannot be read in place: it is converted into the engine's own memory, and from then on
+        # loads copy again (never into the store's object).
+        half = {k: v.to(torch.bfloat16) for k, v in tiny_model(AutoTokenizer.from_pretrained(model_dir), seed=10,
+                                                               spec=ENGINE_SPEC).state_dict().items()}
+        await shared.load_weights(half, version=2)
+        assert shared.model.model.norm.weight.data_ptr() != in_store
+        assert shared.model.model.norm.weight.dtype == torch.float32
+        assert torch.equal(fetched["model.norm.weight"], new_model.state_dict()["model.norm.weight"])
+        await shared.load_weights(fetched, version=3)
+        assert shared.model.model.norm.weight.data_ptr() == in_store
+    finally:
+        teardown(run, ray_config)
 
 
 async def test_generate_does_not_block_the_event_loop(model_dir, prompts):

@@ -107,14 +107,19 @@ async def test_forged_weight_announcements_are_dead_lettered_not_a_crash_loop(bu
             return WeightsPublished(version=version, step=version, num_bytes=16, checksum=checksum, num_tensors=1,
                                     dtype="float32", store=run_name)
 
+        async def letters_when(n: int) -> list[DeadLetter]:
+            for _ in range(100):
+                letters = await trainer.snapshot(s.dead_letter, DeadLetter)
+                if len(letters) >= n:
+                    break
+                await asyncio.sleep(0.1)
+            return letters
+
+        # One at a time: the producer's weights watch starts at the last announcement, and it may start only now.
         await trainer.publish(s.weights, announce(9999, real.checksum), msg_id="forged-9999")
+        await letters_when(1)
         await trainer.publish(s.weights, announce(3, "0" * len(real.checksum)), msg_id="forged-3")
-        letters: list[DeadLetter] = []
-        for _ in range(100):
-            letters = await trainer.snapshot(s.dead_letter, DeadLetter)
-            if len(letters) >= 2:
-                break
-            await asyncio.sleep(0.1)
+        letters = await letters_when(2)
         reasons = [d.reason for d in letters]
         assert len(reasons) == 2, reasons
         assert "v9999" in reasons[0] and "WeightsMissing" in reasons[0]

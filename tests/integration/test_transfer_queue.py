@@ -15,9 +15,16 @@ import time
 import pytest
 import torch
 
+from rlbus.bus.ray_store import teardown
 from rlbus.bus.transfer_queue import TransferQueue, shard_of
 from rlbus.bus.weight_store import WeightStore, state_dict_checksum
-from rlbus.schemas.errors import PayloadMissing, TransferQueueFull, WeightsChecksumMismatch, WeightsMissing
+from rlbus.schemas.errors import (
+    PayloadMissing,
+    TransferQueueFull,
+    WeightsChecksumMismatch,
+    WeightsLost,
+    WeightsMissing,
+)
 
 torch.set_num_threads(1)
 
@@ -72,9 +79,12 @@ _PRODUCER = textwrap.dedent(
                     capacity_items=16, capacity_bytes=128 * 1024, weight_versions_kept=2)
     TransferQueue.connect(run, cfg).put_many_sync(
         {f"sub/{i}": {"ids": torch.arange(50) + i} for i in range(4)})
-    WeightStore.connect(run, cfg).put_sync(7, {"w": torch.full((64, 64), 7.0)})
+    ws = WeightStore.connect(run, cfg)
+    ws.put_sync(7, {"w": torch.full((256, 256), 7.0)})  # 256 KiB: in the object store, not inlined
+    if mode != "lose":
+        assert ws.flush_sync()  # the store's own copy (what the trainer makes of its last version at exit)
     print("stored", flush=True)
-    if mode == "hang":
+    if mode in ("hang", "lose"):
         time.sleep(600)  # the test SIGKILLs us here
     """
 )
@@ -101,13 +111,58 @@ async def test_tensors_put_by_a_dead_producer_survive(ray_config, run_name, ray_
     got = await tq.get_list([f"sub/{i}" for i in range(4)])
     assert all(torch.equal(item["ids"], torch.arange(50) + i) for i, item in enumerate(got))
     weights = await WeightStore.connect(run_name, ray_config).get(7, verify=True)
-    assert torch.equal(weights["w"], torch.full((64, 64), 7.0))
+    assert torch.equal(weights["w"], torch.full((256, 256), 7.0))
     # No message names them (the producer died before publishing): its task's owner frees them all, on every shard.
     await tq.put_many({"sub2/0": {"x": torch.zeros(4)}, "other/sub/0": {"x": torch.zeros(4)}})
     assert await tq.delete([], owners=["sub"]) == 4
     assert (await tq.stats())["items"] == 2  # an owner is the whole first component: sub2/ and other/ stay
     with pytest.raises(PayloadMissing):
         await tq.get_list(["sub/0"])
+
+
+async def test_weights_lost_with_their_publisher_are_weights_lost_not_a_hang(ray_config, run_name, ray_env):
+    # The store hands out the trainer's own object (one copy per publish); SIGKILLed without its exit's flush, the
+    # publisher takes it along. A fetch says so, naming the version, once Ray has seen the owner die (until then the
+    # node's copy is still served). A producer reading those weights in place keeps valid bytes meanwhile.
+    args = [sys.executable, "-c", _PRODUCER, ray_config.address, ray_config.namespace, run_name, "lose"]
+    proc = subprocess.Popen(args, env=ray_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ws = WeightStore.connect(run_name, ray_config)
+    try:
+        assert proc.stdout.readline().strip() == "stored", proc.stderr.read()
+        in_use = await ws.get(7, verify=True)  # zero-copy views, as an HF engine with share_weights holds them
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for v in (8, 9, 10):  # a restarted trainer publishes again; the object store reuses what was freed
+        await ws.put(v, {"w": torch.full((256, 256), float(v))})
+    await asyncio.sleep(2.0)  # Ray has seen the owner die by now
+    assert torch.equal(in_use["w"], torch.full((256, 256), 7.0))  # pinned by its reader: intact, not reused
+    assert torch.equal((await ws.get(None))["w"], torch.full((256, 256), 10.0))
+
+    run2 = f"{run_name}-b"  # the same, with nobody reading the lost version
+    args[5] = run2
+    proc = subprocess.Popen(args, env=ray_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "stored", proc.stderr.read()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    ws2 = WeightStore.connect(run2, ray_config)
+    try:
+        deadline = time.monotonic() + 30
+        with pytest.raises(WeightsLost, match="version 7 was lost with the trainer"):
+            while time.monotonic() < deadline:
+                await asyncio.wait_for(ws2.get(7, verify=True), timeout=60)
+                await asyncio.sleep(0.2)
+        assert await ws2.versions() == [7]
+    finally:
+        teardown(run2, ray_config)
 
 
 async def test_delete_frees_memory_and_later_gets_are_missing(ray_config, run_name):

@@ -125,6 +125,8 @@ class HFEngine(RolloutEngine):
     _spare: dict[str, torch.Tensor]  # the tensors the last load swapped out: the next load copies into them
     _shared: set[str]  # parameters that are read in place from the weight store's object (not ours to write)
     _generator: torch.Generator
+    _waiting: list[tuple[list[list[int]], SamplingParams, asyncio.Future]]  # generate() calls not yet running
+    _batcher: asyncio.Task | None  # runs the waiting calls, merged into batches, one batch at a time
 
     def __init__(self, model_path: str, engine_cfg: HFEngineConfig, *, version: int = 0, seed: int | None = None):
         self._cfg = engine_cfg
@@ -143,6 +145,8 @@ class HFEngine(RolloutEngine):
         self.last_load_work_s = 0.0
         self._spare = {}
         self._shared = set()
+        self._waiting = []
+        self._batcher = None
         self._generator = torch.Generator(device=engine_cfg.device)
         if seed is None:
             self._generator.seed()
@@ -174,9 +178,49 @@ class HFEngine(RolloutEngine):
         return results
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """Sample `prompts`. Calls that wait together are merged into one batch (same sampling parameters, no
+        per-call seed, up to `max_batch_size` sequences): a producer rolling out several tasks at once
+        (`rollout.max_inflight_tasks`) runs one forward per token for all of them instead of one per task."""
         if not prompts:
             return []
-        return await asyncio.to_thread(self._generate_sync, prompts, params)
+        loop = asyncio.get_running_loop()
+        if self._batcher is not None and self._batcher.get_loop() is not loop:  # a new event loop (tests do that)
+            self._batcher, self._waiting = None, []
+        done: asyncio.Future[list[Generation]] = loop.create_future()
+        self._waiting.append((prompts, params, done))
+        if self._batcher is None or self._batcher.done():
+            self._batcher = asyncio.create_task(self._run_batches())
+        return await done
+
+    async def _run_batches(self) -> None:
+        while self._waiting:
+            head = self._waiting[0][1]
+            batch, rest, size = [], [], 0
+            for request in self._waiting:
+                prompts, params, done = request
+                if done.done():  # its caller was cancelled meanwhile
+                    continue
+                mergeable = params == head and params.seed is None and size + len(prompts) <= self._cfg.max_batch_size
+                if not batch or mergeable:
+                    batch.append(request)
+                    size += len(prompts)
+                else:
+                    rest.append(request)
+            self._waiting = rest
+            if not batch:
+                continue
+            try:
+                out = await asyncio.to_thread(self._generate_sync, [p for r in batch for p in r[0]], head)
+            except Exception as e:
+                for _, _, done in batch:
+                    if not done.done():
+                        done.set_exception(e)
+                continue
+            offset = 0
+            for prompts, _, done in batch:
+                if not done.done():
+                    done.set_result(out[offset:offset + len(prompts)])
+                offset += len(prompts)
 
     def _load_sync(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         with self._load_lock:  # one load at a time; generation goes on while the new weights are copied

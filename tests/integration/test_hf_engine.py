@@ -217,6 +217,26 @@ async def test_a_shared_load_reads_the_weight_store_object_in_place(model_dir, p
         teardown(run, ray_config)
 
 
+async def test_concurrent_calls_are_merged_into_one_batch(model_dir, prompts):
+    n = len(prompts)
+    engine = HFEngine(str(model_dir), HFEngineConfig(max_batch_size=2 * n - 1), seed=0)
+    greedy = SamplingParams(temperature=1e-4, max_new_tokens=6)
+    alone = [await engine.generate([p], greedy) for p in prompts]
+    batches: list[int] = []
+    run = engine._generate_sync
+    engine._generate_sync = lambda ps, params: (batches.append(len(ps)), run(ps, params))[1]  # type: ignore[method-assign]
+    calls = [engine.generate([p], greedy) for p in prompts] + [engine.generate(prompts, greedy)]
+    other = SamplingParams(temperature=1e-4, max_new_tokens=3)  # other parameters: a batch of its own
+    together = await asyncio.gather(*calls, engine.generate(prompts[:1], other))
+    # Queued together: the n single prompts go as one batch; the n-prompt call would pass max_batch_size (2n - 1)
+    # with them, so it goes next; the call with other parameters goes alone.
+    assert batches == [n, n, 1], batches
+    for one, merged in zip(alone, together[: len(prompts)]):
+        assert one[0].token_ids == merged[0].token_ids
+    assert [g.token_ids for g in together[len(prompts)]] == [g[0].token_ids for g in alone]
+    assert len(together[-1][0].token_ids) <= 3
+
+
 async def test_generate_does_not_block_the_event_loop(model_dir, prompts):
     engine = HFEngine(str(model_dir), HFEngineConfig(), seed=0)
     gaps: list[float] = []

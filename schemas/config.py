@@ -182,7 +182,7 @@ class RolloutConfig(_Section):
     num_producers: int = 2  # producers `rlbus up` starts
     heartbeat_interval_s: float = 5.0  # seconds between producer heartbeats
     in_progress_interval_s: float = 10.0  # how often a producer tells JetStream it still works on a task
-    max_inflight_tasks: int = 1  # prompt tasks a producer rolls out at once
+    max_inflight_tasks: int = 1  # prompt tasks a producer rolls out at once (the HF engine batches them together)
     tool_timeout_s: float = 30.0  # a tool call running longer answers "error: ... timed out" to the model
     torch_threads: int = 0  # torch CPU threads of each producer; 0 = auto (OMP_NUM_THREADS, else CPUs / processes)
 

@@ -90,22 +90,28 @@ _PRODUCER = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("how", ["exit", "sigkill"])
-async def test_tensors_put_by_a_dead_producer_survive(ray_config, run_name, ray_env, how):
-    mode = "hang" if how == "sigkill" else "exit"
-    args = [sys.executable, "-c", _PRODUCER, ray_config.address, ray_config.namespace, run_name, mode]
+async def _producer_that_dies(ray_config, run: str, ray_env, mode: str, while_alive=None) -> int:
+    """Run _PRODUCER (it stores, then exits or waits), `await while_alive()` once it has stored, SIGKILL it unless
+    it exits by itself; returns its exit code."""
+    args = [sys.executable, "-c", _PRODUCER, ray_config.address, ray_config.namespace, run, mode]
     proc = subprocess.Popen(args, env=ray_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        line = proc.stdout.readline()
-        assert line.strip() == "stored", proc.stderr.read()
-        if how == "sigkill":
+        assert proc.stdout.readline().strip() == "stored", proc.stderr.read()
+        if while_alive is not None:
+            await while_alive()
+        if mode != "exit":
             proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
+        return proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == (-signal.SIGKILL if how == "sigkill" else 0)
+
+
+@pytest.mark.parametrize("how", ["exit", "sigkill"])
+async def test_tensors_put_by_a_dead_producer_survive(ray_config, run_name, ray_env, how):
+    code = await _producer_that_dies(ray_config, run_name, ray_env, "hang" if how == "sigkill" else "exit")
+    assert code == (-signal.SIGKILL if how == "sigkill" else 0)
 
     tq = TransferQueue.connect(run_name, ray_config)
     got = await tq.get_list([f"sub/{i}" for i in range(4)])
@@ -124,18 +130,13 @@ async def test_weights_lost_with_their_publisher_are_weights_lost_not_a_hang(ray
     # The store hands out the trainer's own object (one copy per publish); SIGKILLed without its exit's flush, the
     # publisher takes it along. A fetch says so, naming the version, once Ray has seen the owner die (until then the
     # node's copy is still served). A producer reading those weights in place keeps valid bytes meanwhile.
-    args = [sys.executable, "-c", _PRODUCER, ray_config.address, ray_config.namespace, run_name, "lose"]
-    proc = subprocess.Popen(args, env=ray_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ws = WeightStore.connect(run_name, ray_config)
-    try:
-        assert proc.stdout.readline().strip() == "stored", proc.stderr.read()
-        in_use = await ws.get(7, verify=True)  # zero-copy views, as an HF engine with share_weights holds them
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    in_use: dict[str, torch.Tensor] = {}
+
+    async def read_in_place() -> None:  # zero-copy views, as an HF engine with share_weights holds them
+        in_use.update(await ws.get(7, verify=True))
+
+    await _producer_that_dies(ray_config, run_name, ray_env, "lose", read_in_place)
     for v in (8, 9, 10):  # a restarted trainer publishes again; the object store reuses what was freed
         await ws.put(v, {"w": torch.full((256, 256), float(v))})
     await asyncio.sleep(2.0)  # Ray has seen the owner die by now
@@ -143,16 +144,7 @@ async def test_weights_lost_with_their_publisher_are_weights_lost_not_a_hang(ray
     assert torch.equal((await ws.get(None))["w"], torch.full((256, 256), 10.0))
 
     run2 = f"{run_name}-b"  # the same, with nobody reading the lost version
-    args[5] = run2
-    proc = subprocess.Popen(args, env=ray_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "stored", proc.stderr.read()
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    await _producer_that_dies(ray_config, run2, ray_env, "lose")
     ws2 = WeightStore.connect(run2, ray_config)
     try:
         deadline = time.monotonic() + 30

@@ -6,9 +6,11 @@
 from __future__ import annotations
 
 import asyncio
+import select
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -94,18 +96,22 @@ async def _producer_that_dies(ray_config, run: str, ray_env, mode: str, while_al
     """Run _PRODUCER (it stores, then exits or waits), `await while_alive()` once it has stored, SIGKILL it unless
     it exits by itself; returns its exit code."""
     args = [sys.executable, "-c", _PRODUCER, ray_config.address, ray_config.namespace, run, mode]
-    proc = subprocess.Popen(args, env=ray_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "stored", proc.stderr.read()
-        if while_alive is not None:
-            await while_alive()
-        if mode != "exit":
-            proc.send_signal(signal.SIGKILL)
-        return proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    with tempfile.TemporaryFile("w+") as err:  # a file, not a pipe: Ray's warnings cannot fill it and block it
+        proc = subprocess.Popen(args, env=ray_env, stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            ready, _, _ = select.select([proc.stdout], [], [], 120)
+            line = proc.stdout.readline() if ready else ""
+            err.seek(0)
+            assert line.strip() == "stored", f"rc {proc.poll()}:\n{err.read()[-3000:]}"
+            if while_alive is not None:
+                await while_alive()
+            if mode != "exit":
+                proc.send_signal(signal.SIGKILL)
+            return proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 @pytest.mark.parametrize("how", ["exit", "sigkill"])

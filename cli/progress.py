@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from rlbus.trainer.metrics import read_metrics
 
 #: A producer whose last heartbeat is older than this many heartbeat intervals counts as offline.
 OFFLINE_AFTER_INTERVALS = 3
+CLOSE_TIMEOUT_S = 10.0  # how long the view's end waits for its watchers and its bus connection
+log = logging.getLogger("rlbus.progress")
 
 
 def last_metrics(run_dir: Path) -> dict[str, Any]:
@@ -100,9 +103,15 @@ class RunMonitor:
         self.stop()
         for t in self._tasks[1:]:
             t.cancel()
-        await asyncio.gather(*self._tasks[1:], return_exceptions=True)
+        # Bounded: the view is only an observer, and a connection to a bus that restarted under it must not keep
+        # the launcher from exiting once the run is over.
+        if self._tasks[1:]:
+            await asyncio.wait(self._tasks[1:], timeout=CLOSE_TIMEOUT_S)
         if self._bus is not None:
-            await self._bus.close()
+            try:
+                await asyncio.wait_for(self._bus.close(), timeout=CLOSE_TIMEOUT_S)
+            except Exception as e:  # a timeout too: nothing is left to do with the connection
+                log.warning("the live view's bus connection did not close (%s: %s)", type(e).__name__, e)
 
     def stop(self) -> None:
         if self._live is not None:

@@ -27,6 +27,7 @@ from rlbus.common.model.tiny import TinyModelSpec, tiny_model
 from rlbus.common.chat import encode_chat
 from rlbus.schemas.config import HFEngineConfig, from_dict
 from rlbus.schemas.errors import WeightLoadError
+from tests.support.loop_gaps import loop_gaps
 
 #: Wider and deeper than the quickstart's model: at random init the quickstart's tied-embedding 2-layer model greedily
 #: repeats the prompt's last token whatever its seed, and generates too fast to time the event loop against.
@@ -239,23 +240,10 @@ async def test_concurrent_calls_are_merged_into_one_batch(model_dir, prompts):
 
 async def test_generate_does_not_block_the_event_loop(model_dir, prompts):
     engine = HFEngine(str(model_dir), HFEngineConfig(), seed=0)
-    gaps: list[float] = []
-    done = asyncio.Event()
-
-    async def ticker():
-        last = time.perf_counter()
-        while not done.is_set():
-            await asyncio.sleep(0.01)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
-
-    tick = asyncio.create_task(ticker())
-    start = time.perf_counter()
-    await engine.generate(prompts * 4, SamplingParams(max_new_tokens=64))
-    took = time.perf_counter() - start
-    done.set()
-    await tick
+    async with loop_gaps(0.01) as gaps:
+        start = time.perf_counter()
+        await engine.generate(prompts * 4, SamplingParams(max_new_tokens=64))
+        took = time.perf_counter() - start
     assert took > 0.2, "generation too quick to say anything about the loop"
     assert len(gaps) >= took / 0.1, f"loop ticked {len(gaps)} times in {took:.2f}s"
     assert max(gaps) < 0.25, f"event loop stalled {max(gaps):.3f}s during generate"

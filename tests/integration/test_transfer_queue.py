@@ -27,6 +27,7 @@ from rlbus.schemas.errors import (
     WeightsLost,
     WeightsMissing,
 )
+from tests.support.loop_gaps import loop_gaps
 
 torch.set_num_threads(1)
 
@@ -300,23 +301,10 @@ async def test_publishing_a_large_state_dict_leaves_the_event_loop_free(ray_conf
     """Hashing and copying 256 MB happen in a thread: the trainer's loop keeps ticking (acks, the recorder)."""
     ws = WeightStore.connect(run_name, ray_config)
     sd = {f"layer{i}.weight": torch.full((1024, 8192), float(i)) for i in range(8)}  # 8 x 32 MiB
-    gaps: list[float] = []
-    done = asyncio.Event()
-
-    async def ticker() -> None:
-        last = time.perf_counter()
-        while not done.is_set():
-            await asyncio.sleep(0.005)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
-
-    tick = asyncio.create_task(ticker())
-    t0 = time.perf_counter()
-    info = await ws.put(1, sd)
-    took = time.perf_counter() - t0
-    done.set()
-    await tick
+    async with loop_gaps(0.005) as gaps:
+        t0 = time.perf_counter()
+        info = await ws.put(1, sd)
+        took = time.perf_counter() - t0
     assert info.num_bytes == 8 * 1024 * 8192 * 4 and info.checksum == state_dict_checksum(sd)
     assert len(gaps) >= 3, f"publish took {took:.3f}s and the loop ticked {len(gaps)} times"
     assert max(gaps) < max(0.1, took / 3), f"event loop stalled {max(gaps):.3f}s of a {took:.3f}s publish"

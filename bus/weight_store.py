@@ -142,11 +142,6 @@ class _WeightStore:
             held = self.versions.get(version) if version is not None else None
             return held[:2] if held is not None else sorted(self.versions)
 
-    def adopted(self, version: int) -> bool:
-        with self._lock:
-            held = self.versions.get(version)
-            return held is not None and held[2]
-
     def list_versions(self) -> list[int]:
         with self._lock:
             return sorted(self.versions)

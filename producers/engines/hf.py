@@ -194,12 +194,14 @@ class HFEngine(RolloutEngine):
 
     async def _run_batches(self) -> None:
         while self._waiting:
-            head = self._waiting[0][1]
+            live = [r for r in self._waiting if not r[2].done()]  # a cancelled caller's request is dropped
+            if not live:
+                self._waiting = []
+                break
+            head = live[0][1]  # the batch runs with the parameters of the oldest live request
             batch, rest, size = [], [], 0
-            for request in self._waiting:
-                prompts, params, done = request
-                if done.done():  # its caller was cancelled meanwhile
-                    continue
+            for request in live:
+                prompts, params, _ = request
                 mergeable = params == head and params.seed is None and size + len(prompts) <= self._cfg.max_batch_size
                 if not batch or mergeable:
                     batch.append(request)
@@ -207,8 +209,6 @@ class HFEngine(RolloutEngine):
                 else:
                     rest.append(request)
             self._waiting = rest
-            if not batch:
-                continue
             try:
                 out = await asyncio.to_thread(self._generate_sync, [p for r in batch for p in r[0]], head)
             except Exception as e:

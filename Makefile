@@ -21,7 +21,7 @@ run: $(STAMP)
 	$(VENV)/bin/rlbus up configs/quickstart.yaml
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=30
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not slow"

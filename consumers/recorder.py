@@ -90,6 +90,14 @@ class _SeqOnly(msgspec.Struct):
     seq: int = 0
 
 
+class _TaskId(msgspec.Struct):
+    task_id: str = ""
+
+
+class _PromptId(msgspec.Struct):
+    msg: _TaskId = msgspec.field(default_factory=_TaskId)
+
+
 class _SeqSubject(msgspec.Struct):
     seq: int = 0
     subject: str = ""
@@ -129,12 +137,13 @@ class Recorder:
     _files: dict[str, Any]  # kind -> open append handle
     _last_seq: dict[str, int]  # stream name -> last archived sequence
     _tasks: list[asyncio.Task]
+    _prompt_ids: set[str] | None  # task ids in prompts.jsonl, read on the first hand-over
 
     def __init__(self, run_dir: str | os.PathLike, mode: RecordMode = "full", *, resume_step: int = 0):
         self.run_dir = Path(run_dir)
         self.mode = mode
         self.dir = events_dir(run_dir)
-        self._files, self._last_seq, self._tasks = {}, {}, []
+        self._files, self._last_seq, self._tasks, self._prompt_ids = {}, {}, [], None
         if mode == "off":
             return
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -172,10 +181,22 @@ class Recorder:
     # -- the feeder's hand-over --------------------------------------------------------------------------------------
 
     def prompt(self, task: PromptTask, subject: str = "") -> None:
-        """Archive a PromptTask the feeder released (call after JetStream acknowledged the publish)."""
-        if self.enabled:
-            self._append(KINDS["prompts"][0], _ENC.encode(Entry(seq=0, subject=subject, recorded_at=time.time(),
-                                                                 msg=task)))
+        """Archive a PromptTask the feeder released (call after JetStream acknowledged the publish), once per task id.
+
+        The feeder hands over every acknowledged publish, de-duplicated ones too: a publish whose ack was lost to a
+        failover is stored, and its retry comes back as a duplicate -- the stream holds it, the archive may not yet.
+        """
+        if not self.enabled:
+            return
+        if self._prompt_ids is None:
+            path = self.dir / KINDS["prompts"][0]
+            lines = path.read_bytes().splitlines() if path.is_file() else []
+            self._prompt_ids = {msgspec.json.decode(ln, type=_PromptId).msg.task_id for ln in lines if ln.strip()}
+        if task.task_id in self._prompt_ids:
+            return
+        self._append(KINDS["prompts"][0], _ENC.encode(Entry(seq=0, subject=subject, recorded_at=time.time(),
+                                                             msg=task)))
+        self._prompt_ids.add(task.task_id)
 
     # -- step records ------------------------------------------------------------------------------------------------
 

@@ -143,8 +143,8 @@ class Feeder:
                 break
             index, epoch, attempt = item
             task = self._task(index, epoch, attempt)
-            ack = await self._bus.publish(self._bus.subjects.prompts, task, msg_id=task.task_id)
-            if self._on_release is not None and not ack.duplicate:
+            await self._bus.publish(self._bus.subjects.prompts, task, msg_id=task.task_id)
+            if self._on_release is not None:  # a duplicate too: its first copy's ack may have been lost to a failover
                 self._on_release(task, self._bus.subjects.prompts)
             self.state.released += 1
             count += 1

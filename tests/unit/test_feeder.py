@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from rlbus.common.data import load_dataset
+from rlbus.consumers.event_log import read_entries
+from rlbus.consumers.recorder import Recorder
 from rlbus.schemas.config import DataConfig, load_config
 from rlbus.schemas.wire import DeadLetter, PromptTask, encode
 from rlbus.trainer.feeder import Feeder, Reissue, permutation
@@ -204,7 +206,7 @@ async def test_load_state_dict_takes_only_a_state_further_along(tmp_path, bus, v
     assert f.state_dict()["released"] == 10
 
 
-async def test_on_release_is_called_for_new_publishes_only(tmp_path, bus, version):
+async def test_on_release_sees_every_acknowledged_publish(tmp_path, bus, version):
     seen: list[tuple[str, str]] = []
 
     def hook(task: PromptTask, subject: str) -> None:
@@ -212,12 +214,26 @@ async def test_on_release_is_called_for_new_publishes_only(tmp_path, bus, versio
 
     f = feeder(tmp_path / "a", bus, version, on_release=hook)
     await f._release(3)
-    # A feeder that lost its file re-releases the same ids: JetStream drops them, the hook must not see them.
+    # A feeder that lost its file re-releases the same ids: JetStream drops them, yet the hook sees them -- a
+    # duplicate ack is also what a publish retried after a failover gets when its first copy was stored unacked.
     g = feeder(tmp_path / "b", bus, version, on_release=hook)
     await g._release(4)
     assert bus.duplicates == ["e0-i0-a0", "e0-i1-a0", "e0-i2-a0"]
-    assert seen == [(f"e0-i{i}-a0", bus.subjects.prompts) for i in range(4)]
+    assert seen == [(f"e0-i{i}-a0", bus.subjects.prompts) for i in [0, 1, 2, 0, 1, 2, 3]]
     assert task_ids(bus) == [f"e0-i{i}-a0" for i in range(4)] and g.state.released == 4
+
+
+async def test_the_recorder_archives_each_released_task_once_across_its_restarts(tmp_path):
+    rec = Recorder(tmp_path / "run", "metadata")
+    tasks = {t: PromptTask(task_id=t, prompt=[], n=2) for t in ("e0-i0-a0", "e0-i1-a0")}
+    rec.prompt(tasks["e0-i0-a0"])
+    rec.prompt(tasks["e0-i0-a0"])
+    await rec.stop()
+    rec = Recorder(tmp_path / "run", "metadata")
+    rec.prompt(tasks["e0-i0-a0"])
+    rec.prompt(tasks["e0-i1-a0"])
+    await rec.stop()
+    assert [e.msg.task_id for e in read_entries(tmp_path / "run", "prompts")] == ["e0-i0-a0", "e0-i1-a0"]
 
 
 async def test_exhausted_tasks_are_only_moved_to_the_dead_letters(tmp_path, bus, version):

@@ -1,10 +1,14 @@
-"""The task both sides of `bench/peer_trl.py` train on: two-digit addition, reward 1 when the reply starts with the
-right answer. Standard library only: the TRL side imports it from its own venv, which has no rlbus.
+"""The task both sides of `bench/peer_trl.py` train on: two-digit addition. Standard library only: the TRL side
+imports it from its own venv, which has no rlbus.
 
-A prompt is the quickstart's chat prompt (its system prompt and "What is 17+23?"), so the warm-started quickstart
-model knows the format; the reply "starts with the right answer" when its first number, after an optional
-`<answer>` tag and spaces, is the sum. A reply that calls the calculator instead earns 0 (no tools here, and 8 new
-tokens cannot hold a tool call anyway).
+Two rewards, one per model of the bench:
+
+- `first` (the peer adder): a prompt is the quickstart's chat prompt (its system prompt and "What is 17+23?"), so
+  the warm-started quickstart model knows the format; reward 1 when the reply's first number, after an optional
+  `<answer>` tag and spaces, is the sum. A reply that calls the calculator instead earns 0 (no tools here, and 8
+  new tokens cannot hold a tool call anyway).
+- `contains` (SmolLM2-135M-Instruct): a system prompt of its own (`REAL_SYSTEM_PROMPT`); the model works a sum out
+  in words ("To find 27+82, we add ... = 109"), so reward 1 when any whole number in the reply is the sum.
 
     .venv/bin/python bench/peer_task.py OUT.jsonl [--seed 0] [--num 2048]     # the rlbus side's data file
 """
@@ -20,7 +24,10 @@ from typing import Any
 
 #: The quickstart model's own system prompt (common/model/demos.py), repeated here so this file imports nothing.
 SYSTEM_PROMPT = "Solve the arithmetic problem. You may call the calculator tool."
+#: SmolLM2-135M-Instruct's: with it the model sums right (the `contains` reward) on about 1 sample in 10.
+REAL_SYSTEM_PROMPT = "Answer with the number only."
 _LEADING_NUMBER = re.compile(r"\s*(?:<answer>)?\s*(\d+)")
+_NUMBER = re.compile(r"\d+")
 
 
 def problems(num: int, seed: int) -> list[tuple[str, str]]:
@@ -33,8 +40,8 @@ def problems(num: int, seed: int) -> list[tuple[str, str]]:
     return out
 
 
-def messages(question: str) -> list[dict[str, str]]:
-    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+def messages(question: str, system: str = SYSTEM_PROMPT) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
 
 
 def score(reply: str, truth: str) -> float:
@@ -43,17 +50,30 @@ def score(reply: str, truth: str) -> float:
     return 1.0 if m is not None and m.group(1) == truth else 0.0
 
 
+def score_contains(reply: str, truth: str) -> float:
+    """1.0 when any whole number in the reply is `truth`, else 0.0."""
+    return 1.0 if truth in _NUMBER.findall(reply) else 0.0
+
+
+SCORES = {"first": score, "contains": score_contains}
+
+
 def reward(response_text: str, ground_truth: str, *, task: Any = None) -> float:
-    """rlbus's reward signature (`rollout.reward=bench.peer_task:reward`)."""
+    """rlbus's reward signature (`rollout.reward=bench.peer_task:reward`): the `first` reward."""
     return score(response_text, ground_truth)
 
 
-def write_jsonl(path: Path, num: int, seed: int) -> Path:
+def reward_contains(response_text: str, ground_truth: str, *, task: Any = None) -> float:
+    """The `contains` reward (`rollout.reward=bench.peer_task:reward_contains`)."""
+    return score_contains(response_text, ground_truth)
+
+
+def write_jsonl(path: Path, num: int, seed: int, system: str = SYSTEM_PROMPT) -> Path:
     """The rlbus side's data file, in the layout `data.type=jsonl` reads (verl's keys)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         for q, a in problems(num, seed):
-            f.write(json.dumps({"prompt": messages(q), "reward_model": {"ground_truth": a}}) + "\n")
+            f.write(json.dumps({"prompt": messages(q, system), "reward_model": {"ground_truth": a}}) + "\n")
     return path
 
 

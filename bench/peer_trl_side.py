@@ -32,7 +32,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-from bench.peer_task import messages, problems, score
+from bench.peer_task import SCORES, SYSTEM_PROMPT, messages, problems
 
 T_IMPORTED = time.time()
 
@@ -62,6 +62,8 @@ def main() -> int:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default (every core)")
     ap.add_argument("--data-seed", type=int, default=0)
+    ap.add_argument("--system", default=SYSTEM_PROMPT, help="the prompts' system message")
+    ap.add_argument("--reward", choices=sorted(SCORES), default="first")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -70,8 +72,10 @@ def main() -> int:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     # Conversational prompts: TRL renders them with the tokenizer's chat template (the quickstart's ChatML), the
     # same token ids rlbus's producers make (bench/peer_trl.py checks it).
-    rows = [{"prompt": messages(q), "truth": a} for q, a in problems(args.prompts * args.steps * 2, args.data_seed)]
+    rows = [{"prompt": messages(q, args.system), "truth": a}
+            for q, a in problems(args.prompts * args.steps * 2, args.data_seed)]
     dataset = Dataset.from_list(rows)
+    score = SCORES[args.reward]
 
     def reward(completions, truth, **kwargs):
         return [score(c[0]["content"], t) for c, t in zip(completions, truth)]

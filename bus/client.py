@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+#: What a stopping role's remaining calls may spend retrying, all of them together (`Bus.stopping`).
+STOP_RETRY_S = 10.0
 #: How long one JetStream publish waits for its ack; a publish is retried for `bus.retry_s` (bus/retry.py).
 PUBLISH_TIMEOUT_S = 5.0
 #: nats-server error code: "stream name already in use with a different configuration".
@@ -121,6 +123,8 @@ class Bus:
         self._kv = None
         self._fetch_subs = {}
         self._fetch_failing_since = {}
+        self._stop_budget: float | None = None  # set by stopping()
+        self._stop_deadline: float | None = None  # loop time after which a stopping role's calls stop retrying
         s = self.subjects
         self._streams = {
             s.prompts: s.prompts_stream,
@@ -204,6 +208,8 @@ class Bus:
             await asyncio.wait_for(self.nc.drain(), timeout)
         except asyncio.TimeoutError:
             log.warning("bus %s (%s): drain did not finish within %.1fs; closing", self.cfg.url, self.name, timeout)
+        except nats.errors.ConnectionReconnectingError:
+            pass  # no server to drain to (it is gone, or between two of a cluster): nothing can be flushed
         await self.nc.close()
 
     async def __aenter__(self) -> "Bus":
@@ -229,9 +235,34 @@ class Bus:
             await self._retry(f"create consumer {config.durable_name} of {stream}",
                               lambda: self.js.add_consumer(stream, config))  # noqa: B023 (awaited at once)
 
+    def stopping(self, budget_s: float = STOP_RETRY_S) -> None:
+        """The role is stopping: its calls from now on retry for `budget_s` seconds in all, not `bus.retry_s` each.
+
+        A role stopped while its server is gone for good (its launcher killed, with the embedded server) would
+        otherwise spend `bus.retry_s` on every ack, nak and event of its shutdown: minutes in all. The budget's
+        clock starts at the first call that fails after this, so a shutdown on a healthy bus is not hurried. Past
+        it a call is still made once while the connection is up, and fails at once while it is not: what it would
+        have acknowledged is redelivered after ack_wait, as for any role that dies.
+        """
+        self._stop_budget = budget_s
+
+    def _stop_clock(self, started: float) -> None:
+        if self._stop_deadline is None:  # from the start of the first call that failed
+            self._stop_deadline = started + (self._stop_budget or 0.0)
+
     async def _retry(self, what: str, call: Any, describe: Any = None) -> Any:
         """`call()` retried through transient JetStream errors for `bus.retry_s` (bus/retry.py)."""
-        return await retrying(f"bus {self.name}: {what}", call, budget_s=self.cfg.retry_s, describe=describe)
+        if self._stop_budget is None:
+            return await retrying(f"bus {self.name}: {what}", call, budget_s=self.cfg.retry_s, describe=describe)
+        budget = min(self.cfg.retry_s, self._stop_budget)
+        started = asyncio.get_running_loop().time()
+        if self._stop_deadline is not None:
+            budget = min(budget, max(0.0, self._stop_deadline - started))
+            if budget == 0.0 and not self.nc.is_connected:
+                raise BusError(f"bus {self.name}: {what}: not connected to {self.cfg.url} and the role is stopping "
+                               "(its retries are spent)")
+        return await retrying(f"bus {self.name}: {what}", call, budget_s=budget, describe=describe,
+                              on_transient=lambda: self._stop_clock(started))
 
     async def await_streams(self, timeout: float = 120.0) -> None:
         """Wait until the run's streams, KV bucket and the producers' consumer exist (roles that may not create them:

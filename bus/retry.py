@@ -59,11 +59,12 @@ def is_transient(e: BaseException) -> bool:
 
 
 async def retrying(what: str, call: Callable[[], Awaitable[T]], *, budget_s: float,
-                   describe: Callable[[BaseException], str] | None = None) -> T:
+                   describe: Callable[[BaseException], str] | None = None,
+                   on_transient: Callable[[], None] | None = None) -> T:
     """`await call()`, again after each transient error, for at most `budget_s` seconds in all.
 
     `what` names the call in logs and in the final BusError; `describe(last_error)` may give that error a better
-    message (e.g. "no stream stores ...").
+    message (e.g. "no stream stores ..."); `on_transient()` is called on each transient error.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + budget_s
@@ -75,6 +76,8 @@ async def retrying(what: str, call: Callable[[], Awaitable[T]], *, budget_s: flo
         except Exception as e:
             if not is_transient(e):
                 raise
+            if on_transient is not None:
+                on_transient()
             left = deadline - loop.time()
             if left <= 0:
                 detail = describe(e) if describe else f"{type(e).__name__}: {e}"

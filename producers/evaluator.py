@@ -118,6 +118,8 @@ class Evaluator:
     def stop(self) -> None:
         self._stopping.set()
         self._wake.set()
+        if self.bus is not None:  # a shutdown with the server gone must not retry each call for bus.retry_s
+            self.bus.stopping()
 
     async def run(self) -> None:
         watcher = asyncio.create_task(self._watch(), name="weights")

@@ -158,6 +158,8 @@ class Producer:
     def stop(self) -> None:
         """Ask the main loop to stop pulling; held tasks are finished (or nak'ed after DRAIN_TIMEOUT_S)."""
         self._stopping.set()
+        if self.bus is not None:  # a shutdown with the server gone must not retry each call for bus.retry_s
+            self.bus.stopping()
 
     async def close(self, reason: str = "", clean: bool = True) -> None:
         if self.bus is not None:

@@ -134,6 +134,8 @@ class TrainerService:
 
     def stop(self) -> None:
         self._stopping.set()
+        if self.bus is not None:  # a shutdown with the server gone must not retry each call for bus.retry_s
+            self.bus.stopping()
 
     async def _feed(self) -> None:
         await asyncio.gather(self.feeder.run(), self.feeder.move_exhausted(), self.feeder.reissue_dead_letters())
@@ -335,11 +337,14 @@ class TrainerService:
         if self.metrics is not None:
             self.metrics.close()
         if self.bus is not None:
-            await self.bus.publish_event(RoleStopped(role="trainer", role_id=f"trainer-{os.getpid()}",
-                                                     reason=reason, clean=clean))
-            if not clean:
-                await self.bus.publish_event(ErrorRaised(role="trainer", role_id=f"trainer-{os.getpid()}",
-                                                         error="TrainerFailed", message=reason, fatal=True))
+            try:
+                await self.bus.publish_event(RoleStopped(role="trainer", role_id=f"trainer-{os.getpid()}",
+                                                         reason=reason, clean=clean))
+                if not clean:
+                    await self.bus.publish_event(ErrorRaised(role="trainer", role_id=f"trainer-{os.getpid()}",
+                                                             error="TrainerFailed", message=reason, fatal=True))
+            except BusError as e:  # the checkpoint is on disk; only the announcement is lost with the bus
+                log.warning("could not announce the trainer's stop: %s", e)
             try:
                 if self.recorder is not None:
                     if self.recorder.enabled:

@@ -6,14 +6,19 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from contextlib import aclosing
 
 import msgspec
+import pytest
 from nats.js.api import AckPolicy, RetentionPolicy, StorageType
 
-from rlbus.bus.client import Bus
+from rlbus.bus.client import PUBLISH_TIMEOUT_S, Bus
+from rlbus.bus.server import EmbeddedServer
 from rlbus.schemas.config import BusConfig
+from rlbus.schemas.errors import BusError
 from rlbus.schemas.wire import (
     DEAD_LETTER_EXCERPT,
     ChatMessage,
@@ -289,3 +294,30 @@ async def test_snapshot_reads_what_is_there_and_stops(bus_config: BusConfig, run
         assert [e.step for e in await bus.snapshot(s.event("step"), StepCompleted, deliver="last")] == [3]
         last = await bus.snapshot(s.event("heartbeat.*"), ProducerHeartbeat, deliver="last_per_subject")
         assert sorted((b.producer_id, b.groups_done) for b in last) == [("p0", 2), ("p1", 2)]
+
+
+async def test_a_stopping_role_with_its_server_gone_spends_one_retry_budget_not_one_per_call(tmp_path) -> None:
+    # Its launcher killed with the embedded server, a role shuts down: every ack and event of its shutdown would
+    # retry for bus.retry_s (here 20 s each). Once stopping, they share a budget (2 s here), and then fail at once.
+    server = EmbeddedServer(tmp_path / "bus", port=0, host="127.0.0.1", runs=["gone"]).start()
+    cfg = BusConfig(url=server.url, creds_file=str(server.creds_file("admin", "gone")), connect_timeout_s=5.0,
+                    retry_s=20.0)
+    bus = await _bus(cfg, "gone")
+    try:
+        bus.stopping(budget_s=2.0)
+        ack = await bus.publish(bus.subjects.prompts, _task(0), msg_id="task-0")  # a healthy bus: not hurried
+        assert ack.seq == 1
+        os.kill(server.pid, signal.SIGKILL)  # the server this test started, by pid
+        server.stop()
+        loop = asyncio.get_running_loop()
+        spent = []
+        for i in range(1, 4):
+            t0 = loop.time()
+            with pytest.raises(BusError):
+                await bus.publish(bus.subjects.prompts, _task(i), msg_id=f"task-{i}")
+            spent.append(loop.time() - t0)
+        assert spent[0] < 2.0 + PUBLISH_TIMEOUT_S + 1.0, spent  # the budget, plus the attempt in flight at its end
+        assert sum(spent[1:]) < 1.0, spent  # then nothing more is waited for
+    finally:
+        await bus.close(timeout=1.0)
+        server.stop()

@@ -3,12 +3,13 @@ config that is the task it claims (valid, the same data and reward, the same bud
 
 import asyncio
 import json
+from dataclasses import replace
 
 import pytest
 import yaml
 
-from bench.peer_task import messages, problems, reward, score, write_jsonl
-from bench.peer_trl import Stamper, rlbus_config, steady_steps_per_min, time_to_reward
+from bench.peer_task import SCORES, messages, problems, reward, score, score_contains, write_jsonl
+from bench.peer_trl import TASKS, Stamper, rlbus_config, steady_steps_per_min, time_to_reward
 from rlbus.common.data import load_dataset
 from rlbus.producers.rewards.registry import load_reward
 from rlbus.schemas.config import load_config
@@ -49,22 +50,37 @@ def test_time_to_reward_uses_the_running_mean():
     assert time_to_reward(rewards, t, 1.1) is None
 
 
-def test_rlbus_side_is_the_task(tmp_path):
-    data = write_jsonl(tmp_path / "peer.jsonl", 64, 0)
-    cfg_dict = rlbus_config(tmp_path / "model", data, seed=1, steps=100, run_dir=tmp_path / "run", name="peer")
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_rlbus_side_is_the_task(tmp_path, name):
+    task = replace(TASKS[name], model=tmp_path / "model")
+    data = write_jsonl(tmp_path / "peer.jsonl", 64, 0, task.system)
+    cfg_dict = rlbus_config(task, data, seed=1, steps=100, run_dir=tmp_path / "run", name="peer")
     path = tmp_path / "peer.yaml"
     path.write_text(yaml.safe_dump(cfg_dict))
     cfg = load_config(path)
-    assert (cfg.trainer.groups_per_step, cfg.rollout.n, cfg.rollout.max_new_tokens) == (8, 8, 8)
-    assert (cfg.trainer.lr, cfg.algorithm.kl_coef, cfg.rollout.temperature, cfg.trainer.total_steps) == (2e-4, 0, 1, 100)
+    assert (cfg.trainer.groups_per_step, cfg.rollout.n, cfg.rollout.max_new_tokens) == (task.prompts, task.n,
+                                                                                        task.max_new_tokens)
+    assert (cfg.trainer.lr, cfg.algorithm.kl_coef, cfg.rollout.temperature, cfg.trainer.total_steps) == (task.lr, 0, 1,
+                                                                                                       100)
     assert cfg.rollout.agent_loop == "single_turn" and cfg.rollout.num_producers == 2
+    assert cfg.model.path == str(tmp_path / "model")
     ds = load_dataset(cfg.data)
     first_q, first_a = problems(1, 0)[0]
     assert ds[0].ground_truth == first_a and ds[0].prompt[-1].content == first_q
-    assert [m.content for m in ds[0].prompt] == [m["content"] for m in messages(first_q)]
-    fn = load_reward(cfg.rollout)  # the import path resolves to the shared reward
-    assert asyncio.run(fn("<answer>" + first_a + "</answer>", first_a, task=None)) == 1.0
+    assert [m.content for m in ds[0].prompt] == [m["content"] for m in messages(first_q, task.system)]
+    fn = load_reward(cfg.rollout)  # the import path resolves to the task's reward, the one the TRL side scores with
+    for reply in ("<answer>" + first_a + "</answer>", f"{first_q[8:-1]} = {first_a}", "12"):
+        assert asyncio.run(fn(reply, first_a, task=None)) == SCORES[task.reward](reply, first_a)
     assert reward("12", "13") == 0.0
+    # ... and the TRL side is handed the same task
+    args = task.trl_args()
+    assert args[args.index("--system") + 1] == task.system and args[args.index("--reward") + 1] == task.reward
+
+
+@pytest.mark.parametrize("reply,want", [("27 + 82 = 109", 1.0), ("To find 27+82: 109.", 1.0), ("1090", 0.0),
+                                        ("27 + 82", 0.0)])
+def test_the_real_models_reward_finds_the_sum_anywhere(reply, want):
+    assert score_contains(reply, "109") == want
 
 
 def test_stamper_reads_rows_and_marks_as_they_land(tmp_path):

@@ -202,17 +202,22 @@ class Batcher:
         done = [gid for gid, h in self._held.items() if 0 <= h.step <= durable_step]
         keys: list[str] = []
         owners: list[str] = []  # each task's other stored keys too (see _free)
+        deliveries = []
         for gid in done:
             held = self._held.pop(gid)
             self.trained.add(gid)  # the step is durable: whatever happens to the ack, this group is trained
             keys.extend(held.delivery.data.keys)
             owners.append(held.delivery.data.task_id)
-            try:
-                await held.delivery.ack()
-            except BusError as e:
+            deliveries.append(held.delivery)
+        # All at once: through a failover each ack may wait out its retries, and a step's worth must not add up.
+        results = await asyncio.gather(*(d.ack() for d in deliveries), return_exceptions=True)
+        for gid, r in zip(done, results):
+            if isinstance(r, BusError):
                 # Not confirmed (the bus restarted under us): JetStream redelivers the group after ack_wait, and its
                 # redelivery meets `trained` and is acked then (`_admit`). Nothing is lost or trained twice.
-                log.warning("ack of trained group %s not confirmed (%s); its redelivery will be acked", gid, e)
+                log.warning("ack of trained group %s not confirmed (%s); its redelivery will be acked", gid, r)
+            elif isinstance(r, BaseException):
+                raise r
         if keys:
             await self._tq.delete(keys, owners=owners)
         return len(done)

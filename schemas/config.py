@@ -242,6 +242,7 @@ class TrainerConfig(_Section):
     device: Literal["cpu", "cuda"] = "cpu"  # cpu (gloo) or cuda (NCCL)
     mixed_precision: Literal["none", "bf16"] = "none"  # bf16 compute with fp32 reduce on GPU; none on CPU
     micro_batch_size: int = 8  # sequences per forward/backward
+    share_prefix: bool = True  # run a GRPO group's shared prompt once per micro-batch where cheaper (trainer/packing.py)
     mini_batches: int = 1  # optimizer updates per step (the step's batch split in this many parts)
     lr: float = 1e-5  # AdamW learning rate
     weight_decay: float = 0.0  # AdamW weight decay

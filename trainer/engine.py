@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM
 
 from rlbus.schemas.config import AlgorithmConfig, RunConfig, TrainerConfig
 from rlbus.trainer import algorithms as algo
-from rlbus.trainer import logprobs
+from rlbus.trainer import logprobs, packing
 from rlbus.trainer.dist import DistInfo, all_reduce, init_distributed
 from rlbus.trainer.memory import peak_rss_bytes, reset_peak_rss
 from rlbus.trainer.parallelize import parallelize
@@ -73,6 +73,8 @@ class TrainEngine:
     model_path: str
     logits_chunk_bytes: int  # float32 logits made at once by the chunked output head (trainer/logprobs.py)
     fuse_proximal: bool  # take proximal log-probs from the update's forward when that is the same computation
+    hidden_size: int  # the model's, for packing's cost model
+    forward_positions: int  # token-positions run by this step's forwards so far
 
     def __init__(
         self,
@@ -93,6 +95,8 @@ class TrainEngine:
         self.info = init_distributed(trainer_cfg.device)
         torch.manual_seed(trainer_cfg.seed)
         self.model = self._load(model_path, dtype, gradient_checkpointing)
+        self.hidden_size = int(self.model.config.hidden_size)
+        self.forward_positions = 0  # token-positions the forwards of this step ran (the metric perf/forward_positions)
         self.ref_model = None
         if algo_cfg.kl_coef > 0:
             self.ref_model = self._load(model_path, dtype, False)
@@ -141,29 +145,36 @@ class TrainEngine:
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """(log-probs [b, T], entropy [b, T] or None, a zero scalar tied to the graph). `mb=None` is an empty pass.
 
-        The micro-batch is trimmed to its longest sequence (right padding) before the forward, and the outputs are
-        padded back to T with zeros. The output head runs in sequence chunks inside the model's forward, so no
-        [b, T, V] float32 logits exist (trainer/logprobs.py).
+        Both are scored at the micro-batch's response positions only (0 elsewhere). The forward runs over the rows
+        trimmed to the longest sequence, each group's shared prompt once where that is cheaper (trainer/packing.py).
+        The output head runs in chunks inside the model's forward, so no [b, T, V] float32 logits exist
+        (trainer/logprobs.py).
         """
         if mb is None:  # this rank ran out of sequences; FSDP still needs its all-gathers and reduce-scatters
             ids = torch.zeros(1, 1, dtype=torch.long, device=self.info.device)
             ones, zeros = torch.ones_like(ids), torch.zeros_like(ids)
             logits = model(input_ids=ids, attention_mask=ones, position_ids=zeros).logits
             return ids.float(), None, logits.sum() * 0.0
-        T = mb["input_ids"].shape[1]
-        L = max(1, int(mb["attention_mask"].sum(dim=-1).max().item()))
-        ids_bL = mb["input_ids"][:, :L]
+        b, T = mb["input_ids"].shape
+        device = self.info.device
+        pack = packing.plan(mb["input_ids"].cpu(), mb["attention_mask"].sum(dim=-1).cpu(), mb["group_index"].cpu(),
+                            mb["response_mask"].cpu(), hidden_size=self.hidden_size, share=self.cfg.share_prefix)
+        self.forward_positions += pack.num_positions
+        sel = pack.select
         # Entropy of the distribution that produced token t (logits at t - 1, as for the log-probs); it carries a
         # gradient only when the loss has an entropy bonus.
         grad = with_entropy and self.algo.entropy_coeff > 0 and torch.is_grad_enabled()
-        with logprobs.scoring(model, ids_bL, self.temperature, with_entropy=with_entropy, entropy_grad=grad,
-                              chunk_bytes=self.logits_chunk_bytes):  # fmt: skip
-            scores_bL2 = model(
-                input_ids=ids_bL, attention_mask=mb["attention_mask"][:, :L], position_ids=mb["position_ids"][:, :L]
-            ).logits  # [b, L, 2]: (log-prob, entropy), the head applied in chunks (trainer/logprobs.py)
-        logp_bT = F.pad(scores_bL2[..., 0], (0, T - L))
-        entropy_bT = F.pad(scores_bL2[..., 1], (0, T - L)) if with_entropy else None
-        return logp_bT, entropy_bT, scores_bL2.sum() * 0.0
+        with logprobs.scoring(model, None, self.temperature, with_entropy=with_entropy, entropy_grad=grad,
+                              chunk_bytes=self.logits_chunk_bytes,
+                              select=(sel.src_N.to(device), sel.targets_N.to(device))):  # fmt: skip
+            scores_N2 = model(
+                input_ids=pack.input_ids.to(device), attention_mask=pack.attention_mask.to(device),
+                position_ids=pack.position_ids.to(device),
+            ).logits[0]  # [N, 2]: (log-prob, entropy) of the scored positions only (trainer/logprobs.py)
+        at = (sel.dst_rows_N.to(device), sel.dst_pos_N.to(device))
+        logp_bT = scores_N2.new_zeros(b, T).index_put(at, scores_N2[:, 0])
+        entropy_bT = scores_N2.new_zeros(b, T).index_put(at, scores_N2[:, 1]) if with_entropy else None
+        return logp_bT, entropy_bT, scores_N2.sum() * 0.0
 
     def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor | None]:
         """Split row indices into micro-batches; pad with None to the largest count over all ranks."""
@@ -206,6 +217,7 @@ class TrainEngine:
         """
         t_step = time.perf_counter()
         reset_peak_rss()
+        self.forward_positions = 0
         data = self._tensors(batch)
         mask_BT = data["response_mask"].float()
         behaviour_BT = data["rollout_log_probs"].float()
@@ -293,6 +305,7 @@ class TrainEngine:
             acc.add("is/weight_mean", isw.weight_mean * isw.num_tokens, isw.num_tokens)
             acc.add("is/truncated_frac", isw.truncated_frac * isw.num_tokens, isw.num_tokens)
         acc.add("perf/num_tokens", float(data["attention_mask"].sum().item()), 0.0)
+        acc.add("perf/forward_positions", float(self.forward_positions), 0.0)
         metrics = acc.reduce(num_updates=self.cfg.mini_batches)
         timing["timing/step_s"] = time.perf_counter() - t_step
         timing["perf/peak_rss_gb"] = peak_rss_bytes() / 1024**3  # this step's peak, the largest over ranks

@@ -2,9 +2,10 @@
 
 A causal LM's head turns hidden states [b, L, H] into logits [b, L, V]; at SmolLM2's 49k vocabulary a 16 x 160
 token batch is 0.5 GB of float32 logits per copy, and log_softmax / softmax / their backward each want another.
-Here the head is applied over sequence chunks: each chunk's logits [b, c, V] are made, reduced to the log-prob of
-the next token (gather - logsumexp) and the entropy, and dropped. Under autograd each chunk runs inside a
-non-reentrant checkpoint, so backward recomputes one chunk's logits at a time instead of keeping every chunk's.
+Here the head is applied over chunks of the positions scored: each chunk's logits [c, V] are made, reduced to the
+log-prob of the next token (gather - logsumexp) and the entropy, and dropped. Under autograd each chunk runs inside
+a non-reentrant checkpoint, so backward recomputes one chunk's logits at a time instead of keeping every chunk's.
+The trainer scores only the positions its loss reads (`response_mask`), not the prompt's.
 
 The trainer needs this inside the model's own forward: under FSDP2 the head's weight is whole only while the root
 module runs (it is the root unit, tied to the embedding), and the root's hooks must see the backward. So
@@ -53,9 +54,37 @@ def _chunk_scores(
     return torch.stack([logp_bc, entropy_bc], dim=-1)
 
 
-def chunk_length(num_rows: int, vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
-    """Sequence positions per chunk so that one chunk's float32 logits [rows, c, V] stay within `chunk_bytes`."""
-    return max(1, chunk_bytes // max(1, num_rows * vocab * 4))
+def chunk_length(vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Positions per chunk so that one chunk's float32 logits [c, V] stay within `chunk_bytes`."""
+    return max(1, chunk_bytes // max(1, vocab * 4))
+
+
+def selected_scores(
+    hidden_xH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    bias_V: torch.Tensor | None,
+    src_N: torch.Tensor,
+    targets_N: torch.Tensor,
+    temperature: float,
+    *,
+    with_entropy: bool = True,
+    entropy_grad: bool = False,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> torch.Tensor:
+    """[N, 2]: (log-prob of targets_N[i], entropy) under the logits of hidden state src_N[i] of the flattened
+    hidden states (any leading shape, [..., H]); the head runs over chunks of the N positions."""
+    flat_xH = hidden_xH.reshape(-1, hidden_xH.shape[-1])
+    step = chunk_length(weight_VH.shape[0], chunk_bytes)
+    parts = []
+    for start in range(0, len(src_N), step):
+        # The gather stays outside the checkpoint: what it keeps is the chunk's [c, H] hidden states.
+        args = (flat_xH[src_N[start:start + step]][None], weight_VH, bias_V, targets_N[None, start:start + step],
+                temperature, with_entropy, entropy_grad)  # fmt: skip
+        if torch.is_grad_enabled():  # keep only the chunk's inputs; backward recomputes its logits
+            parts.append(checkpoint(_chunk_scores, *args, use_reentrant=False)[0])
+        else:
+            parts.append(_chunk_scores(*args)[0])
+    return torch.cat(parts) if parts else flat_xH.new_zeros(0, 2, dtype=torch.float32)
 
 
 def head_scores(
@@ -74,23 +103,17 @@ def head_scores(
     Equal, within float tolerance, to `token_log_probs` / `entropy_from_logits` of the full logits.
     """
     b, L, _ = hidden_bLH.shape
-    h_bLH, targets_bL = hidden_bLH[:, :-1], input_ids_bL[:, 1:]
-    step = chunk_length(b, weight_VH.shape[0], chunk_bytes)
-    parts = []
-    for start in range(0, L - 1, step):
-        args = (h_bLH[:, start : start + step], weight_VH, bias_V, targets_bL[:, start : start + step],
-                temperature, with_entropy, entropy_grad)  # fmt: skip
-        if torch.is_grad_enabled():  # keep only the chunk's inputs; backward recomputes its logits
-            parts.append(checkpoint(_chunk_scores, *args, use_reentrant=False))
-        else:
-            parts.append(_chunk_scores(*args))
-    scores = torch.cat(parts, dim=1) if parts else hidden_bLH.new_zeros(b, 0, 2, dtype=torch.float32)
-    return F.pad(scores, (0, 0, 1, 0))
+    src_bL = torch.arange(b * L, device=hidden_bLH.device).view(b, L)[:, :-1]
+    scores = selected_scores(hidden_bLH, weight_VH, bias_V, src_bL.reshape(-1), input_ids_bL[:, 1:].reshape(-1),
+                             temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
+                             chunk_bytes=chunk_bytes)  # fmt: skip
+    return F.pad(scores.view(b, L - 1, 2), (0, 0, 1, 0))
 
 
 @dataclass
 class _Request:
-    input_ids_bL: torch.Tensor
+    src_N: torch.Tensor | None  # flattened hidden-state positions to score; None: every position of input_ids_bL
+    targets: torch.Tensor  # [N] tokens they predict, or input_ids_bL [b, L]
     temperature: float
     with_entropy: bool
     entropy_grad: bool
@@ -101,9 +124,13 @@ def _head_forward(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     request: _Request | None = self._rlbus_scoring
     if request is None:  # an ordinary call: logits, as the module's own forward
         return self._rlbus_forward(hidden)
-    return head_scores(hidden, self.weight, getattr(self, "bias", None), request.input_ids_bL, request.temperature,
-                       with_entropy=request.with_entropy, entropy_grad=request.entropy_grad,
-                       chunk_bytes=request.chunk_bytes)  # fmt: skip
+    kw = dict(with_entropy=request.with_entropy, entropy_grad=request.entropy_grad, chunk_bytes=request.chunk_bytes)
+    bias = getattr(self, "bias", None)
+    if request.src_N is None:
+        return head_scores(hidden, self.weight, bias, request.targets, request.temperature, **kw)
+    # [1, N, 2], a tensor of its own: FSDP2 warns of (and in-place ops would break) a root output that is a view.
+    return selected_scores(hidden, self.weight, bias, request.src_N, request.targets, request.temperature,
+                           **kw).unsqueeze(0).clone()  # fmt: skip
 
 
 def install(model: nn.Module) -> nn.Module:
@@ -124,21 +151,25 @@ def install(model: nn.Module) -> nn.Module:
 @contextlib.contextmanager
 def scoring(
     model: nn.Module,
-    input_ids_bL: torch.Tensor,
+    input_ids_bL: torch.Tensor | None,
     temperature: float,
     *,
     with_entropy: bool,
     entropy_grad: bool = False,
     chunk_bytes: int = CHUNK_BYTES,
+    select: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Iterator[None]:
-    """Within the block, `model(input_ids=input_ids_bL, ...).logits` is [b, L, 2] (log-prob, entropy), not logits.
+    """Within the block, `model(input_ids=input_ids_bL, ...).logits` is [b, L, 2] (log-prob, entropy), not logits;
+    with `select=(src_N, targets_N)` it is [1, N, 2]: the scores of those flattened positions only
+    (`selected_scores`; trainer/packing.py makes them).
 
     `model` must have been through `install`. Entropy carries a gradient only when `entropy_grad`.
     """
     head = model.get_output_embeddings()
     if not hasattr(head, "_rlbus_scoring"):
         raise RuntimeError("logprobs.scoring: call logprobs.install(model) first")
-    head._rlbus_scoring = _Request(input_ids_bL, float(temperature), with_entropy, entropy_grad, chunk_bytes)
+    src_N, targets = select if select is not None else (None, input_ids_bL)
+    head._rlbus_scoring = _Request(src_N, targets, float(temperature), with_entropy, entropy_grad, chunk_bytes)
     try:
         yield
     finally:

@@ -75,13 +75,14 @@ class StepWorker:
     def __init__(self, cfg: RunConfig, model_path: str):
         info = init_distributed(cfg.trainer.device)
         self.cfg, self.rank, self.world = cfg, info.rank, info.world_size
-        ensure_ray(cfg.ray)
-        self.tq = TransferQueue.connect(cfg.name, cfg.ray)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.engine = TrainEngine.from_config(cfg, model_path)
         # A collective: every rank restores its shards of model and optimizer from the same checkpoint.
         self.restored = load_checkpoint(self.engine, cfg.run_dir / "checkpoints") or {}
+        # Ray last: under `rlbus up` the head may still be starting while the model loads (ensure_ray waits for it).
+        ensure_ray(cfg.ray)
+        self.tq = TransferQueue.connect(cfg.name, cfg.ray)
 
     def broadcast(self, plan: StepPlan | None) -> StepPlan | None:
         if self.world == 1:

@@ -41,8 +41,10 @@ def build_tiny_qwen2(path: Path, *, seed: int = 0) -> Path:
     return path
 
 
-def make_batch(num_groups: int = 4, group_size: int = 4, T: int = 24, seed: int = 0) -> TensorDict:
-    """A synthetic RL batch in the trainer's contract: right-padded prompt+response, tool tokens masked out."""
+def make_batch(num_groups: int = 4, group_size: int = 4, T: int = 24, seed: int = 0,
+               shared_prompts: bool = False) -> TensorDict:
+    """A synthetic RL batch in the trainer's contract: right-padded prompt+response, tool tokens masked out.
+    shared_prompts: the samples of a group share their prompt, as a real GRPO group's do."""
     g = torch.Generator().manual_seed(seed)
     B = num_groups * group_size
     prompt_len = torch.randint(3, 7, (B,), generator=g)
@@ -50,6 +52,11 @@ def make_batch(num_groups: int = 4, group_size: int = 4, T: int = 24, seed: int 
     pos = torch.arange(T)[None]
     attention_mask = (pos < lengths[:, None]).long()
     input_ids = torch.randint(2, VOCAB, (B, T), generator=g) * attention_mask
+    if shared_prompts:
+        first = torch.arange(B) // group_size * group_size
+        prompt_len = prompt_len[first]
+        prompt = pos < prompt_len[:, None]
+        input_ids = torch.where(prompt, input_ids[first], input_ids)
     response_mask = ((pos >= prompt_len[:, None]) & (pos < lengths[:, None])).float()
     response_mask[:, 7:9] = 0.0  # a "tool output" span inside the response
     rewards = torch.zeros(B, T)
@@ -297,7 +304,7 @@ def test_load_from_an_empty_root_is_a_fresh_start(tmp_path: Path) -> None:
 
 
 def _variants_worker(model_dir: str, trainer_cfg: TrainerConfig, algo_cfg: AlgorithmConfig, variants: list[dict],
-                     steps: int) -> list[dict]:  # fmt: skip
+                     steps: int, shared_prompts: bool = False) -> list[dict]:  # fmt: skip
     """The same steps once per variant (engine attributes set before the first), each from the same start."""
     from rlbus.trainer.dist import destroy_distributed, init_distributed
     from rlbus.trainer.engine import TrainEngine
@@ -309,7 +316,8 @@ def _variants_worker(model_dir: str, trainer_cfg: TrainerConfig, algo_cfg: Algor
         engine = TrainEngine(model_dir, trainer_cfg, algo_cfg, temperature=0.9)
         for name, value in attrs.items():
             setattr(engine, name, value)
-        metrics = [engine.train_step(rank_share(make_batch(seed=s), info.rank, info.world_size)) for s in range(steps)]
+        metrics = [engine.train_step(rank_share(make_batch(seed=s, shared_prompts=shared_prompts), info.rank,
+                                                info.world_size)) for s in range(steps)]  # fmt: skip
         out.append({"metrics": metrics, "weights": engine.full_state_dict()})
     destroy_distributed()
     return out
@@ -317,7 +325,8 @@ def _variants_worker(model_dir: str, trainer_cfg: TrainerConfig, algo_cfg: Algor
 
 def _same_numbers(a: dict, b: dict, *, rel: float) -> None:
     def measured(m: dict) -> set[str]:  # what depends on the machine, not on the math
-        return {k for k in m if k.startswith("timing/") or k in ("perf/tokens_per_s", "perf/peak_rss_gb")}
+        return {k for k in m if k.startswith("timing/")
+                or k in ("perf/tokens_per_s", "perf/peak_rss_gb", "perf/forward_positions")}  # and on the work done
 
     for m_a, m_b in zip(a["metrics"], b["metrics"], strict=True):
         assert set(m_a) - measured(m_a) == set(m_b) - measured(m_b)
@@ -344,6 +353,31 @@ def test_proximal_from_the_update_forward_changes_no_number(tiny_model: Path, of
     if off_policy == "decoupled":
         assert fused["metrics"][0]["is/truncated_frac"] > 0  # the IS weights are really in play
     _same_numbers(fused, separate, rel=1e-6)
+
+
+@pytest.mark.parametrize("mini_batches", [1, 2])
+def test_shared_prefix_packing_changes_no_number(tiny_model: Path, mini_batches: int) -> None:
+    """Groups whose samples share their prompt, run once per micro-batch (trainer/packing.py): loss, grad norm,
+    metrics and weights are those of the plain rows, over two ranks with micro-batches that split groups, from
+    fewer token-positions."""
+    from rlbus.trainer.dist import spawn_local
+
+    from transformers import AutoModelForCausalLM
+
+    # As in test_two_ranks_equal_one_process: the gradient clipped far below Adam's eps makes each weight change
+    # proportional to its gradient, so the weights compare the gradients element-wise.
+    trainer_cfg = TrainerConfig(micro_batch_size=3, mini_batches=mini_batches, lr=1e-3, grad_clip=1e-6)
+    algo_cfg = AlgorithmConfig(off_policy="decoupled", is_cap=1.5, entropy_coeff=0.01)
+    plain = msgspec.structs.replace(trainer_cfg, share_prefix=False)
+    # The cost model would leave rows this short unpacked on a 32-wide model: say attention is free, so it packs.
+    packed, unpacked = spawn_local(2, _variants_worker, str(tiny_model), trainer_cfg, algo_cfg,
+                                   [{"hidden_size": 1 << 20}, {"cfg": plain}], 3, True)[0]  # fmt: skip
+    for p, u in zip(packed["metrics"], unpacked["metrics"], strict=True):
+        assert p["perf/forward_positions"] < 0.9 * u["perf/forward_positions"]  # prompts of 3-6 tokens here
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
+    for d in (packed, unpacked):
+        d["weights"] = {k: w - initial[k] for k, w in d["weights"].items()}
+    _same_numbers(packed, unpacked, rel=1e-4)
 
 
 def test_several_updates_per_step_still_run_the_proximal_pass(tiny_model: Path) -> None:

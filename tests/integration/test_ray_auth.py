@@ -165,3 +165,44 @@ def test_ensure_ray_connects_when_ray_read_its_auth_mode_before_the_head_was_kno
     r = subprocess.run(cmd, check=False, input=json.dumps(ray_head.env), env=_without_ray_auth(),
                        capture_output=True, text=True, timeout=90)  # fmt: skip
     assert r.returncode == 0 and r.stdout.startswith("OK 1"), (r.stdout, r.stderr[-2000:])
+
+
+_EARLY = textwrap.dedent("""
+    import sys, time
+    import ray
+    from rlbus.bus.ray_cluster import ensure_ray
+    from rlbus.schemas.config import RayConfig
+    print("STARTED", flush=True)
+    ensure_ray(RayConfig(address=sys.argv[1]))
+    print("OK", len(ray.nodes()), flush=True)
+""")
+
+
+def test_a_role_started_before_its_head_is_up_waits_for_it_and_connects(tmp_path):
+    """`rlbus up` starts its roles while its Ray head is still starting (start_ray_head(wait=False)): a driver with
+    the head's environment waits in ensure_ray until the starter marks the head up, then connects with its token."""
+    from rlbus.bus import ray_cluster
+    from rlbus.bus.ray_cluster import await_ray_head, start_ray_head, stop_ray_head
+
+    head = start_ray_head(num_cpus=1, wait=False)
+    try:
+        assert not Path(head.env[ray_cluster.UP_ENV]).exists()  # spawned, not up yet
+        proc = subprocess.Popen([sys.executable, "-c", _EARLY, head.address], env=head_env(head, _without_ray_auth()),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        await_ray_head(head)
+        out, err = proc.communicate(timeout=90)
+        assert proc.returncode == 0 and "OK 1" in out, (out, err[-2000:])
+    finally:
+        stop_ray_head(head)
+
+
+def test_a_head_never_marked_up_fails_the_wait_with_its_path(tmp_path, monkeypatch):
+    from rlbus.bus import ray_cluster
+
+    monkeypatch.setenv(ray_cluster.UP_ENV, str(tmp_path / "up"))
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="was not up within"):
+        ray_cluster._await_marked_up(timeout_s=0.3)
+    assert time.monotonic() - t0 < 5
+    (tmp_path / "up").touch()
+    ray_cluster._await_marked_up(timeout_s=0.3)  # marked: returns at once

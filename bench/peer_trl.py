@@ -108,7 +108,9 @@ TASKS = {
         name="adder", model=ROOT / ".rlbus" / "models" / "peer-adder", heading="## Against TRL's GRPOTrainer",
         results=ROOT / "bench" / "results" / "peer_trl.json", system=SYSTEM_PROMPT, reward="first", prompts=8, n=8,
         max_new_tokens=8, lr=2e-4, steps=100, warmup=10,
-        rlbus={"ray": {"object_store_memory": 500_000_000}},
+        # Each producer batches up to 4 tasks per generate call and yields the CPU to the trainer (nice 10): on 2
+        # shared cores the trainer's update is the run's critical path (docs/benchmarks.md).
+        rlbus={"ray": {"object_store_memory": 500_000_000}, "rollout": {"max_inflight_tasks": 4, "nice": 10}},
         about=("Task (`bench/peer_task.py`): two-digit addition in the quickstart's chat format, reward 1 when the "
                "reply's first number is the sum; 8 prompts x 8 samples per step, at most 8 new tokens, temperature "
                "1, lr 2e-4 constant, no KL, one update per batch, token-mean loss, grad clip 1, {steps} steps. "

@@ -71,3 +71,12 @@ def apply_torch_threads(requested: int, num_processes: int, *, role: str, takes_
         log.debug("inter-op threads already fixed at %d", torch.get_num_interop_threads())
     log.info("%s: %d torch thread(s) (%s)", role, threads, why)
     return threads
+
+
+def lower_priority(nice: int, *, role: str) -> None:
+    """Lower this process's CPU priority by `nice` (0: leave it). On CPUs shared with the trainer, whose step the
+    run waits for, a producer that keeps ahead has time to spare; niced, it yields the CPU while the trainer's
+    update runs instead of taking an equal share of it (docs/benchmarks.md, against TRL)."""
+    if nice > 0:
+        os.nice(nice)
+        log.info("%s: CPU priority lowered by %d (nice %d)", role, nice, os.getpriority(os.PRIO_PROCESS, 0))

@@ -29,7 +29,7 @@ from rlbus.bus.ray_cluster import ensure_ray
 from rlbus.bus.transfer_queue import TransferQueue
 from rlbus.bus.weight_store import WeightStore
 from rlbus.common.logs import setup_logging
-from rlbus.common.threads import apply_torch_threads
+from rlbus.common.threads import apply_torch_threads, lower_priority
 from rlbus.producers.agent_loops import AgentLoop
 from rlbus.producers.build import build_rollout
 from rlbus.producers.engines import RolloutEngine
@@ -348,7 +348,8 @@ async def run_producer(cfg: RunConfig, producer_id: str = "") -> None:
 def main(cfg: RunConfig, producer_id: str = "") -> int:
     setup_logging(cfg.logging.level)
     # Before any torch work: the producers and the trainer's ranks share the machine's CPUs (common/threads.py).
-    apply_torch_threads(cfg.rollout.torch_threads, cfg.trainer.num_ranks + cfg.rollout.num_producers,
-                        role=f"producer {producer_id or '(unnamed)'}")
+    role = f"producer {producer_id or '(unnamed)'}"
+    apply_torch_threads(cfg.rollout.torch_threads, cfg.trainer.num_ranks + cfg.rollout.num_producers, role=role)
+    lower_priority(cfg.rollout.nice, role=role)
     run(run_producer(cfg, producer_id))
     return 0

@@ -185,6 +185,7 @@ class RolloutConfig(_Section):
     max_inflight_tasks: int = 1  # prompt tasks a producer rolls out at once (the HF engine batches them together)
     tool_timeout_s: float = 30.0  # a tool call running longer answers "error: ... timed out" to the model
     torch_threads: int = 0  # torch CPU threads of each producer; 0 = auto (OMP_NUM_THREADS, else CPUs / processes)
+    nice: int = 0  # CPU priority of each producer (nice, 0-19): > 0 lets a trainer on the same CPUs preempt it
 
     def __post_init__(self) -> None:
         _need(self.n >= 1, "n", "must be >= 1")
@@ -201,6 +202,7 @@ class RolloutConfig(_Section):
         _need(self.max_inflight_tasks >= 1, "max_inflight_tasks", "must be >= 1")
         _need(self.tool_timeout_s > 0, "tool_timeout_s", "must be > 0")
         _need(self.torch_threads >= 0, "torch_threads", "must be >= 0 (0 = auto)")
+        _need(0 <= self.nice <= 19, "nice", "must be in [0, 19] (a role may lower its own priority, not raise it)")
 
 
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]

@@ -64,3 +64,25 @@ def test_apply_sets_the_pools_of_a_fresh_process(requested, procs, remainder):
     n, intra, interop = json.loads(out.strip().splitlines()[-1])
     want = requested or len(os.sched_getaffinity(0))  # one process alone gets every CPU
     assert (n, intra, interop) == (want, want, 1)
+
+
+_NICE_PROBE = """
+import os, sys
+from rlbus.common.threads import lower_priority
+lower_priority(int(sys.argv[1]), role="probe")
+print(os.getpriority(os.PRIO_PROCESS, 0))
+"""
+
+
+@pytest.mark.parametrize("nice", [0, 7])
+def test_lower_priority_nices_a_fresh_process_by_that_much(nice):
+    out = subprocess.run([sys.executable, "-c", _NICE_PROBE, str(nice)], capture_output=True, text=True, check=True,
+                         timeout=60).stdout  # fmt: skip
+    assert int(out.strip().splitlines()[-1]) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice)
+
+
+def test_producer_nice_is_refused_outside_0_to_19():
+    assert load_config(None, ["model.path=m"]).rollout.nice == 0
+    for bad in ("-1", "20"):
+        with pytest.raises(ConfigError, match="rollout.nice"):
+            load_config(None, ["model.path=m", f"rollout.nice={bad}"])

@@ -117,22 +117,23 @@ TASKS = {
                "Model: `{model}`, a warm-started 0.8M-parameter Qwen2 (hidden 128, 4 layers, the quickstart's "
                "tokenizer, digits one per token) built by `bench/peer_model.py` with `common/model/init_model.py` "
                "and an addition drill stopped at about 20% sampled accuracy (`bench/peer_trl.py --setup`)."),
-        bound=("So on this machine the steady rate is the trainer's single-thread update, while TRL's one process puts "
-               "both cores on whichever phase runs."),
-        notes=("Where rlbus's CPU goes (measured apart from this bench, 2026-12-01, by sampling /proc of every process "
-               "of one rlbus run of seed 0; steady state, per step of about 0.3 s): the trainer's update about 250 "
-               "core-ms; the two producers about 170 (generation about 100 of it: 8 tasks of 8 sequences, 18 ms each "
-               "on one thread; the rest rewards, tokenising, bus and TransferQueue calls); the Ray actors about 55; "
-               "nats-server about 15. That is about 1.6 of the 2 cores: the second core is not idle, it carries the "
-               "producers and the infrastructure. The update itself is not slowed by rlbus: at this batch's shape (64 "
-               "x 42 tokens, one thread) a bare transformers forward + backward + AdamW takes 210 ms, the same under "
-               "FSDP2 at world size 1 with the chunked head 223 ms, TrainEngine.train_step 254 ms (loss, advantages, "
-               "metrics). Giving the trainer 2 threads and letting each producer batch 4 tasks at once "
-               "(`--rlbus-set trainer.torch_threads=2 rollout.max_inflight_tasks=4`) gave 196 steps/min, update "
-               "0.258 s: the second thread finds no free core. Async overlap pays where generation is the larger "
-               "share (longer responses, a bigger model) or runs on other hardware than the update, which this task "
-               "on 2 cores does not have; whole-process time also carries rlbus's start-up and shutdown (broken down "
-               "above)."),
+        bound=("The steady rate is the trainer's step (it waited little for data): its update runs each group's "
+               "shared prompt once (trainer/packing.py: 612 token-positions instead of 2516) on one thread, while the "
+               "producers (nice 10, 4 tasks per generate call) fill the other core and yield it when the update "
+               "needs it."),
+        notes=("Measured apart from this bench (2026-12-02, this machine; TrainEngine.train_step on a batch of this "
+               "shape, a random model of the same size, one thread, nothing else running): 350 ms a step with the "
+               "rows as they are, 107 ms with shared prompts packed (`trainer.share_prefix`, the default), the same "
+               "numbers within float rounding (tests/integration/test_fsdp.py). rlbus's settings, one run of seed 0 "
+               "each: the defaults (1 task per producer, nice 0) 194 steps/min; 4 tasks per producer 218; and nice "
+               "10, 264 (the settings above); with the trainer on 2 threads as well 252 (the producers then fall "
+               "behind: wait for data 0.06 s a step); nice 19, 223. Before packing (commit 0b68d7d, an earlier day "
+               "on which TRL made 289 steps/min) rlbus made 196 against TRL's 289, 0.68x. Start-up is CPU-bound: "
+               "importing the trainer's modules (torch, FSDP2, transformers, tensordict, Ray) takes 5.7 CPU-s on its "
+               "own and a producer's 3.7; the Ray head's own processes (client server, dashboard and runtime-env "
+               "agents, monitors, workers) take about 7 CPU-s in the first 18 s; all on 2 cores, against one "
+               "process importing torch and trl for TRL. Starting the roles while the Ray head starts (they load "
+               "their model and wait in ensure_ray) gained 0.3 s here (17.7 -> 17.4 s, one run each)."),
     ),
     "smollm2": Task(
         name="smollm2", model=ROOT / ".rlbus" / "models" / "smollm2-135m-instruct",

@@ -140,7 +140,10 @@ TASKS = {
         heading="## Against TRL's GRPOTrainer on a real model: SmolLM2-135M-Instruct",
         results=ROOT / "bench" / "results" / "peer_trl_smollm2.json", system=REAL_SYSTEM_PROMPT, reward="contains",
         prompts=4, n=4, max_new_tokens=32, lr=1e-5, steps=12, warmup=2,
-        rlbus={"ray": {"object_store_memory": 2_000_000_000, "weight_versions_kept": 2}},
+        # The update is most of the work here: the trainer takes both threads and the producers (nice 10, 2 tasks
+        # per generate call) the CPU it leaves.
+        rlbus={"ray": {"object_store_memory": 2_000_000_000, "weight_versions_kept": 2},
+               "rollout": {"max_inflight_tasks": 2, "nice": 10}, "trainer": {"torch_threads": 2}},
         about=("Task (`bench/peer_task.py`): two-digit addition, system prompt \"{system}\", reward 1 when any "
                "whole number in the reply is the sum (the model works a sum out in words); 4 prompts x 4 samples "
                "per step, at most 32 new tokens, temperature 1, lr 1e-5 constant, no KL, one update per batch, "

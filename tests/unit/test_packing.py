@@ -106,3 +106,14 @@ def test_cost_model_packs_only_where_it_pays(prompt: int, response: int, n: int,
     ids[:, prompt] = torch.arange(n) + 1000  # replies differ from their first token
     pack = packing.plan(ids, lengths, group, mask, hidden_size=hidden)
     assert (pack.num_packed_groups == 1) is packs
+
+
+def test_a_micro_batch_with_nothing_to_score_still_backpropagates() -> None:
+    """No response token anywhere (every row's reply masked out): the loss is 0 but still has a graph, as FSDP needs
+    every rank's backward to run."""
+    model = _model()
+    ids, lengths, group, mask = _batch(GROUPS)
+    _, logp, ent = _scores(model, ids, lengths, group, torch.zeros_like(mask), share=True)
+    assert logp.shape == ids.shape and torch.all(logp == 0) and torch.all(ent == 0)
+    (logp.sum() + ent.sum()).backward()
+    assert all(p.grad is None or torch.all(p.grad == 0) for p in model.parameters())

@@ -5,7 +5,8 @@
     ensure_ray(RayConfig(address=head.address))   # every role process, with os.environ updated by head.env
     stop_ray_head(head)
 
-Two Ray defaults are overridden for the clusters rlbus starts itself:
+Ray's dashboard, autoscaler monitor and log monitor are not started (rlbus uses none of them, and on a small machine
+their start-up CPU is the roles' start-up time). Two more Ray defaults are overridden for the clusters rlbus starts:
 - Ray advertises (and binds) the machine's routable IP even for a single-node cluster. Loopback-only is asked for
   here, and Ray's only switch for it is the environment variable `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, read when
   `ray` is imported -- so the head runs as a child process with that variable set.
@@ -135,6 +136,8 @@ def start_ray_head(
     cmd = [
         _ray_bin(), "start", "--head", "--block", "--disable-usage-stats",
         f"--node-ip-address={node_ip}", f"--port={port}", "--include-dashboard=false",
+        # No autoscaler monitor: a head rlbus starts has no cluster config to scale (its CPU is start-up time).
+        "--no-monitor",
         f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}",
     ]  # fmt: skip
     head_env[UP_ENV] = os.path.join(root, UP_FILE)
@@ -222,6 +225,9 @@ def _spawn(cmd: list[str], node: RayHead, num_cpus: int, object_store_memory: in
         f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
         f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
         f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
+        # Every rlbus driver connects with log_to_driver=False: the log monitor would forward worker output that
+        # nobody reads (the files stay in the temp dir).
+        "--include-log-monitor=false",
     ]  # fmt: skip
     if num_cpus > 0:
         cmd.append(f"--num-cpus={num_cpus}")

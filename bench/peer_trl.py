@@ -155,9 +155,13 @@ TASKS = {
                "Now the update runs each group's shared prompt (system prompt and question) once and the "
                "49,152-token head scores only the reply's positions (trainer/packing.py): 13.5 s a step inside the "
                "run, on 2 threads with the producers at nice 10 (a bare transformers forward + backward + AdamW at "
-               "this shape, 16 sequences of about 70 tokens, took 9.7 s on 2 threads, measured apart). One seed "
-               "only (both sides of a seed take about 9 minutes): its reward after 12 steps (rlbus 0.181, TRL 0.244, "
-               "160 samples each) is not enough to tell the two apart or not. Where rlbus's asynchrony wins outright "
+               "this shape, 16 sequences of about 70 tokens, took 9.7 s on 2 threads, measured apart). An earlier "
+               "run of seed 0 alone with these settings gave 3.8 against 3.7 steps/min (1.04x); over the three seeds "
+               "above TRL is ahead (0.91x): its step is generation then the update, each on both cores, while "
+               "rlbus's update still shares them with the producers' generation and their loading of each new "
+               "version (538 MB). The rewards after 12 steps of 16 samples are too few to tell the sides apart "
+               "(TRL's spread over seeds is 0.11). "
+               "Where rlbus's asynchrony wins outright "
                "is generation on other hardware than the update (vLLM on a GPU, producers on other machines), which "
                "this machine does not have; no GPU was lent to measure that."),
     ),

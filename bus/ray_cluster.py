@@ -157,7 +157,7 @@ def await_ray_head(head: RayHead, timeout_s: float = 90.0) -> RayHead:
     """Wait until a head (or node) started by this process accepts drivers; then mark it up (UP_ENV's file), for
     the processes that were started before it was and wait in `ensure_ray`. Raises RuntimeError (and stops what
     was started) if it exits or is not up in `timeout_s`."""
-    log_path = Path(head.temp_dir) / "ray-start.log"
+    log_path = _start_log(head)
     proc = _STARTED[head.pid]
     deadline = time.monotonic() + timeout_s
     while b"Ray runtime started" not in log_path.read_bytes():
@@ -216,6 +216,11 @@ def _check_loopback(node_ip: str) -> None:
         raise ValueError(f"node_ip {node_ip!r}: clusters rlbus starts itself are loopback-only (127.0.0.0/8)")
 
 
+def _start_log(node: RayHead) -> Path:
+    """What `ray start --block` prints (its "Ray runtime started" line is how `await_ray_head` knows it is up)."""
+    return Path(node.temp_dir) / "ray-start.log"
+
+
 def _spawn(cmd: list[str], node: RayHead, num_cpus: int, object_store_memory: int,
            resources: dict[str, float] | None, die_with_parent: bool) -> int:
     """Run one `ray start ... --block` (every listening port explicit: several Ray clusters may share this machine,
@@ -239,8 +244,7 @@ def _spawn(cmd: list[str], node: RayHead, num_cpus: int, object_store_memory: in
     env.pop("RAY_AUTH_TOKEN", None)  # Ray would prefer it to the file: someone else's token
     if "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in node.env:
         env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # inherited from a loopback head would refuse to join
-    log_path = Path(node.temp_dir) / "ray-start.log"
-    with open(log_path, "wb") as out:
+    with open(_start_log(node), "wb") as out:
         proc = subprocess.Popen(
             cmd,
             stdout=out,

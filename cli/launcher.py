@@ -193,7 +193,8 @@ class Launcher:
             self._console.print(f"[dim]bus[/dim] {self.server.url} (store {store})")
         if not ray_cfg.address:
             # Not waited for here: the roles start meanwhile (importing torch, loading the model) and wait for the
-            # head in ensure_ray; _run_locked waits for it once they are started (about 3 s of start-up saved).
+            # head in ensure_ray; _run_locked waits for it once they are started. On 2 cores start-up is CPU-bound
+            # and this gained 0.3 s (docs/benchmarks.md); with more cores the head's ~3 s overlap the imports.
             self.ray_head = start_ray_head(num_cpus=ray_cfg.num_cpus, object_store_memory=ray_cfg.object_store_memory,
                                            wait=False)
             self.ray_head.apply_env()  # children inherit what they need to join this head (no secret: a file path)

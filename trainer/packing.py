@@ -85,21 +85,24 @@ def plan(
     input_ids_bL: right-padded rows; lengths_b: their real lengths; group_b: GRPO group of each row (rows of one
     group share their prompt); response_mask_bL: the positions the head scores. share=False: plain rows only.
     """
-    b, L = input_ids_bL.shape
+    b = input_ids_bL.shape[0]
     lengths = [int(n) for n in lengths_b]
     rows_of: dict[int, list[int]] = {}
     for i, g in enumerate(group_b.tolist()):
         rows_of.setdefault(g, []).append(i)
-    # Packed rows: (prefix length, member rows); a plain row is (0, [i]).
+    # Packed rows: (prefix length, member rows) and their lengths; a plain row is (0, [i]).
     packed: list[tuple[int, list[int]]] = []
+    row_lens: list[int] = []
     for rows in rows_of.values():
         prefix = common_prefix(input_ids_bL[rows], lengths_b[rows]) if share and len(rows) > 1 else 0
         row_len = prefix + sum(lengths[i] - prefix for i in rows)
         if prefix > 0 and forward_cost([row_len], hidden_size=hidden_size, dense=True) < forward_cost(
                 [lengths[i] for i in rows], hidden_size=hidden_size):
             packed.append((prefix, rows))
+            row_lens.append(row_len)
         else:
             packed.extend((0, [i]) for i in rows)
+            row_lens.extend(lengths[i] for i in rows)
     num_packed = sum(1 for prefix, _ in packed if prefix > 0)
     dst_rows, dst_pos = torch.nonzero(response_mask_bL[:, 1:] > 0, as_tuple=True)
     dst_pos = dst_pos + 1  # a scored token t is predicted by the hidden state at t - 1
@@ -114,7 +117,6 @@ def plan(
             num_packed_groups=0,
             num_positions=sum(lengths),
         )
-    row_lens = [prefix + sum(lengths[i] - prefix for i in rows) for prefix, rows in packed]
     G, Lp = len(packed), max(row_lens)
     ids_GL = torch.zeros(G, Lp, dtype=input_ids_bL.dtype)
     pos_GL = torch.zeros(G, Lp, dtype=torch.long)

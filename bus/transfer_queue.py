@@ -30,18 +30,16 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 import uuid
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from rlbus.bus.actors import Shard
 from rlbus.bus.ray_cluster import ensure_ray
 from rlbus.bus.ray_store import (
     Packed,
@@ -59,138 +57,10 @@ from rlbus.schemas.errors import PayloadMissing, TransferQueueFull
 
 log = logging.getLogger("rlbus.transfer_queue")
 
-STAGE_EXPIRY_S = 300.0  # staged (uncommitted) puts older than this belong to a crashed client and are dropped
-
-
-def owner_of(key: str) -> str:
-    """The first path component of a key: `e0-i5-a0` for `e0-i5-a0/d1/3`."""
-    return key.split("/", 1)[0]
-
 
 def shard_of(key: str, num_shards: int) -> int:
     """Stable across processes and machines (Python's hash() is salted per process)."""
     return zlib.crc32(key.encode()) % num_shards
-
-
-@dataclass
-class _Staged:
-    at: float
-    items: dict[str, tuple[dict[str, Packed], int]]
-    num_bytes: int
-
-
-class _Shard:
-    """One TransferQueue shard: key -> {field: (dtype, array)} in this actor's memory, with bounded capacity.
-
-    A plain (single-threaded) actor: calls run one at a time, so the counters need no lock.
-    """
-
-    def __init__(self, index: int, capacity_items: int, capacity_bytes: int):
-        self.index = index
-        self.capacity_items = capacity_items
-        self.capacity_bytes = capacity_bytes
-        self.items: dict[str, tuple[dict[str, Packed], int]] = {}  # key -> (fields, num_bytes)
-        self.num_bytes = 0
-        self.staged: dict[str, _Staged] = {}  # txn id -> a put waiting for commit
-        self.by_owner: dict[str, set[str]] = {}  # owner_of(key) -> the stored keys under it
-
-    def _usage(self) -> tuple[int, int]:
-        return (
-            len(self.items) + sum(len(s.items) for s in self.staged.values()),
-            self.num_bytes + sum(s.num_bytes for s in self.staged.values()),
-        )
-
-    def put(self, batch: dict[str, dict[str, Packed]], txn: str | None) -> dict | None:
-        """Store `batch` (committed now if txn is None, else staged under txn). Returns None, or a rejection."""
-        now = time.monotonic()
-        for old in [t for t, s in self.staged.items() if now - s.at > STAGE_EXPIRY_S]:
-            del self.staged[old]
-        # Copy out of the call's argument buffer: that buffer belongs to the caller and dies with it.
-        entries = {
-            key: ({f: (dt, np.array(a, copy=True)) for f, (dt, a) in fields.items()},
-                  sum(a.nbytes for _, a in fields.values()))
-            for key, fields in batch.items()
-        }  # fmt: skip
-        put_bytes = sum(n for _, n in entries.values())
-        replaced = [self.items[k][1] for k in entries if k in self.items]
-        used_items, used_bytes = self._usage()
-        want_items = used_items + len(entries) - len(replaced)
-        want_bytes = used_bytes + put_bytes - sum(replaced)
-        if want_items > self.capacity_items or want_bytes > self.capacity_bytes:
-            limit = "capacity_items" if want_items > self.capacity_items else "capacity_bytes"
-            return {
-                "shard": self.index, "limit": limit, "capacity_items": self.capacity_items,
-                "capacity_bytes": self.capacity_bytes, "used_items": used_items, "used_bytes": used_bytes,
-                "put_items": len(entries), "put_bytes": put_bytes,
-            }  # fmt: skip
-        if txn is None:
-            self._commit(entries)
-        else:
-            self.staged[txn] = _Staged(at=now, items=entries, num_bytes=put_bytes)
-        return None
-
-    def _commit(self, entries: dict[str, tuple[dict[str, Packed], int]]) -> None:
-        for key, entry in entries.items():
-            old = self.items.pop(key, None)
-            if old is not None:
-                self.num_bytes -= old[1]
-            self.items[key] = entry
-            self.num_bytes += entry[1]
-            self.by_owner.setdefault(owner_of(key), set()).add(key)
-
-    def finish(self, txn: str, commit: bool) -> bool:
-        """Commit or drop a staged put. False if it is unknown (expired)."""
-        staged = self.staged.pop(txn, None)
-        if staged is None:
-            return False
-        if commit:
-            self._commit(staged.items)
-        return True
-
-    def get(self, keys: list[str]) -> dict:
-        """Per (field, dtype): one flat array of the keys' values in order, plus each key's shape."""
-        missing = [k for k in keys if k not in self.items]
-        if missing:
-            return {"missing": missing}
-        groups: dict[tuple[str, str], tuple[list[int], list[tuple[int, ...]], list[np.ndarray]]] = {}
-        for pos, key in enumerate(keys):
-            for name, (dtype, arr) in self.items[key][0].items():
-                positions, shapes, parts = groups.setdefault((name, dtype), ([], [], []))
-                positions.append(pos)
-                shapes.append(arr.shape)
-                parts.append(arr.reshape(-1))
-        return {
-            "fields": {
-                group: (positions, shapes, np.concatenate(parts) if len(parts) > 1 else parts[0])
-                for group, (positions, shapes, parts) in groups.items()
-            }
-        }
-
-    def delete(self, keys: list[str], owners: list[str] = ()) -> int:
-        """Drop keys, and every key of each owner; returns how many were stored."""
-        doomed = set(keys).union(*(self.by_owner.get(o, ()) for o in owners))
-        num_deleted = 0
-        for key in doomed:
-            entry = self.items.pop(key, None)
-            if entry is not None:
-                self.num_bytes -= entry[1]
-                num_deleted += 1
-                same = self.by_owner[owner_of(key)]
-                same.discard(key)
-                if not same:
-                    del self.by_owner[owner_of(key)]
-        return num_deleted
-
-    def stats(self) -> dict:
-        return {
-            "shard": self.index,
-            "items": len(self.items),
-            "bytes": self.num_bytes,
-            "staged_items": sum(len(s.items) for s in self.staged.values()),
-            "staged_bytes": sum(s.num_bytes for s in self.staged.values()),
-            "capacity_items": self.capacity_items,
-            "capacity_bytes": self.capacity_bytes,
-        }
 
 
 def _make_shard(run: str, cfg: RayConfig, i: int, placement: Any) -> ray.actor.ActorHandle:
@@ -216,7 +86,7 @@ def _spread_over_nodes(n: int) -> list[Any]:
     return [NodeAffinitySchedulingStrategy(node_id=nodes[i % len(nodes)][1], soft=False) for i in range(n)]
 
 
-_ShardActor = ray.remote(num_cpus=0, max_restarts=-1)(_Shard)
+_ShardActor = ray.remote(num_cpus=0, max_restarts=-1)(Shard)
 
 
 class TransferQueue:

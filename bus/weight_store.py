@@ -24,16 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import blake3
 import numpy as np
 import ray
 import torch
 
+from rlbus.bus.actors import WeightsInfo, WeightVersions
 from rlbus.bus.ray_cluster import ensure_ray
 from rlbus.bus.ray_store import (
     Packed,
@@ -49,18 +47,6 @@ from rlbus.schemas.config import RayConfig
 from rlbus.schemas.errors import WeightsChecksumMismatch, WeightsLost, WeightsMissing
 
 log = logging.getLogger("rlbus.weight_store")
-
-
-@dataclass(frozen=True)
-class WeightsInfo:
-    """What the weight store holds for one version; mirrors the fields of wire.WeightsPublished."""
-
-    version: int
-    num_bytes: int
-    checksum: str
-    num_tensors: int
-    dtype: str  # dtype holding most of the bytes
-    store: str  # name of the weight-store actor
 
 
 def _checksum_packed(packed: Mapping[str, Packed]) -> str:
@@ -89,65 +75,7 @@ def check_checksum(version: int, packed: Mapping[str, Packed], expected: str) ->
         raise WeightsChecksumMismatch(version, expected=expected, actual=actual)
 
 
-class _WeightStore:
-    """Keeps the `keep` versions put last, each as one object-store object: the publisher's, or after `adopt` the
-    actor's own copy (which outlives the publisher).
-
-    "Last put", not "highest number": a trainer resumed from an older checkpoint puts a lower version than the
-    store holds, and that version (the one producers are told to load) must stay. Calls may run at once (an
-    `adopt` copying while producers `get`), so the table is guarded by a lock.
-    """
-
-    def __init__(self, keep: int, name: str):
-        self.keep = keep
-        self.name = name
-        self.versions: dict[int, tuple[list[ray.ObjectRef], WeightsInfo, bool]] = {}  # ..., adopted
-        self._lock = threading.Lock()
-
-    def put(self, version: int, refs: list[ray.ObjectRef], info: WeightsInfo) -> list[int]:
-        """Hold `version` as the publisher's object (`refs[0]`); returns the versions evicted."""
-        with self._lock:
-            self.versions.pop(version, None)  # a re-put moves to the end: dicts keep insertion order
-            self.versions[version] = (refs, info, False)
-            evicted = list(self.versions)[: -self.keep]
-            for v in evicted:
-                del self.versions[v]
-        return evicted
-
-    def adopt(self, version: int) -> bool:
-        """Copy the publisher's object of `version` into one this actor owns. (Ray 2.56 removed ray.put's `_owner`,
-        which would have let the publisher make such a copy without a second one.) False if evicted or lost."""
-        with self._lock:
-            held = self.versions.get(version)
-        if held is None or held[2]:
-            return held is not None
-        t0 = time.perf_counter()
-        try:
-            own = ray.put(ray.get(held[0][0]))  # zero-copy read of the publisher's object, one copy into ours
-        except ray.exceptions.RayError as e:  # the publisher died before we got to it
-            log.warning("%s: could not adopt weights v%d: %s", self.name, version, e)
-            return False
-        with self._lock:
-            if self.versions.get(version) is held:  # not evicted or re-put while we copied
-                self.versions[version] = ([own], held[1], True)
-        log.info("%s: adopted weights v%d in %.0f ms", self.name, version, 1e3 * (time.perf_counter() - t0))
-        return True
-
-    def get(self, version: int | None) -> tuple[list[ray.ObjectRef], WeightsInfo] | list[int]:
-        """([ref], info), or the versions held when `version` is not. The ref travels inside a list so that Ray
-        hands the caller the reference (to fetch zero-copy) instead of resolving it here."""
-        with self._lock:
-            if version is None and self.versions:
-                version = next(reversed(self.versions))  # the one put last
-            held = self.versions.get(version) if version is not None else None
-            return held[:2] if held is not None else sorted(self.versions)
-
-    def list_versions(self) -> list[int]:
-        with self._lock:
-            return sorted(self.versions)
-
-
-_WeightStoreActor = ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=4)(_WeightStore)
+_WeightStoreActor = ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=4)(WeightVersions)
 
 
 class WeightStore:

@@ -15,6 +15,7 @@ import textwrap
 import time
 
 import pytest
+import ray
 import torch
 
 from rlbus.bus.ray_store import teardown
@@ -217,6 +218,25 @@ async def test_keys_spread_over_shards(ray_config, run_name):
     await tq.put_many({f"group-{g}/{i}": {"x": torch.zeros(1)} for g in range(2) for i in range(4)})
     counts = [s["items"] for s in (await tq.stats())["shards"]]
     assert sum(counts) == 8 and min(counts) >= 1
+
+
+def _imported(handle, module: str) -> bool:
+    """Whether the process hosting a Ray actor has imported `module`."""
+    return ray.get(handle.__ray_call__.remote(lambda _self: module in sys.modules))
+
+
+async def test_store_actors_do_not_import_torch(ray_config, run_name):
+    """The actors hold numpy arrays and references only; torch's import would be most of each one's start-up."""
+    tq = TransferQueue.connect(run_name, ray_config)
+    ws = WeightStore.connect(run_name, ray_config)
+    await tq.put("g/0", _traj(4, 0))
+    await ws.put(1, {"w": torch.ones(2, 2)})
+    await ws.flush()
+    assert torch.equal((await tq.get_list(["g/0"]))[0]["input_ids"], _traj(4, 0)["input_ids"])
+    assert torch.equal((await ws.get(1))["w"], torch.ones(2, 2))
+    for handle in (*tq.shards, ws.actor):
+        assert _imported(handle, "rlbus.bus.actors") and _imported(handle, "numpy")
+        assert not _imported(handle, "torch"), handle
 
 
 async def test_weight_store_keeps_newest_versions(ray_config, run_name):

@@ -29,27 +29,11 @@ from typing import Any
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # so that `bench.common` imports
 
 from bench.common import machine, machine_line, write_section  # noqa: E402
+from rlbus.bus.proc import command_line, descendants  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RELIABILITY = ROOT / "docs" / "reliability.md"
 RLBUS = [sys.executable, "-m", "rlbus.cli"]
-
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    try:
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            out += [int(c) for c in (task / "children").read_text().split()]
-    except FileNotFoundError:
-        pass
-    return out
-
-
-def _argv(pid: int) -> list[str]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except FileNotFoundError:
-        return []
 
 
 def _rss_mb(pid: int) -> float | None:
@@ -63,10 +47,10 @@ def _rss_mb(pid: int) -> float | None:
 
 
 def _roles(launcher: int) -> dict[str, int]:
-    """role name -> pid of the launcher's live children (`rlbus.cli trainer`, `rlbus.cli producer ... --id pN`)."""
+    """role name -> pid of the launcher's live roles (`rlbus.cli trainer`, `rlbus.cli producer ... --id pN`)."""
     out = {}
-    for pid in _children(launcher):
-        argv = _argv(pid)
+    for pid in descendants(launcher):
+        argv = command_line(pid)
         if len(argv) > 3 and argv[3] == "trainer":
             out["trainer"] = pid
         elif len(argv) > 3 and argv[3] == "producer":

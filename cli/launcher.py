@@ -38,6 +38,7 @@ from rlbus.bus.proc import die_with_parent
 from rlbus.bus.ray_cluster import RayHead, await_ray_head, head_running, start_ray_head, stop_ray_head
 from rlbus.bus.server import EmbeddedServer
 from rlbus.cli.progress import RunMonitor, summary_table
+from rlbus.cli.preload import ForkedRole, RoleServer, preload_modules
 from rlbus.cli.run_lock import RunDirBusy, RunLock
 from rlbus.common.model.ensure import ensure_model
 from rlbus.schemas.config import BusConfig, RunConfig, to_yaml
@@ -90,14 +91,16 @@ class Child:
     role_id: str  # "trainer", or the producer id its RoleStarted carries
     argv: list[str]
     log_path: Path
-    proc: subprocess.Popen | None
+    proc: subprocess.Popen | ForkedRole | None
+    server: RoleServer | None  # forks the role with its modules imported (launcher.preload); None: a fresh python
     start_failures: int  # deaths in a row before the process got going
     restarts: int  # every restart, for the record
     started_at: float  # wall time of the last start
     _log: IO[bytes] | None
 
-    def __init__(self, name: str, argv: list[str], log_path: Path, role_id: str = ""):
+    def __init__(self, name: str, argv: list[str], log_path: Path, role_id: str = "", server: RoleServer | None = None):
         self.name, self.argv, self.log_path, self.role_id = name, argv, log_path, role_id or name
+        self.server = server
         self.proc, self.start_failures, self.restarts, self._log = None, 0, 0, None
         self.started_at = 0.0
 
@@ -109,12 +112,17 @@ class Child:
         self.started_at = time.time()
         if self._log is not None:
             self._log.close()
+            self._log = None
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         # Its own session keeps a terminal's Ctrl-C for the launcher, which stops every child at once; if the
         # launcher dies without doing so, the kernel SIGTERMs the child (the trainer checkpoints, producers give
-        # their tasks back), so a launcher started again meets no leftover roles.
+        # their tasks back), so a launcher started again meets no leftover roles. A role forked from the server
+        # (cli/preload.py) is set up the same way there.
+        if self.server is not None:
+            self.proc = self.server.start(self.argv[3:], env, self.log_path)
+            return
+        self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True, preexec_fn=die_with_parent)
 
@@ -160,6 +168,7 @@ class Launcher:
     producers: list[Child]  # running and supervised, oldest first
     evaluator: Child | None  # the held-out evaluation role, when eval.interval > 0
     retiring: dict[str, asyncio.Task]  # producer id -> its stop, for producers scaled away (never restarted)
+    _server: RoleServer | None  # the fork server of the roles (launcher.preload)
     _launch: Path | None  # the children's config file
     _scale_seen: int | None  # the last RUN_DIR/scale request applied (or refused)
     _target: int  # producers the launcher keeps running
@@ -174,6 +183,7 @@ class Launcher:
         self.server = self.ray_head = self.trainer = None
         self.producers, self.retiring = [], {}
         self.evaluator = None
+        self._server = None
         self._launch, self._scale_seen = None, None
         self._target, self._reported, self._started = cfg.rollout.num_producers, None, {}
         self._stop = asyncio.Event()
@@ -268,6 +278,9 @@ class Launcher:
         require_wandb(self.cfg.logging, check_login=True)
         await asyncio.to_thread(ensure_model, self.cfg.model)  # once, before children race to build it
         child_cfg = self._start_infrastructure()
+        # Started after the Ray head's env is set (the server imports Ray with it), and now, so that its imports
+        # overlap the head's start and the streams' set-up; the first role's start waits for them.
+        self._server = RoleServer(preload_modules(child_cfg)) if child_cfg.launcher.preload else None
         try:
             launch = self.run_dir / "launch.yaml"
             launch.write_text(to_yaml(child_cfg))
@@ -276,13 +289,14 @@ class Launcher:
             self._launch = launch
             (self.run_dir / SCALE_FILE).unlink(missing_ok=True)  # a request to a launcher that is gone
             self.trainer = Child("trainer", _role_argv("trainer", launch, creds=self._creds("trainer")),
-                                 self.run_dir / "logs" / "trainer.log")
+                                 self.run_dir / "logs" / "trainer.log", server=self._server)
             self.trainer.start()
             for _ in range(child_cfg.rollout.num_producers):
                 self._add_producer()
             if child_cfg.eval.interval > 0:  # with the producers' credential: it reads weights, publishes events
                 self.evaluator = Child("evaluator", _role_argv("evaluator", launch, creds=self._creds("producer")),
-                                       self.run_dir / "logs" / "evaluator.log", role_id="evaluator")
+                                       self.run_dir / "logs" / "evaluator.log", role_id="evaluator",
+                                       server=self._server)
                 self.evaluator.start()
             self._report_producers()
             if self.ray_head is not None:
@@ -355,7 +369,8 @@ class Launcher:
         taken = {p.role_id for p in self.producers} | set(self.retiring)
         i = next(i for i in range(len(taken) + 1) if f"p{i}" not in taken)
         argv = _role_argv("producer", self._launch, "--id", f"p{i}", creds=self._creds("producer"))
-        child = Child(f"producer-{i}", argv, self.run_dir / "logs" / f"producer-{i}.log", role_id=f"p{i}")
+        child = Child(f"producer-{i}", argv, self.run_dir / "logs" / f"producer-{i}.log", role_id=f"p{i}",
+                      server=self._server)
         child.start()
         self.producers.append(child)
         return child
@@ -458,17 +473,30 @@ class Launcher:
                     *([self.evaluator] if self.evaluator is not None else [])]
         await asyncio.gather(*(c.stop() for c in children), *self.retiring.values())
 
+    def _export(self) -> Path:
+        """The final model, from the run's last checkpoint. Forked from the role server when there is one: it has
+        torch and transformers imported, which the launcher would have to import first (~5 CPU-s after the last
+        step). Otherwise here, importing them now (not at the top: 8 s of a contended start, before the bus and Ray
+        could start, for the last thing the launcher does)."""
+        ckpts, out = self.run_dir / "checkpoints", self.run_dir / "final_model"
+        if self._server is None:
+            from rlbus.cli.export import export_checkpoint
+
+            return export_checkpoint(ckpts, out, self.cfg.model.path)
+        log = self.run_dir / "logs" / "export.log"
+        code = self._server.start(["export", str(ckpts), str(out)], dict(os.environ), log).wait()
+        if code != 0:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:]) if log.is_file() else ""
+            raise RuntimeError(f"`rlbus export {ckpts} {out}` failed (exit {code}); the end of {log}:\n{tail}")
+        return out
+
     def _finish(self) -> int:
-        # Imported here, not at the top: export pulls in torch and transformers (8 s of a contended start, before
-        # the bus and Ray could start) for the last thing the launcher does.
-        from rlbus.cli.export import export_checkpoint
         from rlbus.cli.plot import plot_run
 
         cfg = self.cfg
         if cfg.logging.plot:
             self._console.print(f"curves: {plot_run(self.run_dir)}")
-        final = export_checkpoint(self.run_dir / "checkpoints", self.run_dir / "final_model", cfg.model.path)
-        self._console.print(f"final model: {final}")
+        self._console.print(f"final model: {self._export()}")
         if self.ray_head is None:
             # A Ray cluster of the user's: the finished run's detached actors (TransferQueue shards, weight store)
             # would outlive it there, holding memory. A head of our own goes with everything on it.

@@ -315,6 +315,10 @@ class LoggingConfig(_Section):
     wandb_mode: Literal["online", "offline"] = "online"  # offline: only <run_dir>/wandb, no network (`wandb sync`)
 
 
+class LauncherConfig(_Section):
+    preload: bool = True  # `rlbus up` forks its roles from one process that imported their modules (cli/preload.py)
+
+
 class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     name: str = "rlbus"  # run name: the bus namespace `rlbus.<name>.` and the default run directory
     bus: BusConfig = msgspec.field(default_factory=BusConfig)
@@ -327,6 +331,7 @@ class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     feeder: FeederConfig = msgspec.field(default_factory=FeederConfig)
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
+    launcher: LauncherConfig = msgspec.field(default_factory=LauncherConfig)
 
     def __post_init__(self) -> None:
         try:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from rlbus.bus.proc import command_line, descendants
 from rlbus.consumers.ledger import read_ledger
 from rlbus.trainer.metrics import read_metrics
 from tests.support.runs import check_ledger, small_run_config, start_role, stop, wait_for_steps, write_config
@@ -24,27 +25,17 @@ from tests.support.runs import check_ledger, small_run_config, start_role, stop,
 pytestmark = pytest.mark.slow
 
 
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        out += [int(c) for c in (task / "children").read_text().split()]
-    return out
-
-
 def _child_running(launcher: subprocess.Popen, role: str, timeout: float = 60.0, argv_index: int = 3) -> int:
-    """The pid of a live child of the launcher whose argv[argv_index] names `role` (`python -m rlbus.cli ROLE`, or the
-    nats-server binary)."""
+    """The pid of a live process under the launcher whose argv[argv_index] names `role` (`python -m rlbus.cli ROLE`,
+    which is also the title of a role forked from the fork server; or the nats-server binary)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for pid in _children(launcher.pid):
-            try:
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            except FileNotFoundError:
-                continue  # exited meanwhile
-            if len(argv) > argv_index and argv[argv_index].endswith(role.encode()):
+        for pid in descendants(launcher.pid):
+            argv = command_line(pid)
+            if len(argv) > argv_index and argv[argv_index].endswith(role):
                 return pid
         time.sleep(0.2)
-    pytest.fail(f"no {role} child of the launcher within {timeout}s")
+    pytest.fail(f"no {role} under the launcher within {timeout}s")
 
 
 def _up(tmp_path: Path, tiny_model_dir, run_name: str, total: int, **sections) -> tuple[Path, dict, Path]:

@@ -2,8 +2,11 @@
 
 from pathlib import Path
 
+import msgspec
+
+from rlbus.cli.config_doc import SECTIONS, reference_markdown
 from rlbus.cli.main import PASSTHROUGH, build_parser
-from rlbus.cli.config_doc import reference_markdown
+from rlbus.schemas.config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -11,6 +14,12 @@ README = (ROOT / "README.md").read_text()
 
 def test_readme_config_reference_is_the_generated_one():
     assert reference_markdown() in README, "README's config reference is stale: paste `rlbus config reference`"
+
+
+def test_every_config_section_is_in_the_reference():
+    sections = {f.name for f in msgspec.structs.fields(RunConfig) if isinstance(f.type, type)
+                and issubclass(f.type, msgspec.Struct)}
+    assert sections <= {name.split(" ")[0] for name in SECTIONS}, sections - set(SECTIONS)
 
 
 def test_every_config_key_has_a_meaning():

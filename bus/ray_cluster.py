@@ -5,8 +5,9 @@
     ensure_ray(RayConfig(address=head.address))   # every role process, with os.environ updated by head.env
     stop_ray_head(head)
 
-Ray's dashboard, autoscaler monitor and log monitor are not started (rlbus uses none of them, and on a small machine
-their start-up CPU is the roles' start-up time). Two more Ray defaults are overridden for the clusters rlbus starts:
+Ray's dashboard, autoscaler monitor, log monitor and Ray Client server are not started (rlbus uses none of them, and
+on a small machine their start-up CPU is the roles' start-up time; the client server has no `ray start` switch, so
+heads run `ray start` through bus/ray_start.py). Two more Ray defaults are overridden for the clusters rlbus starts:
 - Ray advertises (and binds) the machine's routable IP even for a single-node cluster. Loopback-only is asked for
   here, and Ray's only switch for it is the environment variable `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, read when
   `ray` is imported -- so the head runs as a child process with that variable set.
@@ -81,11 +82,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ray_bin() -> str:
-    # The `ray` script next to this interpreter, so a virtualenv's Ray is used even when it is not on PATH.
-    candidate = Path(sys.executable).with_name("ray")
-    return str(candidate) if candidate.exists() else "ray"
-
+def _ray_start() -> list[str]:
+    """Ray's `ray start` CLI under this interpreter (a virtualenv's Ray even when it is not on PATH), without the
+    Ray Client server nothing of rlbus uses (bus/ray_start.py)."""
+    return [sys.executable, "-m", "rlbus.bus.ray_start", "start"]
 
 
 def write_token(parent: str | None = None) -> str:
@@ -134,11 +134,11 @@ def start_ray_head(
         head_env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     port = free_port()
     cmd = [
-        _ray_bin(), "start", "--head", "--block", "--disable-usage-stats",
+        *_ray_start(), "--head", "--block", "--disable-usage-stats",
         f"--node-ip-address={node_ip}", f"--port={port}", "--include-dashboard=false",
         # No autoscaler monitor: a head rlbus starts has no cluster config to scale (its CPU is start-up time).
         "--no-monitor",
-        f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}",
+        f"--dashboard-port={free_port()}",
     ]  # fmt: skip
     head_env[UP_ENV] = os.path.join(root, UP_FILE)
     head = RayHead(pid=0, address=f"{node_ip}:{port}", temp_dir=root, env=head_env, token_path=token_path)
@@ -204,7 +204,7 @@ def start_ray_node(
         raise RuntimeError(f"the head at {head.address} is a single-node (127.0.0.1) cluster; start it on another "
                            "loopback address (node_ip='127.0.0.2') to join nodes to it")
     root = tempfile.mkdtemp(prefix="rlbus-ray-", dir="/tmp")
-    cmd = [_ray_bin(), "start", f"--address={head.address}", "--block", "--disable-usage-stats",
+    cmd = [*_ray_start(), f"--address={head.address}", "--block", "--disable-usage-stats",
            f"--node-ip-address={node_ip}"]
     node = RayHead(pid=0, address=head.address, temp_dir=root, env=dict(head.env), token_path="")
     pid = _spawn(cmd, node, num_cpus, object_store_memory, resources, die_with_parent)

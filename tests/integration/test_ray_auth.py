@@ -118,6 +118,14 @@ def test_the_token_is_on_no_command_line_and_in_no_environment(ray_head):
             assert token.encode() not in path.read_bytes(), path
 
 
+def test_the_head_runs_no_ray_client_server(ray_head):
+    """bus/ray_start.py: nothing of rlbus connects through ray://, so the head runs without its proxy."""
+    commands = [Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+                for pid in process_tree(ray_head.pid) if Path(f"/proc/{pid}/cmdline").exists()]
+    assert any("gcs_server" in c for c in commands) and any("raylet" in c for c in commands), commands
+    assert not [c for c in commands if "ray.util.client.server" in c]
+
+
 @pytest.mark.parametrize(
     "case",
     ["no auth environment", "auth mode disabled", "another token"],

@@ -17,6 +17,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlbus.bus.proc import descendants
+
 _TCP_LISTEN = "0A"  # include/net/tcp_states.h: TCP_LISTEN = 10
 
 
@@ -32,24 +34,12 @@ class Listener:
         return f"{self.name}[{self.pid}] {host}:{self.port}"
 
 
-def _ppid(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def process_tree(*roots: int) -> list[int]:
-    """The given processes and all their living descendants (by parent pid, so a child that started a session or
-    process group of its own -- Ray's workers do -- is still found)."""
-    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    parent = {p: _ppid(p) for p in pids}
-    tree = {r for r in roots if r in parent}
-    grew = True
-    while grew:
-        new = {p for p, pp in parent.items() if pp in tree} - tree
-        tree |= new
-        grew = bool(new)
+    """The given processes and all their living descendants (by parent, so a child that started a session or
+    process group of its own -- Ray's workers do, and so do the roles `rlbus up` forks -- is still found)."""
+    tree = {r for r in roots if Path(f"/proc/{r}").exists()}
+    for root in list(tree):
+        tree.update(descendants(root))
     return sorted(tree)
 
 

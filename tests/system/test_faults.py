@@ -123,7 +123,7 @@ def test_ray_head_sigkilled_mid_run_is_restarted_with_every_role(tmp_path, tiny_
                                  rollout={"num_producers": 2})
     up = start_role("up", cfg_path, tmp_path / "logs", name="up")
     try:
-        head = _child_running(up, "ray", argv_index=1)  # `python .../bin/ray start --head --block`
+        head = _child_running(up, "rlbus.bus.ray_start", argv_index=2)  # `python -m rlbus.bus.ray_start start --head`
         wait_for_steps(run_dir, 4, [up], timeout=400)
         os.killpg(head, signal.SIGKILL)  # our launcher's own child's process group, by its pid
         assert up.wait(timeout=900) == 0

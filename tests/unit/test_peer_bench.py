@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from bench.peer_task import SCORES, messages, problems, reward, score, score_contains, write_jsonl
-from bench.peer_trl import TASKS, Stamper, rlbus_config, steady_steps_per_min, time_to_reward
+from bench.peer_trl import TASKS, Stamper, producers_label, rlbus_config, steady_steps_per_min, time_to_reward
 from rlbus.common.data import load_dataset
 from rlbus.producers.rewards.registry import load_reward
 from rlbus.schemas.config import load_config
@@ -62,7 +62,10 @@ def test_rlbus_side_is_the_task(tmp_path, name):
                                                                                         task.max_new_tokens)
     assert (cfg.trainer.lr, cfg.algorithm.kl_coef, cfg.rollout.temperature, cfg.trainer.total_steps) == (task.lr, 0, 1,
                                                                                                        100)
-    assert cfg.rollout.agent_loop == "single_turn" and cfg.rollout.num_producers == 2
+    producers = task.rlbus.get("rollout", {}).get("num_producers", 2)  # the adder's 2, SmolLM2's 1
+    assert cfg.rollout.agent_loop == "single_turn" and cfg.rollout.num_producers == producers
+    assert producers_label(task, []) == f"{producers} producer{'s' if producers != 1 else ''}"
+    assert producers_label(task, ["rollout.num_producers=3"]) == "3 producers"
     assert cfg.model.path == str(tmp_path / "model")
     ds = load_dataset(cfg.data)
     first_q, first_a = problems(1, 0)[0]

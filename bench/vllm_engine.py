@@ -145,7 +145,8 @@ async def bench(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         paused.append(engine.last_load_pause_s)
         gens = await running
         assert all(len(set(g.versions())) >= 1 for g in gens)
-    num_bytes = sum(v.numel() * v.element_size() for v in state_dict.values())
+    unique = {v.data_ptr(): v for v in state_dict.values()}  # a tied head shares the embedding's bytes
+    num_bytes = sum(v.numel() * v.element_size() for v in unique.values())
     res["load"] = {"bytes": num_bytes, "plain_copy_s": copy_s, "idle_load_s": statistics.median(idle),
                    "busy_load_s": statistics.median(busy), "paused_s": statistics.median(paused),
                    "ratio_to_copy": statistics.median(idle) / copy_s}

@@ -351,10 +351,18 @@ class Producer:
             log.info("loaded weights v%d", published.version)
 
     async def _watch_engine(self) -> None:
-        """Notice a dead engine (vLLM's engine core killed) within a second, also while no task is rolling out."""
+        """Notice a dead engine (vLLM's engine core killed) within a second, also while no task is rolling out or
+        while every task waits on something the dead engine will never finish (a weight load, say): the held tasks
+        are cancelled (each naks its delivery) and the producer stops, raising EngineDead from run()."""
         while self.engine.alive:
             await asyncio.sleep(ENGINE_CHECK_S)
-        raise EngineDead(f"producer {self.producer_id}: the rollout engine's process is gone")
+        error = EngineDead(f"producer {self.producer_id}: the rollout engine's process is gone")
+        log.error("%s; giving %d task(s) back and stopping", error, len(self._inflight))
+        if self._fatal is None:
+            self._fatal = error
+        self.stop()
+        for t in list(self._inflight.values()):
+            t.cancel()
 
     async def _heartbeats(self) -> None:
         while True:

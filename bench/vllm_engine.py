@@ -59,6 +59,7 @@ def prompts_for(model_dir: Path, count: int) -> list[list[int]]:
 
 
 async def rlbus_round(engine: Any, prompts: list[list[int]], max_new: int) -> tuple[float, int]:
+    """One `generate` call of an rlbus engine (vLLM or HF): seconds and generated tokens."""
     t0 = time.perf_counter()
     gens = await engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=max_new))
     return time.perf_counter() - t0, sum(len(g.token_ids) for g in gens)
@@ -80,10 +81,6 @@ async def bare_round(llm: Any, prompts: list[list[int]], max_new: int) -> tuple[
     t0 = time.perf_counter()
     counts = await asyncio.gather(*(one(p) for p in prompts))
     return time.perf_counter() - t0, sum(counts)
-
-
-async def hf_round(engine: Any, prompts: list[list[int]], max_new: int) -> tuple[float, int]:
-    return await rlbus_round(engine, prompts, max_new)
 
 
 def rate(samples: list[tuple[float, int]]) -> dict[str, float]:
@@ -155,7 +152,7 @@ async def bench(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     hf = HFEngine(str(model_dir), HFEngineConfig(max_batch_size=biggest), seed=0)
     await hf.generate(prompts[:2], SamplingParams(max_new_tokens=8))
     for c in args.concurrency:
-        s = [await hf_round(hf, prompts[:c], args.max_new_tokens) for _ in range(args.rounds)]
+        s = [await rlbus_round(hf, prompts[:c], args.max_new_tokens) for _ in range(args.rounds)]
         print(f"c={c} hf: {s[-1][1] / s[-1][0]:.1f} tokens/s", flush=True)
         res["paths"].setdefault("hf", {})[str(c)] = rate(s)
     await hf.close()

@@ -232,11 +232,7 @@ class Producer:
             with contextlib.suppress(Exception):
                 await delivery.nak()
             await self._free(unpublished)
-            if self._fatal is None:
-                self._fatal = e
-                await self.bus.publish_event(ErrorRaised(role="producer", role_id=self.producer_id,
-                                                         error=type(e).__name__, message=str(e), fatal=True))
-            self.stop()
+            await self._engine_died(e)
         except Exception as e:
             log.exception("task %s failed", task.task_id)
             await self._free(unpublished)
@@ -358,11 +354,19 @@ class Producer:
             await asyncio.sleep(ENGINE_CHECK_S)
         error = EngineDead(f"producer {self.producer_id}: the rollout engine's process is gone")
         log.error("%s; giving %d task(s) back and stopping", error, len(self._inflight))
-        if self._fatal is None:
-            self._fatal = error
-        self.stop()
+        await self._engine_died(error)
         for t in list(self._inflight.values()):
             t.cancel()
+
+    async def _engine_died(self, error: EngineDead) -> None:
+        """Record the first sign of a dead engine (run() raises it once the held tasks are back), say so once on the
+        bus, and stop pulling tasks: the engine cannot come back under this producer; a restarted one builds anew."""
+        if self._fatal is None:
+            self._fatal = error
+            with contextlib.suppress(Exception):  # best effort: stopping must not wait on the event
+                await self.bus.publish_event(ErrorRaised(role="producer", role_id=self.producer_id,
+                                                         error=type(error).__name__, message=str(error), fatal=True))
+        self.stop()
 
     async def _heartbeats(self) -> None:
         while True:

@@ -35,7 +35,7 @@ from transformers import AutoModelForCausalLM
 from rlbus.schemas.config import AlgorithmConfig, RunConfig, TrainerConfig
 from rlbus.trainer import algorithms as algo
 from rlbus.trainer import logprobs, packing
-from rlbus.trainer.dist import DistInfo, all_reduce, init_distributed
+from rlbus.trainer.dist import DistInfo, all_reduce, init_distributed, world_size
 from rlbus.trainer.memory import peak_rss_bytes, reset_peak_rss
 from rlbus.trainer.parallelize import parallelize
 
@@ -348,13 +348,13 @@ class TrainEngine:
     def _correction_metrics(self, sums: algo.MismatchSums, values_N: torch.Tensor | None) -> dict[str, float]:
         """mismatch/*, is/*, rs/* of the step: sums over all ranks, percentiles of every rank's weights."""
         total = algo.MismatchSums.from_list(all_reduce(sums.as_list(), "sum"))
-        if values_N is not None and dist.is_initialized() and dist.get_world_size() > 1:
+        if values_N is not None and world_size() > 1:
             # Percentiles do not add up: gather the weights (one float per token, or per sequence at sequence
             # level), padded with NaN to the longest rank's count, the padding dropped after.
             (longest,) = all_reduce([float(values_N.numel())], "max")
             padded_N = values_N.new_full((int(longest),), float("nan"))
             padded_N[: values_N.numel()] = values_N
-            parts = [torch.empty_like(padded_N) for _ in range(dist.get_world_size())]
+            parts = [torch.empty_like(padded_N) for _ in range(world_size())]
             dist.all_gather(parts, padded_N)
             values_N = torch.cat(parts)
             values_N = values_N[~values_N.isnan()]

@@ -41,7 +41,8 @@ class TinyModelSpec(msgspec.Struct, kw_only=True, frozen=True):
         quickstart's; vLLM's CPU attention kernels take 32 and up. (Tried first: 2 heads of 32 learned half as much
         in the quickstart's 45 steps, reward 0.24 -> 0.40; width 128 with 4 heads of 32 did not warm-start in the
         quickstart's 1200 steps, reward 0.)"""
-        return cls() if head_dim == cls().hidden_size // cls().num_attention_heads else cls(head_dim=head_dim)
+        base = cls()
+        return base if head_dim == base.hidden_size // base.num_attention_heads else cls(head_dim=head_dim)
 
 
 def tiny_config(tokenizer: PreTrainedTokenizerBase, spec: TinyModelSpec = TinyModelSpec()) -> PretrainedConfig:

@@ -29,7 +29,6 @@ Tested on CPU by `pytest tests/integration/test_vllm_engine.py`; on a GPU by `py
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import os
@@ -130,7 +129,6 @@ class VLLMEngine(RolloutEngine):
     _version: int
     _llm: Any  # vllm.v1.engine.async_llm.AsyncLLM
     _load_lock: asyncio.Lock  # one weight load at a time
-    _requests: itertools.count  # request id suffixes
     _warned_filtered: bool
     max_model_len: int
     last_load_pause_s: float  # how long the last load held generation (pause to resume)
@@ -150,7 +148,6 @@ class VLLMEngine(RolloutEngine):
         self._cfg = engine_cfg
         self._version = version
         self._load_lock = asyncio.Lock()
-        self._requests = itertools.count()
         self._warned_filtered = False
         self.last_load_pause_s = self.last_load_work_s = 0.0
         self.num_resubmitted = 0
@@ -219,7 +216,7 @@ class VLLMEngine(RolloutEngine):
                 raise GenerationRefused(f"prompt of {len(prompt) + len(tokens)} tokens plus {remaining} new exceeds "
                                         f"max_model_len {self.max_model_len}")
             version_at_submit = self._version
-            request_id = f"{next(self._requests)}-{uuid.uuid4().hex[:8]}"
+            request_id = uuid.uuid4().hex
             final = None
             try:
                 async for out in self._llm.generate({"prompt_token_ids": prompt + tokens},
@@ -248,10 +245,9 @@ class VLLMEngine(RolloutEngine):
         if len(log_probs) != len(tokens):
             raise RuntimeError(f"vLLM returned {len(log_probs)} log-probs for {len(tokens)} tokens")
         stopped = bool(tokens) and tokens[-1] in params.stop_token_ids
-        distinct = set(versions)
         return Generation(token_ids=tokens, log_probs=log_probs, finish_reason="stop" if stopped else "length",
                           version=versions[0] if versions else self._version,
-                          token_versions=versions if len(distinct) > 1 else [])
+                          token_versions=versions if len(set(versions)) > 1 else [])
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         if not prompts:

@@ -27,6 +27,7 @@ from rlbus.common.model.tiny import TinyModelSpec, tiny_model
 from rlbus.common.chat import encode_chat
 from rlbus.schemas.config import HFEngineConfig, from_dict
 from rlbus.schemas.errors import WeightLoadError
+from tests.support.engines import assert_cut_at_first_stop, teacher_forced_logprobs
 from tests.support.loop_gaps import loop_gaps
 
 #: Wider and deeper than the quickstart's model: at random init the quickstart's tied-embedding 2-layer model greedily
@@ -62,14 +63,6 @@ def prompts(tokenizer):
     return out
 
 
-def _teacher_forced_logprobs(model, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
-    ids = torch.tensor([prompt + tokens])
-    with torch.no_grad():
-        logits_TV = model(input_ids=ids).logits[0].float()
-    logp_TV = torch.log_softmax(logits_TV / temperature, dim=-1)
-    return logp_TV[len(prompt) - 1 : -1].gather(-1, torch.tensor(tokens).unsqueeze(-1)).squeeze(-1)
-
-
 @pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 1.0, 20)])
 async def test_logprobs_match_teacher_forced_forward(model_dir, prompts, temperature, top_p, top_k):
     engine = HFEngine(str(model_dir), HFEngineConfig(max_batch_size=8), seed=0)
@@ -79,7 +72,7 @@ async def test_logprobs_match_teacher_forced_forward(model_dir, prompts, tempera
     max_diff = 0.0
     for prompt, gen in zip(prompts, gens):
         assert len(gen.token_ids) == len(gen.log_probs) == 24 and gen.finish_reason == "length"
-        expected = _teacher_forced_logprobs(reference, prompt, gen.token_ids, temperature)
+        expected = teacher_forced_logprobs(reference, prompt, gen.token_ids, temperature)
         max_diff = max(max_diff, (expected - torch.tensor(gen.log_probs)).abs().max().item())
     assert max_diff < 1e-4, f"engine vs teacher-forced log-probs: max |diff| = {max_diff:.3g}"
     print(f"max |engine - teacher-forced| log-prob difference (T={temperature}, top_p={top_p}, top_k={top_k}): {max_diff:.3g}")
@@ -103,12 +96,7 @@ async def test_batch_equals_each_prompt_alone_with_stop_tokens(model_dir, prompt
     # Stop on the 4th token the first prompt generates: it must end there, others wherever that id first appears.
     stop_id = free[0].token_ids[3]
     with_stop = await engine.generate(prompts, SamplingParams(temperature=1e-4, max_new_tokens=12, stop_token_ids=(stop_id,)))
-    for alone_free, batched in zip(free, with_stop):
-        if stop_id in alone_free.token_ids:
-            cut = alone_free.token_ids.index(stop_id) + 1
-            assert batched.token_ids == alone_free.token_ids[:cut] and batched.finish_reason == "stop"
-        else:
-            assert batched.token_ids == alone_free.token_ids and batched.finish_reason == "length"
+    assert_cut_at_first_stop(free, with_stop, stop_id)
     assert with_stop[0].finish_reason == "stop" and len(with_stop[0].token_ids) <= 4
     # Each prompt alone gives what it gave inside the batch.
     for prompt, batched in zip(prompts, with_stop):
@@ -132,7 +120,7 @@ async def test_load_weights_changes_generation_and_stamps_version(model_dir, pro
     # ... and it is exactly the new model: its log-probs are the new model's teacher-forced ones.
     new_model.eval()
     for prompt, gen in zip(prompts, after):
-        expected = _teacher_forced_logprobs(new_model, prompt, gen.token_ids, 1e-4)
+        expected = teacher_forced_logprobs(new_model, prompt, gen.token_ids, 1e-4)
         assert torch.allclose(expected, torch.tensor(gen.log_probs), atol=1e-2)
 
     # A state dict without the tied lm_head loads too; one with a wrong shape is refused with the names.

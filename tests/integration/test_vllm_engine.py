@@ -30,6 +30,7 @@ from rlbus.common.model.tiny import TinyModelSpec, tiny_model
 from rlbus.producers.engines.base import SamplingParams
 from rlbus.schemas.config import VLLMEngineConfig
 from rlbus.schemas.errors import EngineDead, GenerationRefused
+from tests.support.engines import assert_cut_at_first_stop, teacher_forced_logprobs
 from tests.support.vllm import require_vllm
 
 require_vllm()
@@ -60,17 +61,10 @@ def _prompts(n: int) -> list[list[int]]:
     return [[5 + (i % 7), 6, 7 + i % 3, 9, 10 + i % 11][: 2 + i % 4] for i in range(n)]
 
 
-def _teacher_forced(model, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
-    with torch.no_grad():
-        logits_TV = model(input_ids=torch.tensor([prompt + tokens])).logits[0].float()
-    logp_TV = torch.log_softmax(logits_TV / temperature, dim=-1)
-    return logp_TV[len(prompt) - 1 : -1].gather(-1, torch.tensor(tokens).unsqueeze(-1)).squeeze(-1)
-
-
 def _max_diff(reference, prompts, gens, temperature) -> float:
     worst = 0.0
     for prompt, gen in zip(prompts, gens):
-        expected = _teacher_forced(reference, prompt, gen.token_ids, temperature)
+        expected = teacher_forced_logprobs(reference, prompt, gen.token_ids, temperature)
         worst = max(worst, (expected - torch.tensor(gen.log_probs)).abs().max().item())
     return worst
 
@@ -95,12 +89,7 @@ async def test_concurrent_requests_and_stop_tokens(engine):
     # The same seeds again, now stopping on that id: each generation is the free one cut after its first stop_id.
     stopped = await engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=16, seed=5,
                                                             stop_token_ids=(stop_id,)))
-    for a, b in zip(free, stopped):
-        if stop_id in a.token_ids:
-            cut = a.token_ids.index(stop_id) + 1
-            assert b.token_ids == a.token_ids[:cut] and b.finish_reason == "stop"
-        else:
-            assert b.token_ids == a.token_ids and b.finish_reason == "length"
+    assert_cut_at_first_stop(free, stopped, stop_id)
     assert stopped[0].finish_reason == "stop" and len(stopped[0].token_ids) == 4
     # Separate generate calls overlap in the engine (nothing serialises them): two calls take about one's time.
     t0 = time.perf_counter()

@@ -15,6 +15,7 @@ from rlbus.common.chat import encode_chat
 from rlbus.common.model.demos import prompt_messages
 from rlbus.producers.engines.base import SamplingParams
 from rlbus.schemas.config import VLLMEngineConfig
+from tests.support.engines import teacher_forced_logprobs
 from tests.support.vllm import require_vllm
 
 pytestmark = pytest.mark.slow
@@ -25,15 +26,8 @@ require_vllm()
 SMOLLM2_TOL = 2e-3
 
 
-def _teacher_forced(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logits_TV = model(input_ids=torch.tensor([prompt + tokens])).logits[0].float()
-    logp_TV = torch.log_softmax(logits_TV, dim=-1)
-    return logp_TV[len(prompt) - 1 : -1].gather(-1, torch.tensor(tokens).unsqueeze(-1)).squeeze(-1)
-
-
 def _worst(model, prompts, gens) -> float:
-    return max((_teacher_forced(model, p, g.token_ids) - torch.tensor(g.log_probs)).abs().max().item()
+    return max((teacher_forced_logprobs(model, p, g.token_ids) - torch.tensor(g.log_probs)).abs().max().item()
                for p, g in zip(prompts, gens))
 
 

@@ -75,11 +75,23 @@ class RayHead:
             environ.pop("RAY_AUTH_TOKEN", None)
 
 
+def free_ports(n: int) -> list[int]:
+    """n distinct TCP ports free on the loopback interface right now (the OS picks them; never a fixed port). All n
+    sockets are held until every port is chosen: asked one at a time, the OS may hand back a port it just released,
+    and Ray refuses a start where two of its components got the same one."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port() -> int:
-    """A TCP port free on the loopback interface right now (the OS picks it; never a fixed port)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on the loopback interface right now."""
+    return free_ports(1)[0]
 
 
 def _ray_start() -> list[str]:
@@ -132,13 +144,13 @@ def start_ray_head(
     head_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token_path}
     if node_ip == LOOPBACK:  # Ray's only switch for "bind and advertise loopback" (read when ray is imported)
         head_env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    port = free_port()
+    port, dashboard_port = free_ports(2)
     cmd = [
         *_ray_start(), "--head", "--block", "--disable-usage-stats",
         f"--node-ip-address={node_ip}", f"--port={port}", "--include-dashboard=false",
         # No autoscaler monitor: a head rlbus starts has no cluster config to scale (its CPU is start-up time).
         "--no-monitor",
-        f"--dashboard-port={free_port()}",
+        f"--dashboard-port={dashboard_port}",
     ]  # fmt: skip
     head_env[UP_ENV] = os.path.join(root, UP_FILE)
     head = RayHead(pid=0, address=f"{node_ip}:{port}", temp_dir=root, env=head_env, token_path=token_path)
@@ -225,11 +237,12 @@ def _spawn(cmd: list[str], node: RayHead, num_cpus: int, object_store_memory: in
            resources: dict[str, float] | None, die_with_parent: bool) -> int:
     """Run one `ray start ... --block` (every listening port explicit: several Ray clusters may share this machine,
     and Ray's defaults are fixed); return its pid (`await_ray_head` waits for it to be up)."""
+    agent, agent_grpc, metrics, runtime_env, node_manager, object_manager = free_ports(6)
     cmd = [
         *cmd, f"--temp-dir={os.path.join(node.temp_dir, 'ray')}",
-        f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-        f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
-        f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
+        f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
+        f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={runtime_env}",
+        f"--node-manager-port={node_manager}", f"--object-manager-port={object_manager}",
         # Every rlbus driver connects with log_to_driver=False: the log monitor would forward worker output that
         # nobody reads (the files stay in the temp dir).
         "--include-log-monitor=false",

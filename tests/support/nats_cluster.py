@@ -7,25 +7,15 @@ sharing one credentials store), and what tests ask of it: its meta leader, a str
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from pathlib import Path
 
 import nats
 
 from rlbus.bus.auth import load_creds
+from rlbus.bus.ray_cluster import free_ports
 from rlbus.bus.server import Cluster, EmbeddedServer
 
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def cluster(tmp_path: Path, run: str) -> list[EmbeddedServer]:

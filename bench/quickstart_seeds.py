@@ -54,9 +54,9 @@ def collapsed(s: dict[str, float]) -> bool:
     return s["last10"] < BAR
 
 
-def run_seed(seed: int, overrides: list[str], work: Path, timeout: float) -> dict:
+def run_seed(seed: int, overrides: list[str], work: Path, timeout: float, config: Path = CONFIG) -> dict:
     run_dir = work / f"qs-s{seed}"
-    argv = [sys.executable, "-m", "rlbus.cli", "up", str(CONFIG), f"name=qs-seed{seed}", f"logging.run_dir={run_dir}",
+    argv = [sys.executable, "-m", "rlbus.cli", "up", str(config), f"name=qs-seed{seed}", f"logging.run_dir={run_dir}",
             f"trainer.seed={seed}", f"feeder.seed={seed}", f"data.seed={seed}", "logging.plot=false", *overrides]
     t0 = time.monotonic()
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
@@ -78,14 +78,14 @@ def report(d: dict) -> str:
         r["collapsed"] = collapsed(r)
     lines = [
         HEADING, "",
-        (f"`rlbus up configs/quickstart.yaml` once per seed ({', '.join(str(r['seed']) for r in d['runs'])}), each "
+        (f"`rlbus up configs/{Path(d.get('config', CONFIG)).name}` once per seed ({', '.join(str(r['seed']) for r in d['runs'])}), each "
         "from scratch with the cached quickstart model; a seed sets `trainer.seed`, `feeder.seed` and `data.seed` "
         "(producers' sampling is not seeded). A run collapses when its last-10 reward is under "
         f"{BAR} (low entropy alone is not a collapse: a policy right every time may be certain)."),
         "",
         f"Command: `{d['command']}`  ",
         (f"Machine: {d['machine']['cpu_model']}, {d['machine']['cores']} cores shared with other work (1-minute load "
-        f"{d['machine']['load_avg_1m']} at the start); rlbus at commit `{d['commit']}`; config overrides: "
+        f"{d['machine']['load_avg_1m']} at the start; {d.get('busy_cpus', 0)} CPU(s) kept busy by spinning processes); rlbus at commit `{d['commit']}`; config overrides: "
         f"{' '.join(d['overrides']) or 'none'}."),
         "",
         ("| seed | reward first 5 | reward last 10 | lowest 5-step mean after step 10 | entropy last 10 | "
@@ -114,6 +114,8 @@ def main() -> int:
     ap.add_argument("--results", default=str(RESULTS))
     ap.add_argument("--docs", default="", help="write the section into this benchmarks page")
     ap.add_argument("--from-json", default="")
+    ap.add_argument("--config", default=str(CONFIG), help="the run config (configs/quickstart_vllm.yaml: on vLLM)")
+    ap.add_argument("--busy", type=int, default=0, help="keep this many CPUs busy with spinning processes meanwhile")
     ap.add_argument("overrides", nargs="*", help="config overrides k=v for every run")
     args = ap.parse_args()
     if args.from_json:
@@ -122,14 +124,20 @@ def main() -> int:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                                 check=False).stdout.strip()
         d = {"command": shlex.join([".venv/bin/python", "bench/quickstart_seeds.py", *sys.argv[1:]]),
-             "machine": machine(), "commit": commit, "overrides": args.overrides, "runs": []}
+             "machine": machine(), "commit": commit, "config": args.config, "overrides": args.overrides, "runs": []}
         work = Path(tempfile.mkdtemp(prefix="rlbus-qs-seeds-"))
+        # A busy machine: other processes that want every cycle they can get, started here and ended by pid.
+        spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+        d["busy_cpus"] = args.busy
         try:
             for seed in args.seeds:
-                r = run_seed(seed, args.overrides, work, args.timeout)
+                r = run_seed(seed, args.overrides, work, args.timeout, Path(args.config))
                 d["runs"].append(r)
                 print(json.dumps({k: v for k, v in r.items() if k != "rewards"}), flush=True)
         finally:
+            for p in spinners:
+                p.kill()
+                p.wait()
             shutil.rmtree(work, ignore_errors=True)
         Path(args.results).parent.mkdir(parents=True, exist_ok=True)
         Path(args.results).write_text(json.dumps(d, indent=1) + "\n")

@@ -45,7 +45,7 @@ from rlbus.schemas.wire import Event, TrajectoryGroup, WeightsPublished
 
 #: What `--kind` accepts: the archive kinds plus `steps` (the step records).
 ALL_KINDS = ("prompts", "traj", "weights", "steps", "completed", "heartbeats", "lifecycle", "errors", "dead-letter",
-             "evals")
+             "evals", "guard")
 
 
 class Filters(msgspec.Struct, kw_only=True):
@@ -156,6 +156,7 @@ _COLUMNS: dict[str, tuple[str, ...]] = {
     "errors": ("seq", "role", "role_id", "error", "message", "fatal"),
     "dead-letter": ("seq", "original_subject", "reason", "num_delivered", "payload"),
     "evals": ("seq", "version", "step", "num_prompts", "accuracy", "seconds"),
+    "guard": ("seq", "step", "rules", "actions", "lr_scale", "max_staleness", "rollback_to"),
 }
 
 

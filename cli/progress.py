@@ -23,7 +23,7 @@ from rich.table import Table
 from rlbus.bus.client import Bus
 from rlbus.schemas.config import RunConfig
 from rlbus.schemas.errors import BusError
-from rlbus.schemas.wire import Event, ProducerHeartbeat, RoleStarted
+from rlbus.schemas.wire import Event, GuardAction, ProducerHeartbeat, RoleStarted
 from rlbus.trainer.metrics import read_metrics
 
 #: A producer whose last heartbeat is older than this many heartbeat intervals counts as offline.
@@ -61,6 +61,8 @@ class RunMonitor:
     heartbeats: dict[str, tuple[float, ProducerHeartbeat]]
     started: dict[str, float]  # "trainer" / a producer id -> wall time of its last RoleStarted (the supervisor reads it)
     queue: dict[str, int]
+    guard: GuardAction | None  # the stability guard's last action (trainer/guard.py), shown under the table
+    guard_count: int  # its actions so far
     _children: list[Any]
     _console: Console
     _bus: Any
@@ -72,6 +74,7 @@ class RunMonitor:
     def __init__(self, cfg: RunConfig, children: list[Any], console: Console):
         self.cfg, self._children, self._console = cfg, children, console
         self.heartbeats, self.started, self.queue = {}, {}, {}
+        self.guard, self.guard_count = None, 0
         self._bus, self._tasks, self._live = None, [], None
         self._progress = Progress(TextColumn("[bold]step"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                                   TextColumn("eta"), TimeRemainingColumn(), console=console)
@@ -94,7 +97,7 @@ class RunMonitor:
         self._live = Live(self._render(), console=self._console, refresh_per_second=2, transient=False)
         self._live.__enter__()
         self._tasks += [asyncio.create_task(self._watch_heartbeats()), asyncio.create_task(self._watch_starts()),
-                        asyncio.create_task(self._refresh())]
+                        asyncio.create_task(self._watch_guard()), asyncio.create_task(self._refresh())]
 
     async def __aexit__(self, *exc) -> None:
         begin = self._tasks[0]
@@ -129,6 +132,10 @@ class RunMonitor:
             if isinstance(e, RoleStarted):
                 key = "trainer" if e.role == "trainer" else e.role_id
                 self.started[key] = max(self.started.get(key, 0.0), e.created_at)
+
+    async def _watch_guard(self) -> None:
+        async for e in self._bus.watch(self._bus.subjects.event("guard"), GuardAction, deliver="all"):
+            self.guard, self.guard_count = e, self.guard_count + 1
 
     async def _refresh(self) -> None:
         s = self._bus.subjects
@@ -169,7 +176,23 @@ class RunMonitor:
                       fmt("perf/tokens_per_s", ".0f"), fmt("staleness/mean", ".2f"),
                       f"{self.online()}/{len(self._children)}", str(self.queue.get("prompts", "-")),
                       str(self.queue.get("traj", "-")))
-        return Group(self._progress, table)
+        if self.guard is None:
+            return Group(self._progress, table)
+        return Group(self._progress, table, guard_line(self.guard, self.guard_count))
+
+
+def guard_line(e: GuardAction, count: int) -> str:
+    """The live view's line for the stability guard's last action (rich markup)."""
+    return f"[yellow]guard ({count} action{'s' if count != 1 else ''}): {describe_guard_action(e)}[/yellow]"
+
+
+def describe_guard_action(e: GuardAction) -> str:
+    """One line of what the guard did (the live view and `rlbus status`)."""
+    return (f"step {e.step} {', '.join(e.rules)} -> {', '.join(e.actions)}"
+            + (f"; rolled back to step {e.rollback_to}" if e.rollback_to >= 0 else "")
+            + (f"; LR x{e.lr_scale:g}" if e.lr_scale != 1.0 else "")
+            + (f", max_staleness {e.max_staleness}" if e.max_staleness >= 0 else "")
+            + (f" until step {e.tightened_until}" if e.tightened_until else ""))
 
 
 def summary_table(run_dir: Path) -> Table:

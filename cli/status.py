@@ -4,7 +4,8 @@
 
 Shows the trainer's step and version (last StepCompleted, the KV bucket's latest weights), every producer's id,
 weight version and its lag behind the trainer's, its rate (groups per minute over the last RATE_WINDOW_S of its
-heartbeats) and last heartbeat, the queue depths, and the staleness of recent steps.
+heartbeats) and last heartbeat, the queue depths, the staleness of recent steps, and the stability guard's last
+action (events.guard).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from rich.table import Table
 
 from rlbus.bus.client import Bus
 from rlbus.schemas.config import RunConfig
-from rlbus.schemas.wire import ProducerHeartbeat, StepCompleted, WeightsPublished
+from rlbus.cli.progress import describe_guard_action
+from rlbus.schemas.wire import GuardAction, ProducerHeartbeat, StepCompleted, WeightsPublished
 
 #: Heartbeats this recent give a producer's rate.
 RATE_WINDOW_S = 60.0
@@ -67,6 +69,7 @@ async def gather_status(cfg: RunConfig) -> dict[str, Any]:
     async with await Bus.connect(cfg.bus, cfg.name, name="status") as bus:
         s = bus.subjects
         steps = await bus.snapshot(s.event("step"), StepCompleted, deliver="last")
+        guard = await bus.snapshot(s.event("guard"), GuardAction, deliver="last")
         beats = last_per_producer(await bus.snapshot(s.event("heartbeat.*"), ProducerHeartbeat,
                                                      deliver="last_per_subject"))
         window = await recent(bus, s.event("heartbeat.*"), ProducerHeartbeat, RATE_WINDOW_S) if beats else []
@@ -75,7 +78,8 @@ async def gather_status(cfg: RunConfig) -> dict[str, Any]:
         pending, held = await bus.consumer_pending(s.traj_stream, s.traj_consumer)
     version = latest.version if latest else (steps[-1].version if steps else None)
     rates = producer_rates(window)
-    return {"step": steps[-1] if steps else None, "heartbeats": beats, "weights": latest,
+    return {"step": steps[-1] if steps else None, "guard": guard[-1] if guard else None, "heartbeats": beats,
+            "weights": latest,
             "prompts_queued": prompts, "groups_waiting": pending, "groups_held": held,
             "rates": {hb.producer_id: rates.get(hb.producer_id, 0.0) for hb in beats},
             "lags": {hb.producer_id: version_lag(version, hb) for hb in beats}}
@@ -94,6 +98,10 @@ def render(cfg: RunConfig, st: dict[str, Any]) -> list[Any]:
         head.add_row("reward (last step)", f"{m.get('reward/mean', float('nan')):.3f}")
         head.add_row("staleness mean / max", f"{m.get('staleness/mean', 0):.2f} / {m.get('staleness/max', 0):.0f}")
         head.add_row("last step", f"{time.time() - step.created_at:.0f}s ago")
+    guard: GuardAction | None = st.get("guard")
+    if guard is not None:  # the stability guard's last action (trainer/guard.py)
+        age = time.time() - guard.created_at
+        head.add_row("guard (last action)", f"{describe_guard_action(guard)} ({age:.0f}s ago)")
     head.add_row("prompts queued", str(st["prompts_queued"]))
     head.add_row("groups waiting / held by trainer", f"{st['groups_waiting']} / {st['groups_held']}")
     prod = Table(title=f"producers (groups/min over the last {RATE_WINDOW_S:.0f}s of heartbeats)")

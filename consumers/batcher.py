@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from typing import Protocol
+from typing import Callable, Protocol
 
 import msgspec
 
@@ -65,10 +65,12 @@ class Batcher:
     # deliveries fetched beyond what a batch needed (a fetch may return extra), not yet judged
     _backlog: list[Delivery[TrajectoryGroup]]
     _keepalive: asyncio.Task | None
+    _bound: Callable[[], int] | None  # the staleness bound in force (the trainer's stability guard); None = configured
 
     def __init__(self, cfg: RunConfig, bus: Bus, tq: TransferQueue, releases: Releases,
-                 trained: set[str] | None = None):
+                 trained: set[str] | None = None, max_staleness: Callable[[], int] | None = None):
         self.cfg = cfg
+        self._bound = max_staleness
         self._bus, self._tq, self._releases = bus, tq, releases
         self.trained = set(trained or ())
         self.counts = IntakeCounts()
@@ -158,7 +160,7 @@ class Batcher:
             self.counts.rolled_back += 1
             await self._discard(d, reissue=True)
             return None
-        if staleness.too_stale(version, g.min_version, t):
+        if staleness.too_stale(version, g.min_version, t, None if self._bound is None else self._bound()):
             self.counts.dropped_stale += 1
             await self._discard(d, reissue=True)
             return None
@@ -190,6 +192,22 @@ class Batcher:
             await held.delivery.ack()
             await self._free(g)
             self._releases.abandon(g.index, g.epoch, g.attempt, reissue=True)
+
+    async def roll_back(self, groups: list[tuple[str, int, int, int]]) -> int:
+        """The trainer went back to an earlier checkpoint (its stability guard): `groups` (group id, index, epoch,
+        attempt), trained in the steps it dropped, are trained no more. Each is acknowledged if still held (its
+        tensors freed), leaves `trained`, and its prompt is re-issued (a new attempt: the ledger finds the old one
+        re-issued). Returns how many."""
+        for group_id, index, epoch, attempt in groups:
+            held = self._held.pop(group_id, None)
+            self.trained.discard(group_id)
+            self._discarded.add(group_id)
+            if held is not None:
+                await held.delivery.ack()
+                await self._free(held.delivery.data)
+            self.counts.rolled_back += 1
+            self._releases.abandon(index, epoch, attempt, reissue=True)
+        return len(groups)
 
     # -------------------------------------------------------------- acks after durability
 

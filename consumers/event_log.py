@@ -14,6 +14,7 @@ docs/event-log.md):
         heartbeats.jsonl    ProducerHeartbeat
         lifecycle.jsonl     RoleStarted / RoleStopped / ProducersScaled
         errors.jsonl        ErrorRaised
+        guard.jsonl         GuardAction (the trainer's stability guard acted)
         dead_letters.jsonl  DeadLetter
         steps.jsonl         StepRecord: which groups, in which order, which rows on which rank, metrics
         steps/step_00000012/rank_0.safetensors   the collated TensorDict rank 0 trained on at step 12 (full only)
@@ -45,6 +46,7 @@ from rlbus.schemas.wire import (
     DeadLetter,
     ErrorRaised,
     EvalCompleted,
+    GuardAction,
     ProducerHeartbeat,
     ProducersScaled,
     PromptTask,
@@ -117,6 +119,7 @@ KINDS: dict[str, tuple[str, Any]] = {
     "errors": ("errors.jsonl", ErrorRaised),
     "dead-letter": ("dead_letters.jsonl", DeadLetter),
     "evals": ("evals.jsonl", EvalCompleted),
+    "guard": ("guard.jsonl", GuardAction),
 }
 EVENT_KIND: dict[type, str] = {
     StepCompleted: "completed",
@@ -127,6 +130,7 @@ EVENT_KIND: dict[type, str] = {
     ErrorRaised: "errors",
     DeadLetter: "dead-letter",
     EvalCompleted: "evals",
+    GuardAction: "guard",
 }
 
 

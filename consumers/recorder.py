@@ -155,6 +155,15 @@ class Recorder:
     def enabled(self) -> bool:
         return self.mode != "off"
 
+    def cut_back(self, step: int) -> None:
+        """Forget steps after `step` (the trainer's stability guard rolled back to it): they are redone, and their
+        new records replace these. The bus archive (events/*.jsonl) keeps what happened, the rollback included."""
+        if self.enabled:
+            handle = self._files.pop(STEPS_FILE, None)  # _cut_back replaces the file: appends must go to the new one
+            if handle is not None:
+                handle.close()
+            self._cut_back(step)
+
     def _cut_back(self, step: int) -> None:
         """Forget steps after `step`: the resumed run redoes them and its records replace these."""
         path = self.dir / STEPS_FILE

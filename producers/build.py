@@ -31,13 +31,14 @@ class RolloutStack:
     agent_loop: AgentLoop
 
 
-def build_rollout(cfg: RunConfig, *, seed: int | None = None) -> RolloutStack:
+def build_rollout(cfg: RunConfig, *, seed: int | None = None, instance: str = "") -> RolloutStack:
     """Everything `cfg.model` and `cfg.rollout` describe, ready to roll out (the model is built first if the config
-    asks for it). `seed` makes the agent loop's sampling reproducible (the dry run); None leaves it random."""
+    asks for it). `seed` makes the agent loop's sampling reproducible (the dry run); None leaves it random.
+    `instance` (the producer id) tells apart the random streams of engines built from one config."""
     model_path = ensure_model(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     tools = load_tools(cfg.rollout.tools)
-    engine = make_engine(cfg, model_path=model_path)
+    engine = make_engine(cfg, model_path=model_path, instance=instance)
     agent_loop = make_agent_loop(cfg, engine, tokenizer, tools, load_reward(cfg.rollout), seed=seed)
     return RolloutStack(model_path=model_path, tokenizer=tokenizer, tools=tools, engine=engine,
                         agent_loop=agent_loop)

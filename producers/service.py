@@ -31,6 +31,7 @@ from rlbus.bus.weight_store import WeightStore
 from rlbus.common.logs import setup_logging
 from rlbus.common.threads import apply_torch_threads, lower_priority
 from rlbus.producers.agent_loops import AgentLoop
+from rlbus.producers.agent_loops.base import StalenessWatch
 from rlbus.producers.build import build_rollout
 from rlbus.producers.engines import RolloutEngine
 from rlbus.schemas import staleness
@@ -85,7 +86,8 @@ class Producer:
     trainer_version: int  # newest version the trainer announced
     groups_done: int
     groups_abandoned: int
-    tokens_generated: int
+    tokens_generated: int  # generated tokens of the groups this producer published
+    tokens_discarded: int  # generated tokens of groups it gave back as too stale (restarts: discarded())
     _inflight: dict[str, asyncio.Task]
     _stopping: asyncio.Event
     _started_at: float
@@ -99,7 +101,7 @@ class Producer:
         self.producer_id = check_producer_id(producer_id or default_producer_id().replace(".", "_"))
         self.bus = self.tq = self.weight_store = self.engine = self.agent_loop = None
         self.trainer_version = 0
-        self.groups_done = self.groups_abandoned = self.tokens_generated = 0
+        self.groups_done = self.groups_abandoned = self.tokens_generated = self.tokens_discarded = 0
         self._inflight = {}
         self._stopping = asyncio.Event()
         self._started_at = time.monotonic()
@@ -114,8 +116,11 @@ class Producer:
         cfg = self.cfg
         self.bus = await Bus.connect(cfg.bus, cfg.name, name=f"producer-{self.producer_id}")
         await self.bus.await_streams()  # a producer's credential may not create them: the trainer does
-        stack = build_rollout(cfg)  # before Ray: under `rlbus up` the head may still be starting (ensure_ray waits)
+        # Before Ray: under `rlbus up` the head may still be starting (ensure_ray waits).
+        stack = build_rollout(cfg, instance=self.producer_id)
         self.engine, self.agent_loop = stack.engine, stack.agent_loop
+        if cfg.rollout.partial_rollout:
+            self.agent_loop.staleness = StalenessWatch(cfg.trainer, self.trainer_version)
         ensure_ray(cfg.ray)  # from the main thread: a head it starts lives as long as this process
         self.tq = TransferQueue.connect(cfg.name, cfg.ray)
         self.weight_store = WeightStore.connect(cfg.name, cfg.ray)
@@ -171,7 +176,19 @@ class Producer:
         if self.bus is not None:  # a shutdown with the server gone must not retry each call for bus.retry_s
             self.bus.stopping()
 
+    def discarded(self) -> tuple[int, int]:
+        """(generated tokens thrown away for staleness, samples restarted): groups given back, samples restarted
+        under partial rollout, and the tokens of turns interrupted in flight where the engine counts them."""
+        watch = self.agent_loop.staleness if self.agent_loop is not None else None
+        tokens = self.tokens_discarded + (watch.tokens_discarded if watch else 0)
+        tokens += getattr(self.engine, "tokens_interrupted", 0)
+        return tokens, watch.samples_restarted if watch else 0
+
     async def close(self, reason: str = "", clean: bool = True) -> None:
+        tokens, restarted = self.discarded()
+        log.info("producer %s: %d groups published (%d generated tokens); discarded for staleness: %d generated "
+                 "tokens (%d groups given back, %d samples restarted)", self.producer_id, self.groups_done,
+                 self.tokens_generated, tokens, self.groups_abandoned, restarted)
         if self.bus is not None:
             with contextlib.suppress(Exception):  # best effort: the bus may be the thing that failed
                 await self.bus.publish_event(RoleStopped(role="producer", role_id=self.producer_id,
@@ -195,10 +212,13 @@ class Producer:
             trajectories = await self.agent_loop.rollout_group(task, task.n or cfg.rollout.n)
             oldest = staleness.oldest(generated_span(t.versions, t.response_mask)[0] for t in trajectories)
             if staleness.too_stale(self.trainer_version, oldest, cfg.trainer):
-                # The trainer would drop this group; give the task back so it is redone with fresh weights.
+                # The trainer would drop this group; give the task back so it is redone with fresh weights (under
+                # partial rollout only once a sample is out of restarts).
                 self.groups_abandoned += 1
-                log.info("task %s abandoned: generated at v%d, trainer at v%d", task.task_id, oldest,
-                         self.trainer_version)
+                dropped = sum(sum(t.response_mask) for t in trajectories)
+                self.tokens_discarded += dropped
+                log.info("task %s abandoned: generated at v%d, trainer at v%d (%d generated tokens)", task.task_id,
+                         oldest, self.trainer_version, dropped)
                 await delivery.nak()
                 return
             # Keys name the delivery: if an earlier delivery's group was published before its producer died, that
@@ -218,8 +238,10 @@ class Producer:
                 await self.tq.delete(list(items))
             await delivery.ack()
             self.groups_done += 1
-            self.tokens_generated += sum(int(sum(t.response_mask)) for t in trajectories)
-            log.info("task %s: done in %.2fs", task.task_id, time.monotonic() - started)
+            generated = sum(int(sum(t.response_mask)) for t in trajectories)
+            self.tokens_generated += generated
+            log.info("task %s: done in %.2fs (%d generated tokens)", task.task_id, time.monotonic() - started,
+                     generated)
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await delivery.nak()
@@ -307,6 +329,8 @@ class Producer:
         try:
             await self._load(published)
             self.trainer_version = published.version
+            if self.agent_loop.staleness is not None:  # samples the new version leaves too stale restart now
+                self.agent_loop.staleness.advance(published.version)
         except (WeightsMissing, WeightsChecksumMismatch) as e:
             await self._refuse(published, e)
         finally:
@@ -376,6 +400,7 @@ class Producer:
                 producer_id=self.producer_id, version=self.engine.version, host=socket.gethostname(),
                 pid=os.getpid(), status="draining" if self._stopping.is_set() else "running",
                 groups_done=self.groups_done, tokens_generated=self.tokens_generated,
+                tokens_discarded=self.discarded()[0], samples_restarted=self.discarded()[1],
                 groups_per_min=self.groups_done / minutes, inflight=len(self._inflight)))
             await asyncio.sleep(self.cfg.rollout.heartbeat_interval_s)
 

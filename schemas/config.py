@@ -167,6 +167,7 @@ class SimulatedEngineConfig(_Section, tag="simulated", tag_field="type"):
     seconds_per_token: float = 0.002  # simulated decode time per token
     vocab_size: int = 64  # range of the random token ids
     seed: int = 0  # seed of the length distribution
+    inflight_updates: bool = False  # a weight load reaches calls in flight, as vLLM's does (false: as the HF engine)
 
     def __post_init__(self) -> None:
         _need(self.mean_tokens >= 1, "mean_tokens", "must be >= 1")
@@ -198,6 +199,7 @@ class RolloutConfig(_Section):
     tool_timeout_s: float = 30.0  # a tool call running longer answers "error: ... timed out" to the model
     torch_threads: int = 0  # torch CPU threads of each producer; 0 = auto (OMP_NUM_THREADS, else CPUs / processes)
     nice: int = 0  # CPU priority of each producer (nice, 0-19): > 0 lets a trainer on the same CPUs preempt it
+    partial_rollout: bool = True  # restart just the samples the staleness bound no longer admits, not the group
 
     def __post_init__(self) -> None:
         _need(self.n >= 1, "n", "must be >= 1")
@@ -321,7 +323,8 @@ class TrainerConfig(_Section):
     dynamic_sampling: bool = False  # skip groups whose rewards are all equal (DAPO) and pull more
     num_ranks: int = 1  # FSDP ranks; >1 spawns local processes (or run under torchrun)
     device: Literal["cpu", "cuda"] = "cpu"  # cpu (gloo) or cuda (NCCL)
-    mixed_precision: Literal["none", "bf16"] = "none"  # bf16 compute with fp32 reduce on GPU; none on CPU
+    mixed_precision: Literal["none", "bf16"] = "none"  # bf16 matmuls (CPU autocast, GPU FSDP2); fp32 weights, Adam
+    fused_optimizer: bool = True  # AdamW's fused kernel; false (or a torch without it): the foreach one
     micro_batch_size: int = 8  # sequences per forward/backward
     share_prefix: bool = True  # run a GRPO group's shared prompt once per micro-batch where cheaper (trainer/packing.py)
     mini_batches: int = 1  # optimizer updates per step (the step's batch split in this many parts)
@@ -394,6 +397,60 @@ class LoggingConfig(_Section):
     wandb_mode: Literal["online", "offline"] = "online"  # offline: only <run_dir>/wandb, no network (`wandb sync`)
 
 
+#: What a stability-guard rule may do when it fires (trainer/guard.py).
+GuardActionName = Literal["warn", "tighten", "rollback"]
+#: The stability guard's rules, by name (keys of guard.rule_actions).
+GUARD_RULES = ("entropy_collapse", "mismatch_kl", "grad_spike", "clip_fraction", "reward_drop")
+
+
+class GuardConfig(_Section):
+    # Defaults come from healthy quickstart runs (bench/results/quickstart_seeds*.json, 15 seeds; README "Stability
+    # guard"): the largest healthy values seen are mismatch/kl_k3 0.008, actor/clipfrac 0.018, a grad-norm spike of
+    # 5.6x the median (2.3), a fall of the 5-step reward mean of 0.18 below its best (0.23 on the noisier vLLM
+    # quickstart); entropy falls to ~0.003 only once the reward is ~1.0.
+    enabled: bool = True  # watch every step's metrics (false: no rule, no action, no guard/* metrics)
+    actions: list[GuardActionName] = msgspec.field(default_factory=lambda: ["warn", "tighten"])  # what a firing rule does
+    rule_actions: dict[str, list[GuardActionName]] = {}  # per-rule actions, e.g. {reward_drop: [warn, rollback]}
+    window: int = 5  # steps averaged by the windowed rules (entropy_collapse, reward_drop)
+    entropy_min: float = 0.01  # entropy_collapse: window mean of actor/entropy below this...
+    converged_reward: float = 0.9  # ...while the window mean of reward/mean is still below this
+    max_mismatch_kl: float = 0.05  # mismatch_kl: mismatch/kl_k3 (KL of behaviour to proximal policy) above this
+    grad_spike_factor: float = 10.0  # grad_spike: actor/grad_norm above this times the median of recent non-zero norms
+    grad_spike_min: float = 5.0  # grad_spike: ...and above this absolute norm
+    grad_norm_window: int = 20  # grad_spike: recent non-zero grad norms in the median (needs 5 before it judges)
+    max_clipfrac: float = 0.1  # clip_fraction: actor/clipfrac above this
+    reward_drop: float = 0.3  # reward_drop: window mean of reward/mean this far below the best window mean so far
+    cooldown_steps: int = 10  # a rule that fired does not fire again for this many steps
+    tighten_steps: int = 10  # tighten: how many steps the tighter setting lasts (a new firing extends it)
+    tighten_lr_factor: float = 0.5  # tighten: multiplier of the LR schedule while tightened (1 = leave the LR)
+    tighten_max_staleness: int = 1  # tighten: trainer.max_staleness while tightened (never raised); -1 = leave it
+    max_rollbacks: int = 2  # rollback: at most this many per run; past it, a rollback rule warns and tightens
+
+    def __post_init__(self) -> None:
+        _need(bool(self.actions), "actions", "needs at least one of warn, tighten, rollback")
+        for rule, acts in self.rule_actions.items():
+            _need(rule in GUARD_RULES, "rule_actions", f"unknown rule {rule!r}; choose from {', '.join(GUARD_RULES)}")
+            _need(bool(acts), "rule_actions", f"{rule}: needs at least one of warn, tighten, rollback")
+        _need(self.window >= 2, "window", "must be >= 2")
+        _need(self.entropy_min >= 0, "entropy_min", "must be >= 0 (0 turns entropy_collapse off)")
+        _need(self.converged_reward > 0, "converged_reward", "must be > 0")
+        _need(self.max_mismatch_kl > 0, "max_mismatch_kl", "must be > 0")
+        _need(self.grad_spike_factor > 1, "grad_spike_factor", "must be > 1")
+        _need(self.grad_spike_min >= 0, "grad_spike_min", "must be >= 0")
+        _need(self.grad_norm_window >= 5, "grad_norm_window", "must be >= 5")
+        _need(0 < self.max_clipfrac <= 1, "max_clipfrac", "must be in (0, 1]")
+        _need(self.reward_drop > 0, "reward_drop", "must be > 0")
+        _need(self.cooldown_steps >= 0, "cooldown_steps", "must be >= 0")
+        _need(self.tighten_steps >= 1, "tighten_steps", "must be >= 1")
+        _need(0 < self.tighten_lr_factor <= 1, "tighten_lr_factor", "must be in (0, 1]")
+        _need(self.tighten_max_staleness >= -1, "tighten_max_staleness", "must be >= 0, or -1 to leave it")
+        _need(self.max_rollbacks >= 0, "max_rollbacks", "must be >= 0")
+
+    def actions_of(self, rule: str) -> list[str]:
+        """What `rule` does when it fires: its own list in rule_actions, else `actions`."""
+        return list(self.rule_actions.get(rule, self.actions))
+
+
 class LauncherConfig(_Section):
     preload: bool = True  # `rlbus up` forks its roles from one process that imported their modules (cli/preload.py)
 
@@ -411,6 +468,7 @@ class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     launcher: LauncherConfig = msgspec.field(default_factory=LauncherConfig)
+    guard: GuardConfig = msgspec.field(default_factory=GuardConfig)
 
     def __post_init__(self) -> None:
         try:

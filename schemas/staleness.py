@@ -54,16 +54,19 @@ def lag(version: int, oldest_version: int) -> int | None:
     return None if oldest_version == NO_VERSION else version - oldest_version
 
 
-def too_stale(version: int, oldest_version: int, cfg: TrainerConfig) -> bool:
+def too_stale(version: int, oldest_version: int, cfg: TrainerConfig, max_staleness: int | None = None) -> bool:
     """Whether a group whose oldest token is `oldest_version` is dropped at trainer version `version`.
 
     Only under `staleness_policy: drop` (`correct` keeps every group for the importance weights). A group with no
     generated token is never too stale. `max_staleness: 0` admits only tokens of the current version.
+    `max_staleness`, when given, is the bound in force instead of the configured one (the trainer's stability guard
+    lowers it for a while: trainer/guard.py).
     """
     if cfg.staleness_policy != "drop":
         return False
     behind = lag(version, oldest_version)
-    return behind is not None and behind > cfg.max_staleness
+    bound = cfg.max_staleness if max_staleness is None else max_staleness
+    return behind is not None and behind > bound
 
 
 def rolled_back(version: int, newest_version: int) -> bool:
@@ -72,13 +75,15 @@ def rolled_back(version: int, newest_version: int) -> bool:
     return newest_version > version
 
 
-def allowance(version: int, released: int, abandoned: int, cfg: TrainerConfig) -> int:
+def allowance(version: int, released: int, abandoned: int, cfg: TrainerConfig, max_staleness: int | None = None) -> int:
     """How many more prompt tasks the feeder may release at trainer version `version` (<= 0: none).
 
     `abandoned` counts releases that will never become a trained group (dropped stale, skipped, payload lost,
-    rolled back, dead-lettered), so they do not hold admission slots.
+    rolled back, dead-lettered), so they do not hold admission slots. `max_staleness`, when given, is the bound in
+    force instead of the configured one (as in `too_stale`).
     """
-    return (version + cfg.max_staleness + 1) * cfg.groups_per_step - (released - abandoned)
+    bound = cfg.max_staleness if max_staleness is None else max_staleness
+    return (version + bound + 1) * cfg.groups_per_step - (released - abandoned)
 
 
 def histogram(lags: Iterable[int]) -> dict[int, int]:

@@ -141,6 +141,8 @@ class ProducerHeartbeat(Wire, tag="producer_heartbeat"):
     groups_per_min: float = 0.0  # groups_done over the process's lifetime
     inflight: int = 0  # prompt tasks it is rolling out now
     created_at: float = msgspec.field(default_factory=now)
+    tokens_discarded: int = 0  # generated tokens thrown away as too stale (groups given back, samples restarted)
+    samples_restarted: int = 0  # samples begun again from the prompt under partial rollout
 
 
 class RoleStarted(Wire, tag="role_started"):
@@ -212,6 +214,23 @@ class EvalCompleted(Wire, tag="eval_completed"):
     created_at: float = msgspec.field(default_factory=now)  # Unix time
 
 
+class GuardAction(Wire, tag="guard_action"):
+    """The trainer's stability guard acted (trainer/guard.py): a rule fired on a step's metrics, and what was done
+    about it. Published on `events.guard`; archived in events/guard.jsonl; the step's metrics carry guard/* too."""
+
+    step: int  # the step whose metrics fired the rule(s)
+    rules: list[str]  # the rules that fired: entropy_collapse, mismatch_kl, grad_spike, clip_fraction, reward_drop
+    actions: list[str]  # what was done: warn, tighten, rollback
+    message: str  # one line for people: each rule's value against its threshold, and the action
+    values: dict[str, float] = {}  # each fired rule's observed value
+    thresholds: dict[str, float] = {}  # each fired rule's threshold
+    lr_scale: float = 1.0  # the LR multiplier from the next step on (1 = untouched)
+    max_staleness: int = -1  # the staleness bound from the next step on (-1 = the configured one)
+    tightened_until: int = 0  # the last step of the tighter setting (0 = not tightened)
+    rollback_to: int = -1  # rollback: the checkpoint step the trainer went back to (-1 = none)
+    created_at: float = msgspec.field(default_factory=now)  # Unix time
+
+
 #: A dead letter keeps at most this much of the original: a letter must fit under the server's message size limit
 #: even when the original was near it (the stream sequence still says where the whole message was).
 DEAD_LETTER_EXCERPT = 64 * 1024
@@ -219,7 +238,7 @@ DEAD_LETTER_EXCERPT = 64 * 1024
 
 #: Everything published on `events.*`.
 Event = Union[StepCompleted, ProducerHeartbeat, RoleStarted, RoleStopped, ErrorRaised, DeadLetter, ProducersScaled,
-              EvalCompleted]
+              EvalCompleted, GuardAction]
 
 #: `events.<kind>` subject token of each event type.
 EVENT_SUBJECT_KIND: dict[type, str] = {
@@ -231,6 +250,7 @@ EVENT_SUBJECT_KIND: dict[type, str] = {
     DeadLetter: "dead_letter",
     ProducersScaled: "lifecycle",
     EvalCompleted: "eval",
+    GuardAction: "guard",
 }
 
 

@@ -323,6 +323,21 @@ def save_checkpoint(engine: TrainEngine, root: str | os.PathLike, step: int, ext
     return final
 
 
+def discard_after(root: str | os.PathLike, step: int) -> list[Path]:
+    """Delete the checkpoints after `step` and point `latest` at `step`'s (the stability guard's rollback: the
+    steps after it are dropped, and a restart or a replay must never resume from them). Rank 0 only; returns what
+    was deleted."""
+    root = Path(root)
+    keep = root / checkpoint_name(step)
+    if not (keep / ".metadata").is_file():
+        raise CheckpointError(keep, "no complete checkpoint to roll back to")
+    _write_atomic(root / LATEST, keep.name.encode())  # first: a crash mid-way resumes from `step`, never later
+    gone = [p for p in list_checkpoints(root) if int(p.name[len(_PREFIX):]) > step]
+    for p in gone:
+        shutil.rmtree(p)
+    return gone
+
+
 def load_checkpoint(engine: TrainEngine, path: str | os.PathLike, extra_type: type[T] | None = None) -> T | Any | None:
     """Restore `engine` (model, optimizer, LR schedule, update count, this rank's RNG) from a checkpoint.
 

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import random
+import re
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -34,6 +35,7 @@ from rlbus.schemas.errors import SchemaError
 from rlbus.schemas.wire import DeadLetter, PromptTask, TypedDecoder
 
 log = logging.getLogger("rlbus.feeder")
+_TASK_ID = re.compile(r"e(\d+)-i(\d+)-a(\d+)")
 
 
 class Reissue(msgspec.Struct, array_like=True):
@@ -59,6 +61,14 @@ def task_id(index: int, epoch: int, attempt: int) -> str:
     return f"e{epoch}-i{index}-a{attempt}"
 
 
+def parse_task_id(task: str) -> tuple[int, int, int]:
+    """(index, epoch, attempt) of a task id made by `task_id`; ValueError for any other string."""
+    m = _TASK_ID.fullmatch(task)
+    if m is None:
+        raise ValueError(f"{task!r} is not a task id (e<epoch>-i<index>-a<attempt>)")
+    return int(m[2]), int(m[1]), int(m[3])
+
+
 def permutation(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
     order = list(range(n))
     if shuffle:
@@ -79,11 +89,14 @@ class Feeder:
     _order: list[int]
     _on_release: Callable[[PromptTask, str], None] | None  # the event recorder (the work queue allows no 2nd reader)
     _forget: Callable[[list[str]], Awaitable[Any]] | None  # frees whatever tasks stored in the TransferQueue
+    _bound: Callable[[], int] | None  # the staleness bound in force (the stability guard's); None = the configured
 
     def __init__(self, cfg: RunConfig, dataset: PromptDataset, bus: Bus, version_fn: Callable[[], int], state: FeederState | None = None,
                  on_release: Callable[[PromptTask, str], None] | None = None,
-                 forget: Callable[[list[str]], Awaitable[Any]] | None = None):
+                 forget: Callable[[list[str]], Awaitable[Any]] | None = None,
+                 max_staleness: Callable[[], int] | None = None):
         self.cfg = cfg
+        self._bound = max_staleness
         self._forget = forget
         self._on_release = on_release
         self._dataset = dataset
@@ -101,7 +114,8 @@ class Feeder:
 
     def allowance(self) -> int:
         """How many more tasks admission allows right now."""
-        return staleness.allowance(self._version_fn(), self.state.released, self.state.abandoned, self.cfg.trainer)
+        return staleness.allowance(self._version_fn(), self.state.released, self.state.abandoned, self.cfg.trainer,
+                                   max_staleness=None if self._bound is None else self._bound())
 
     def notify(self) -> None:
         """The version moved or a release was abandoned: re-check admission."""

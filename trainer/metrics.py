@@ -17,6 +17,8 @@ from rlbus.schemas.config import LoggingConfig
 from rlbus.schemas.errors import ConfigError
 
 WANDB_ID_FILE = "wandb_id"
+#: Rows of steps the stability guard rolled back (trainer/guard.py), moved out of metrics.jsonl.
+DISCARDED_FILE = "metrics.discarded.jsonl"
 
 
 def require_wandb(logging: LoggingConfig, *, check_login: bool = False) -> Any:
@@ -83,6 +85,17 @@ class MetricsLog:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
         tmp.replace(self.path)
+
+    def discard_after(self, step: int) -> int:
+        """Move the rows after `step` into metrics.discarded.jsonl (the stability guard rolled back to `step`): the
+        redone steps' rows replace them here, and nothing that was logged is lost. Returns how many moved."""
+        rows = read_metrics(self.path)
+        gone = [r for r in rows if r.get("step", 0) > step]
+        if gone:
+            with (self.path.parent / DISCARDED_FILE).open("a") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in gone))
+            self._truncate_after(step)
+        return len(gone)
 
     def append(self, row: dict[str, Any]) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}

@@ -7,7 +7,9 @@ Rebuilds the TrainEngine from the newest checkpoint before step K (or from `mode
 back to step 0), feeds it the recorded batches of steps ckpt+1 .. K+M-1 in order (those before K silently), and
 compares each replayed step's metrics with the recorded ones (metrics.jsonl, else the step record). CPU, no bus, no
 Ray, one rank: a run recorded on several ranks is replayed on the ranks' shards concatenated in rank order.
-Needs `logging.record=full` (the tensors) and a checkpoint at or before K - 1 (`trainer.keep_checkpoints`).
+Needs `logging.record=full` (the tensors) and a checkpoint at or before K - 1 (`trainer.keep_checkpoints`). A step
+the stability guard tightened is replayed at the LR scale it trained under (its `guard/lr_scale`); after a guard
+rollback, the records and checkpoints are those of the steps redone.
 
 Tests: `pytest tests/integration/test_replay.py`.
 """
@@ -28,6 +30,7 @@ from rlbus.consumers.event_log import RecordError, StepRecord, load_step_batch, 
 from rlbus.schemas.config import RunConfig, load_config
 from rlbus.trainer.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 from rlbus.trainer.engine import TrainEngine
+from rlbus.trainer.guard import set_lr_scale
 from rlbus.trainer.metrics import read_metrics
 
 #: Replayed metrics that depend on wall-clock time or on the process (memory), never compared.
@@ -111,6 +114,8 @@ def replay(run_dir: str | Path, from_step: int, num_steps: int = 1, overrides: l
     replayed: dict[int, dict[str, float]] = {}
     diffs: list[MetricDiff] = []
     for s in needed:
+        # The LR scale the stability guard had this step train under (trainer/guard.py); 1.0 = the schedule's own.
+        set_lr_scale(engine, float(records[s].metrics.get("guard/lr_scale") or 1.0))
         metrics = engine.train_step(load_step_batch(run_dir, records[s]))
         if s < from_step:
             continue  # brings the state to K; not compared

@@ -47,14 +47,17 @@ from rlbus.schemas.errors import BusError
 from rlbus.schemas.wire import (
     ErrorRaised,
     EvalCompleted,
+    GuardAction,
     RoleStarted,
     RoleStopped,
     StepCompleted,
     TrajectoryGroup,
     WeightsPublished,
 )
+from rlbus.trainer.checkpoint import discard_after, list_checkpoints
 from rlbus.trainer.dist import spawn_local
-from rlbus.trainer.feeder import Feeder
+from rlbus.trainer.feeder import Feeder, parse_task_id
+from rlbus.trainer.guard import StabilityGuard, Verdict, rollback_checkpoint
 from rlbus.trainer.memory import peak_rss_bytes
 from rlbus.trainer.metrics import MetricsLog
 from rlbus.trainer.worker import StepPlan, StepResult, StepWorker, plan_shards
@@ -81,6 +84,8 @@ class TrainerService:
     _eval_task: asyncio.Task | None  # writes the evaluator's EvalCompleted events into the metrics (eval.interval)
     _evals: dict[int, asyncio.Event]  # version -> set once its EvalCompleted is written
     _incarnation: str  # this trainer process, in its weights announcements' message ids
+    guard: StabilityGuard  # the stability guard: judges each step's metrics, tightens, rolls back (trainer/guard.py)
+    _step_groups: dict[int, list[str]]  # step -> its group ids, for the steps a rollback may drop
 
     def __init__(self, cfg: RunConfig, worker: StepWorker):
         self.cfg, self.worker = cfg, worker
@@ -90,6 +95,8 @@ class TrainerService:
         self._feeder_task = self._eval_task = None
         self._evals = {}
         self._incarnation = uuid.uuid4().hex[:12]
+        self.guard = StabilityGuard(cfg.guard, cfg.trainer)
+        self._step_groups = {}
 
     async def start(self) -> None:
         cfg = self.cfg
@@ -102,15 +109,20 @@ class TrainerService:
         extra = self.worker.restored
         self.step = int(extra.get("step", 0))
         self.version = int(extra.get("version", 0))
+        if "guard" in extra:
+            self.guard.load_state_dict(extra["guard"])
         self.recorder = Recorder(run_dir, cfg.logging.record, resume_step=self.step)
         await self.recorder.start(self.bus)
         dataset = load_dataset(cfg.data, self.worker.tokenizer)  # drops prompts over data.max_prompt_tokens
+        # Admission and the batcher use the staleness bound in force for the next step (the guard may lower it).
+        bound = lambda: self.guard.effective_max_staleness(self.step + 1)  # noqa: E731
         self.feeder = Feeder(cfg, dataset, self.bus, lambda: self.version,
                              on_release=self.recorder.prompt,
-                             forget=lambda task_ids: self.worker.tq.delete([], owners=task_ids))
+                             forget=lambda task_ids: self.worker.tq.delete([], owners=task_ids), max_staleness=bound)
         if "feeder" in extra:
             self.feeder.load_state_dict(extra["feeder"])
-        self.batcher = Batcher(cfg, self.bus, self.worker.tq, self.feeder, trained=set(extra.get("trained", ())))
+        self.batcher = Batcher(cfg, self.bus, self.worker.tq, self.feeder, trained=set(extra.get("trained", ())),
+                               max_staleness=bound)
         self.metrics = MetricsLog(run_dir, tensorboard=cfg.logging.tensorboard, resume_step=self.step,
                                   logging=cfg.logging, run_name=cfg.name, config=yaml.safe_load(to_yaml(cfg)))
         if cfg.eval.interval > 0:  # before the first weights go out: the evaluator scores version 0 at once
@@ -141,22 +153,34 @@ class TrainerService:
         await asyncio.gather(self.feeder.run(), self.feeder.move_exhausted(), self.feeder.reissue_dead_letters())
 
     async def _groups_of_lost_steps(self) -> list[str]:
-        """Group ids of steps a previous trainer completed after its last checkpoint (so they were never acked)."""
+        """Group ids of steps a previous trainer completed after its last checkpoint (so they were never acked).
+
+        Steps the stability guard rolled back (a GuardAction with rollback_to, published after them) are not lost
+        but dropped: their groups were acked and their prompts re-issued. The steps up to ours are remembered with
+        their groups, for a rollback of this process to drop them.
+        """
         events = await self.bus.snapshot(self.bus.subjects.event("step"), StepCompleted, deliver="all")
+        actions = await self.bus.snapshot(self.bus.subjects.event("guard"), GuardAction, deliver="all")
+        cuts = [(a.created_at, a.rollback_to) for a in actions if a.rollback_to >= 0]
         last: dict[int, StepCompleted] = {}
         for e in events:
-            if e.step > self.step:
+            if not any(e.created_at <= at and e.step > to for at, to in cuts):
                 last[e.step] = e
-        return [gid for step in sorted(last) for gid in last[step].group_ids]
+        self._step_groups = {step: list(e.group_ids) for step, e in last.items() if step <= self.step}
+        return [gid for step in sorted(last) if step > self.step for gid in last[step].group_ids]
 
     async def run(self) -> None:
         total = self.cfg.trainer.total_steps
         last_ckpt = self.step
         while self.step < total and not self._stopping.is_set():
             raise_if_failed(self._feeder_task)
+            before = self.step
             row = await self._train_one_step()
             if row is None:  # stopped while waiting for data
                 break
+            if self.step <= before:  # the stability guard rolled back to a checkpoint (saved again there)
+                last_ckpt = self.step
+                continue
             if self.step % self.cfg.trainer.checkpoint_interval == 0 or self.step == total:
                 await self._checkpoint()
                 last_ckpt = self.step
@@ -201,7 +225,7 @@ class TrainerService:
         while True:
             publish = (self.step + 1) % self.cfg.trainer.weight_sync_interval == 0
             plan = StepPlan(step=self.step + 1, shards=plan_shards(groups, self.worker.world),
-                            publish=publish, checkpoint=None)
+                            publish=publish, checkpoint=None, lr_scale=self.guard.lr_scale(self.step + 1))
             result = await self._execute(plan)
             if not result.missing:
                 break
@@ -216,9 +240,12 @@ class TrainerService:
             groups += more
         # Staleness is measured against the version the groups were trained at (before this step's update).
         row = self._metrics_row(groups, result, wait_s)
+        if self.cfg.guard.enabled:  # the setting this step trained under (`rlbus replay` applies the same)
+            row.update(self.guard.setting_metrics(self.step + 1))
         self.step += 1
         self.version = self.step
         self.batcher.trained_in(self.step, [g.group_id for g in groups])
+        self._step_groups[self.step] = [g.group_id for g in groups]
         if publish:
             t0 = time.perf_counter()
             await self._publish_weights(result.state_dict)
@@ -228,6 +255,8 @@ class TrainerService:
         row["step"], row["version"] = self.step, self.version
         row["time/step"] = time.perf_counter() - t_step
         row["perf/tokens_per_s"] = row.pop("_tokens") / max(row["time/step"], 1e-9)
+        verdict = self.guard.observe(self.step, row)
+        row.update(self._verdict_metrics(verdict))
         record = self.recorder.step(step=self.step, version=self.version, groups=groups, shards=plan.shards,
                                     metrics=row)
         if record is not None:
@@ -248,7 +277,74 @@ class TrainerService:
                                                      error="NonFiniteUpdate", message=message, fatal=False))
         log.info("step %d/%d reward %.3f staleness %.2f pg_loss %.4f", self.step, self.cfg.trainer.total_steps,
                  row["reward/mean"], row["staleness/mean"], row.get("actor/pg_loss", float("nan")))
+        if verdict.acted:
+            await self._guard_acted(verdict)
         return row
+
+    # -------------------------------------------------------------- the stability guard
+
+    @staticmethod
+    def _verdict_metrics(verdict: Verdict) -> dict[str, float]:
+        """guard/* keys of the step a rule fired on: each rule's value, and each action taken."""
+        out: dict[str, float] = {}
+        if verdict.acted:
+            out["guard/fired"] = float(len(verdict.fired))
+            out.update({f"guard/{f.rule}": f.value for f in verdict.fired})
+            out.update({f"guard/action_{a}": 1.0 for a in verdict.actions})
+        return out
+
+    async def _guard_acted(self, verdict: Verdict) -> None:
+        """Carry out a verdict: roll back if asked (and possible), then announce what was done (events.guard)."""
+        rollback_to = -1
+        note = ""
+        actions = list(verdict.actions)
+        if "rollback" in actions:
+            to = await self._roll_back(verdict)
+            if to is None:  # the guard tightened already (a rollback goes on tightened): warn too
+                actions = [a for a in ("warn", "tighten") if a in actions or a == "warn"]
+                note = (f" (no checkpoint before step {verdict.rollback_before} is kept to roll back to: warned and "
+                        "tightened instead)")
+            else:
+                rollback_to = to
+                note = f" (rolled back from step {verdict.step} to the checkpoint of step {to})"
+        nxt = self.step + 1
+        message = f"stability guard at step {verdict.step}: {verdict.message()}{note}"
+        (log.warning if "warn" in actions else log.info)("%s", message)
+        tightened = self.guard.tightened(nxt)
+        bound = self.guard.effective_max_staleness(nxt)
+        await self.bus.publish_event(GuardAction(
+            step=verdict.step, rules=[f.rule for f in verdict.fired], actions=actions, message=message,
+            values={f.rule: f.value for f in verdict.fired}, thresholds={f.rule: f.threshold for f in verdict.fired},
+            lr_scale=self.guard.lr_scale(nxt), max_staleness=bound if tightened else -1,
+            tightened_until=self.guard.state.tightened_until if tightened else 0, rollback_to=rollback_to))
+        self.feeder.notify()  # the staleness bound may have moved
+
+    async def _roll_back(self, verdict: Verdict) -> int | None:
+        """Go back to the newest checkpoint before the trouble: every rank restores it, its version is published
+        again, the dropped steps' prompts are re-issued, their records and metrics rows set aside, and the
+        checkpoint is saved again with the guard's new state (so a crash after this resumes tightened). Returns the
+        step gone back to, or None when no such checkpoint is kept."""
+        root = self.cfg.run_dir / "checkpoints"
+        kept = [int(p.name.split("_", 1)[1]) for p in list_checkpoints(root) if (p / ".metadata").is_file()]
+        to = rollback_checkpoint(kept, verdict.rollback_before)
+        if to is None:
+            return None
+        dropped = [s for s in range(to + 1, self.step + 1)]
+        groups = [(gid, *parse_task_id(gid)) for s in dropped for gid in self._step_groups.get(s, [])]
+        log.warning("stability guard: rolling back from step %d to the checkpoint of step %d; %d step(s) and their "
+                    "%d group(s) dropped, their prompts re-issued", self.step, to, len(dropped), len(groups))
+        result = await self._execute(StepPlan(step=to, shards=None, publish=True, checkpoint=None, restore=to))
+        discard_after(root, to)  # a restart or a replay never resumes from a dropped step
+        self.step = self.version = to
+        for s in dropped:
+            self._step_groups.pop(s, None)
+        self.recorder.cut_back(to)
+        self.metrics.discard_after(to)
+        self.guard.rolled_back(to)
+        await self.batcher.roll_back(groups)
+        await self._publish_weights(result.state_dict)
+        await self._checkpoint()
+        return to
 
     async def _next_batch(self, need: int) -> list[TrajectoryGroup] | None:
         """Wait for `need` groups, or None if asked to stop meanwhile."""
@@ -303,13 +399,17 @@ class TrainerService:
         # The id names this trainer process too: a trainer resumed from a checkpoint republishes that checkpoint's
         # version, and JetStream must not drop it as a duplicate of the dead process's announcement (whose
         # timeline is gone); within one process the id still de-duplicates a retried publish.
+        # After a rollback this process announces versions it announced before: the rollback count keeps them apart.
+        rollbacks = self.guard.state.rollbacks
         await self.bus.publish(self.bus.subjects.weights, msg,
-                               msg_id=f"weights-v{self.version}-s{self.step}-{self._incarnation}")
+                               msg_id=f"weights-v{self.version}-s{self.step}-{self._incarnation}"
+                                      + (f"-r{rollbacks}" if rollbacks else ""))
         await self.bus.kv_put("latest", msg)
 
     async def _checkpoint(self) -> None:
         trained = sorted(self.batcher.trained_ids())
-        extra = {"step": self.step, "version": self.version, "feeder": self.feeder.state_dict(), "trained": trained}
+        extra = {"step": self.step, "version": self.version, "feeder": self.feeder.state_dict(), "trained": trained,
+                 "guard": self.guard.state_dict()}
         await self._execute(StepPlan(step=self.step, shards=None, publish=False, checkpoint=extra))
         acked = await self.batcher.commit(self.step)  # the step is durable: now its groups may go
         log.info("checkpoint at step %d; acked %d group(s)", self.step, acked)

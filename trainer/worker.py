@@ -25,9 +25,10 @@ from rlbus.consumers.recorder import write_shard
 from rlbus.schemas.config import RunConfig
 from rlbus.schemas.errors import PayloadMissing
 from rlbus.schemas.wire import SampleMeta, TrajectoryGroup
-from rlbus.trainer.checkpoint import load_checkpoint, save_checkpoint
+from rlbus.trainer.checkpoint import checkpoint_name, load_checkpoint, save_checkpoint
 from rlbus.trainer.dist import destroy_distributed, init_distributed
 from rlbus.trainer.engine import TrainEngine
+from rlbus.trainer.guard import install_lr_scale, set_lr_scale
 
 
 class StepPlan(msgspec.Struct, kw_only=True):
@@ -37,6 +38,8 @@ class StepPlan(msgspec.Struct, kw_only=True):
     shards: list[list[tuple[SampleMeta, int]]] | None  # per rank: (sample, group index in the step); None = no train
     publish: bool  # gather the full state dict on rank 0
     checkpoint: dict | None  # extra state to save with a checkpoint at this step, or None
+    lr_scale: float = 1.0  # the stability guard's multiplier of the LR schedule for this round's updates
+    restore: int | None = None  # first restore the checkpoint of this step (the guard's rollback), or None
 
 
 class StepResult(msgspec.Struct, kw_only=True):
@@ -79,6 +82,7 @@ class StepWorker:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.engine = TrainEngine.from_config(cfg, model_path)
         # A collective: every rank restores its shards of model and optimizer from the same checkpoint.
+        install_lr_scale(self.engine)  # the stability guard may scale the LR schedule (plan.lr_scale)
         self.restored = load_checkpoint(self.engine, cfg.run_dir / "checkpoints") or {}
         # Ray last: under `rlbus up` the head may still be starting while the model loads (ensure_ray waits for it).
         ensure_ray(cfg.ray)
@@ -94,6 +98,10 @@ class StepWorker:
     def execute(self, plan: StepPlan) -> StepResult:
         timings: dict[str, float] = {}
         metrics: dict[str, float] = {}
+        if plan.restore is not None:  # a collective: every rank restores its shards (and its RNG) of that step
+            t0 = time.perf_counter()
+            load_checkpoint(self.engine, self.cfg.run_dir / "checkpoints" / checkpoint_name(plan.restore))
+            timings["time/restore"] = time.perf_counter() - t0
         if plan.shards is not None:
             t0 = time.perf_counter()
             shard = plan.shards[self.rank]
@@ -117,6 +125,7 @@ class StepWorker:
             write_shard(self.cfg.run_dir, self.cfg.logging.record, plan.step, self.rank, batch)
             timings["time/record"] = time.perf_counter() - t0
             t0 = time.perf_counter()
+            set_lr_scale(self.engine, plan.lr_scale)  # from the schedule's position: 1.0 is the schedule's own LR
             metrics = self.engine.train_step(batch)
             timings["time/train"] = time.perf_counter() - t0
         state_dict = None

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Mapping
@@ -30,12 +31,19 @@ from rlbus.common.chat import as_dicts, prompt_token_ids
 from rlbus.producers.engines.base import Generation, RolloutEngine, SamplingParams
 from rlbus.producers.rewards.registry import RewardFn
 from rlbus.producers.tools.registry import Tool
-from rlbus.schemas.config import RolloutConfig, RunConfig
-from rlbus.schemas.staleness import generated_span
+from rlbus.schemas import staleness
+from rlbus.schemas.config import RolloutConfig, RunConfig, TrainerConfig
+from rlbus.schemas.staleness import NO_VERSION, generated_span
 from rlbus.schemas.wire import ChatMessage, PromptTask, SampleMeta
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger(__name__)
+
+#: Times one sample may be restarted for staleness (partial rollout) before it is left to finish as it is (the
+#: producer then judges its group as a whole, as without partial rollout): a bound, so no sample restarts forever.
+MAX_RESTARTS = 3
 
 FinishReason = Literal["stop", "length", "max_turns"]
 
@@ -57,10 +65,32 @@ class Trajectory:
     gen_time_s: float = 0.0
     tool_time_s: float = 0.0
     reward_time_s: float = 0.0
+    restarts: int = 0  # times the sample was begun again because its tokens grew too stale (partial rollout)
+    num_prompt_messages: int = -1  # messages of the prompt (restart() keeps them); -1 = all of `messages`
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_messages < 0:
+            self.num_prompt_messages = len(self.messages)
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def oldest_version(self) -> int:
+        """Version of the oldest generated token (NO_VERSION before the first)."""
+        return generated_span(self.versions, self.response_mask)[0]
+
+    def restart(self) -> int:
+        """Back to the prompt: every token after it is dropped (the stale ones are the first generated, and all
+        later turns were conditioned on them). Returns how many generated tokens were dropped."""
+        dropped = sum(self.response_mask)
+        self.response_ids, self.response_mask, self.log_probs, self.versions = [], [], [], []
+        self.messages = self.messages[:self.num_prompt_messages]
+        self.num_tool_calls = self.num_turns = 0
+        self.finish_reason = None
+        self.restarts += 1
+        return dropped
 
     def add_generated(self, token_ids: list[int], log_probs: list[float], versions: list[int]) -> None:
         """Tokens the model sampled, each with its log-prob and the weight version that sampled it."""
@@ -108,8 +138,57 @@ class Trajectory:
         )
 
 
+class StalenessWatch:
+    """The trainer's version as a producer hears it, for partial rollouts (`rollout.partial_rollout`).
+
+    A sample whose oldest generated token the staleness bound (schemas/staleness.py) no longer admits at the
+    trainer's version would make its whole group be dropped. With a watch, the agent loop restarts just that sample
+    from its prompt, on the newest weights, as soon as it is known: when a turn begins, when a new version arrives
+    while the sample's turn is in flight (the turn is interrupted: the engine aborts the request), and, for samples
+    that finished early, once the others are done. The rest of the group goes on, and a turn in flight on an engine
+    that loads weights between decode steps (vLLM) simply continues on the new weights from its prefix.
+    """
+
+    cfg: TrainerConfig
+    version: int  # the newest version whose weights the producer has loaded
+    samples_restarted: int
+    tokens_discarded: int  # generated tokens dropped by restarts (a turn cut short counts where the engine says)
+    _changed: asyncio.Event
+
+    def __init__(self, cfg: TrainerConfig, version: int = 0):
+        self.cfg = cfg
+        self.version = version
+        self.samples_restarted = self.tokens_discarded = 0
+        self._changed = asyncio.Event()
+
+    def advance(self, version: int) -> None:
+        """A new version is loaded: wake every turn in flight to re-judge its sample."""
+        if version != self.version:
+            self.version = version
+            changed, self._changed = self._changed, asyncio.Event()
+            changed.set()
+
+    async def changed(self) -> None:
+        await self._changed.wait()
+
+    def too_stale(self, traj: Trajectory, in_flight_since: int = NO_VERSION) -> bool:
+        """Whether `traj` (with a turn in flight since version `in_flight_since`, if any) should restart."""
+        if traj.restarts >= MAX_RESTARTS:
+            return False
+        oldest = staleness.oldest((traj.oldest_version, in_flight_since))
+        return staleness.too_stale(self.version, oldest, self.cfg)
+
+    def restart(self, traj: Trajectory, why: str) -> None:
+        oldest = traj.oldest_version
+        dropped = traj.restart()
+        self.samples_restarted += 1
+        self.tokens_discarded += dropped
+        log.info("partial rollout: sample restarted (%s): %d generated token(s) from v%d dropped, trainer at v%d",
+                 why, dropped, oldest, self.version)
+
+
 class AgentLoop(abc.ABC):
-    """Rolls out prompt tasks on one engine. Subclasses define the turn structure in `rollout_group`."""
+    """Rolls out prompt tasks on one engine. Subclasses define the turn structure in `_episodes`."""
 
     cfg: RolloutConfig
     engine: RolloutEngine
@@ -118,6 +197,7 @@ class AgentLoop(abc.ABC):
     reward_fn: RewardFn
     stop_token_id: int
     seed: int | None  # None: the engine's own random stream; else call k samples with seed + k (reproducible)
+    staleness: StalenessWatch | None  # set by a producer under rollout.partial_rollout; None: no restarts
     _num_calls: int
 
     def __init__(self, cfg: RolloutConfig, engine: RolloutEngine, tokenizer: Any, tools: Mapping[str, Tool],
@@ -131,11 +211,62 @@ class AgentLoop(abc.ABC):
         self.reward_fn = reward_fn
         self.stop_token_id = int(tokenizer.eos_token_id)
         self.seed = seed
+        self.staleness = None
         self._num_calls = 0
 
-    @abc.abstractmethod
     async def rollout_group(self, task: PromptTask, n: int) -> list[Trajectory]:
         """Roll out `task` n times together and score every trajectory."""
+        return (await self.rollout_many([task], n))[0]
+
+    async def rollout_many(self, tasks: list[PromptTask], n: int) -> list[list[Trajectory]]:
+        """A group for each task (the evaluator's held-out set, a producer's task): every turn is one engine call
+        over every sample of every task still running."""
+        groups = [self.start(task, n) for task in tasks]
+        await self.run_episodes([t for g in groups for t in g])
+        await asyncio.gather(*(self.score(task, g) for task, g in zip(tasks, groups)))
+        return groups
+
+    @abc.abstractmethod
+    async def _episodes(self, trajs: list[Trajectory]) -> None:
+        """Run every trajectory of `trajs` to its end (the loop's turn structure), through `generate_turn`."""
+
+    async def run_episodes(self, trajs: list[Trajectory]) -> None:
+        """`_episodes`; under partial rollout, samples that finished and whose tokens the trainer has since moved
+        too far past restart from the prompt, until every sample is fresh enough or out of restarts.
+
+        On an engine whose loads reach requests in flight each sample runs its own episode, so a finished sample
+        restarts the moment a version makes it too stale, beside the group's stragglers; otherwise the group's
+        samples run together (one batched call a turn) and the finished ones are judged once all are done."""
+        watch = self.staleness
+        if watch is not None and self.engine.updates_in_flight:
+            await self._episodes_each(trajs, watch)
+            return
+        await self._episodes(trajs)
+        while watch is not None and (stale := [t for t in trajs if watch.too_stale(t)]):
+            for traj in stale:
+                watch.restart(traj, "finished early")
+            await self._episodes(stale)
+
+    async def _episodes_each(self, trajs: list[Trajectory], watch: StalenessWatch) -> None:
+        running: dict[asyncio.Future, Trajectory] = {asyncio.ensure_future(self._episodes([t])): t for t in trajs}
+        changed = asyncio.ensure_future(watch.changed())
+        try:
+            while running:
+                done, _ = await asyncio.wait([*running, changed], return_when=asyncio.FIRST_COMPLETED)
+                for task in done - {changed}:
+                    running.pop(task)
+                    task.result()  # an engine failure ends the group
+                if changed.done():
+                    changed = asyncio.ensure_future(watch.changed())
+                busy = {id(t) for t in running.values()}
+                for traj in trajs:
+                    if id(traj) not in busy and watch.too_stale(traj):
+                        watch.restart(traj, "finished early")
+                        running[asyncio.ensure_future(self._episodes([traj]))] = traj
+        finally:
+            for task in [*running, changed]:
+                task.cancel()
+            await asyncio.gather(*running, changed, return_exceptions=True)
 
     # -- shared steps -------------------------------------------------------------------------------------------
 
@@ -150,10 +281,6 @@ class AgentLoop(abc.ABC):
     def decode(self, token_ids: list[int]) -> str:
         # Special tokens are kept: the tool and answer tags are special tokens of the quickstart tokenizer.
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
-
-    async def rollout_many(self, tasks: list[PromptTask], n: int) -> list[list[Trajectory]]:
-        """A group for each task (the evaluator's held-out set); loops that can batch across tasks override it."""
-        return [await self.rollout_group(task, n) for task in tasks]
 
     def start(self, task: PromptTask, n: int) -> list[Trajectory]:
         prompt_ids = prompt_token_ids(self.tokenizer, task.prompt)
@@ -171,33 +298,71 @@ class AgentLoop(abc.ABC):
         )
 
     async def generate_turn(self, active: list[Trajectory]) -> list[str]:
-        """One batched generate call over `active`; appends each sample's tokens and returns each turn's text.
+        """One turn of every sample in `active`; appends each sample's tokens and returns each turn's text.
 
+        Without a staleness watch: one batched generate call (ask for the largest budget any sample has, then cut
+        each to its own). With one (partial rollout), a sample the bound no longer admits restarts from its prompt
+        first, and on an engine that loads weights between decode steps each sample is its own call, so a version
+        that arrives mid-turn can interrupt just the samples it makes too stale (`_fresh_turn`).
         A sample whose turn is cut off (by max_new_tokens, or by what is left of max_response_tokens) finishes
         with "length"; the others are left running for the subclass to decide.
         """
+        watch = self.staleness
+        for traj in active:
+            if watch is not None and watch.too_stale(traj):
+                watch.restart(traj, "stale at a turn's start")
         budgets = [self.cfg.max_response_tokens - len(t.response_ids) for t in active]
-        # One call for all: ask for the largest budget any sample has, then cut each to its own.
-        params = self.sampling_params(min(self.cfg.max_new_tokens, max(budgets)))
-        t0 = time.perf_counter()
-        gens: list[Generation] = await self.engine.generate([t.prompt_ids + t.response_ids for t in active], params)
-        elapsed = time.perf_counter() - t0
+        if watch is not None and self.engine.updates_in_flight:
+            done = await asyncio.gather(*(self._fresh_turn(t, watch) for t in active))
+            gens, elapsed = [g for g, _ in done], [e for _, e in done]
+            budgets = [self.cfg.max_response_tokens - len(t.response_ids) for t in active]  # restarts reset some
+        else:
+            params = self.sampling_params(min(self.cfg.max_new_tokens, max(budgets)))
+            t0 = time.perf_counter()
+            gens = await self.engine.generate([t.prompt_ids + t.response_ids for t in active], params)
+            elapsed = [time.perf_counter() - t0] * len(active)
         if len(gens) != len(active):
             raise RuntimeError(f"engine returned {len(gens)} generations for {len(active)} prompts")
-        texts = []
-        for traj, gen, budget in zip(active, gens, budgets):
-            ids, lps = list(gen.token_ids[:budget]), list(gen.log_probs[:budget])
-            traj.add_generated(ids, lps, gen.versions()[:budget])
-            traj.gen_time_s += elapsed
-            traj.num_turns += 1
-            stopped = gen.finish_reason == "stop" and bool(ids) and ids[-1] == self.stop_token_id
-            body = ids[:-1] if stopped else ids
-            text = self.decode(body)
-            traj.messages.append(ChatMessage(role="assistant", content=text))
-            if not stopped:
-                traj.finish_reason = "length"
-            texts.append(text)
-        return texts
+        return [self._take_turn(traj, gen, budget, secs) for traj, gen, budget, secs in zip(active, gens, budgets, elapsed)]
+
+    async def _fresh_turn(self, traj: Trajectory, watch: StalenessWatch) -> tuple[Generation, float]:
+        """One sample's turn as its own engine call, interrupted (the engine aborts it) and begun again from the
+        prompt on the newest weights if a version arrives that makes the sample too stale meanwhile."""
+        while True:
+            budget = self.cfg.max_response_tokens - len(traj.response_ids)
+            params = self.sampling_params(min(self.cfg.max_new_tokens, budget))
+            since = self.engine.version  # the turn's first token is of this version (or newer)
+            t0 = time.perf_counter()
+            call = asyncio.ensure_future(self.engine.generate([traj.prompt_ids + traj.response_ids], params))
+            try:
+                while not call.done():
+                    changed = asyncio.ensure_future(watch.changed())
+                    await asyncio.wait([call, changed], return_when=asyncio.FIRST_COMPLETED)
+                    changed.cancel()
+                    if not call.done() and watch.too_stale(traj, since):
+                        break
+                else:
+                    return call.result()[0], time.perf_counter() - t0
+            finally:
+                if not call.done():
+                    call.cancel()
+                    await asyncio.gather(call, return_exceptions=True)
+            traj.gen_time_s += time.perf_counter() - t0
+            watch.restart(traj, "interrupted in flight")
+
+    def _take_turn(self, traj: Trajectory, gen: Generation, budget: int, elapsed: float) -> str:
+        """Append one turn's generation (cut to the sample's budget) to `traj`; returns the turn's text."""
+        ids, lps = list(gen.token_ids[:budget]), list(gen.log_probs[:budget])
+        traj.add_generated(ids, lps, gen.versions()[:budget])
+        traj.gen_time_s += elapsed
+        traj.num_turns += 1
+        stopped = gen.finish_reason == "stop" and bool(ids) and ids[-1] == self.stop_token_id
+        body = ids[:-1] if stopped else ids
+        text = self.decode(body)
+        traj.messages.append(ChatMessage(role="assistant", content=text))
+        if not stopped:
+            traj.finish_reason = "length"
+        return text
 
     async def score(self, task: PromptTask, trajs: list[Trajectory]) -> None:
         """Reward every trajectory (concurrently: a reward may be an async call to a verifier)."""

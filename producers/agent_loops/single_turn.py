@@ -8,15 +8,11 @@
 from __future__ import annotations
 
 from rlbus.producers.agent_loops.base import AgentLoop, Trajectory
-from rlbus.schemas.wire import PromptTask
 
 
 class SingleTurnAgentLoop(AgentLoop):
-    async def rollout_group(self, task: PromptTask, n: int) -> list[Trajectory]:
-        trajs = self.start(task, n)
+    async def _episodes(self, trajs: list[Trajectory]) -> None:
         await self.generate_turn(trajs)
         for traj in trajs:
             if not traj.done:
                 traj.finish_reason = "stop"
-        await self.score(task, trajs)
-        return trajs

@@ -22,7 +22,7 @@ from rlbus.common.chat import ANSWER_START
 from rlbus.producers.agent_loops.base import AgentLoop, Trajectory
 from rlbus.producers.agent_loops.tool_parser import ToolCall, parse_tool_calls
 from rlbus.schemas.errors import RlbusError
-from rlbus.schemas.wire import ChatMessage, PromptTask
+from rlbus.schemas.wire import ChatMessage
 
 
 class ChatTemplateError(RlbusError):
@@ -33,19 +33,6 @@ __all__ = ["ChatTemplateError", "ToolAgentLoop", "ToolCall", "parse_tool_calls"]
 
 
 class ToolAgentLoop(AgentLoop):
-    async def rollout_group(self, task: PromptTask, n: int) -> list[Trajectory]:
-        trajs = self.start(task, n)
-        await self._episodes(trajs)
-        await self.score(task, trajs)
-        return trajs
-
-    async def rollout_many(self, tasks: list[PromptTask], n: int) -> list[list[Trajectory]]:
-        """Several tasks' groups at once: each turn is one batched engine call over every sample still running."""
-        groups = [self.start(task, n) for task in tasks]
-        await self._episodes([t for g in groups for t in g])
-        await asyncio.gather(*(self.score(task, g) for task, g in zip(tasks, groups)))
-        return groups
-
     async def _episodes(self, trajs: list[Trajectory]) -> None:
         while active := [t for t in trajs if not t.done]:
             texts = await self.generate_turn(active)

@@ -13,13 +13,16 @@ from rlbus.schemas.errors import ConfigError
 __all__ = ["Generation", "RolloutEngine", "SamplingParams", "make_engine"]
 
 
-def make_engine(cfg: RunConfig, *, model_path: str | None = None, version: int = 0) -> RolloutEngine:
-    """The engine `cfg.rollout.engine` asks for, loaded from `model_path` (default `cfg.model.path`)."""
+def make_engine(cfg: RunConfig, *, model_path: str | None = None, version: int = 0,
+                instance: str = "") -> RolloutEngine:
+    """The engine `cfg.rollout.engine` asks for, loaded from `model_path` (default `cfg.model.path`). `instance`
+    names the engine among several built from one config (the producer id): the simulated engine draws its
+    lengths from a stream of its own, so producers' long tails do not fall in step."""
     engine_cfg = cfg.rollout.engine
     if isinstance(engine_cfg, SimulatedEngineConfig):
         from rlbus.producers.engines.simulated import SimulatedEngine
 
-        return SimulatedEngine(engine_cfg, version=version)
+        return SimulatedEngine(engine_cfg, version=version, instance=instance)
     path = model_path or cfg.model.path
     if isinstance(engine_cfg, HFEngineConfig):
         from rlbus.producers.engines.hf import HFEngine

@@ -59,6 +59,12 @@ class RolloutEngine(abc.ABC):
         """Load a full state dict (names as in the Hugging Face model) and hold `version` from the next chunk on."""
 
     @property
+    def updates_in_flight(self) -> bool:
+        """Whether a weight load reaches generations in flight (their later tokens are of the new version), as
+        with vLLM; False for an engine that finishes the chunk in flight on the weights it began with."""
+        return False
+
+    @property
     def alive(self) -> bool:
         """False once the engine can generate no more (its process died); the producer then stops."""
         return True

@@ -5,6 +5,9 @@ Each generation's length is drawn from a Pareto distribution (shape `tail_alpha`
 stragglers. A batch sleeps `seconds_per_token * its longest length` (a batched engine decodes until the last row
 ends) with asyncio.sleep, so concurrent generate calls overlap as requests to a real server would. Token ids and
 log-probs are random but well-formed (log-probs <= 0, one per token), and every generation carries the version.
+With `inflight_updates` a load reaches the calls in flight, as vLLM's does: token i of a call is made
+`seconds_per_token * (i + 1)` after the call began and carries the version loaded by then. A cancelled call (an
+interrupted turn) counts the tokens it had made by then in `tokens_interrupted`.
 
     .venv/bin/python -m pytest -q tests/unit/test_simulated_engine.py
 """
@@ -12,7 +15,9 @@ log-probs are random but well-formed (log-probs <= 0, one per token), and every 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import random
+import time
 from typing import TYPE_CHECKING, Mapping
 
 from rlbus.producers.engines.base import Generation, RolloutEngine, SamplingParams
@@ -26,13 +31,25 @@ class SimulatedEngine(RolloutEngine):
     _cfg: SimulatedEngineConfig
     _rng: random.Random
     _version: int
+    _loads: list[tuple[float, int]]  # (monotonic time, version) of every load, oldest first
     num_generated_tokens: int  # over the engine's life, for benchmarks
+    tokens_interrupted: int  # tokens made by calls cancelled before their end
 
-    def __init__(self, cfg: SimulatedEngineConfig, *, version: int = 0):
+    def __init__(self, cfg: SimulatedEngineConfig, *, version: int = 0, instance: str = ""):
         self._cfg = cfg
-        self._rng = random.Random(cfg.seed)
+        # One stream per engine instance: producers built from one config (same seed) must not draw the same
+        # lengths in step, or their stragglers would all arrive together.
+        self._rng = random.Random(f"{cfg.seed}/{instance}" if instance else cfg.seed)
         self._version = version
-        self.num_generated_tokens = 0
+        self._loads = [(float("-inf"), version)]
+        self.num_generated_tokens = self.tokens_interrupted = 0
+
+    @property
+    def updates_in_flight(self) -> bool:
+        return self._cfg.inflight_updates
+
+    def _version_at(self, t: float) -> int:
+        return self._loads[bisect.bisect_right(self._loads, (t, float("inf"))) - 1][1]
 
     @property
     def version(self) -> int:
@@ -61,9 +78,20 @@ class SimulatedEngine(RolloutEngine):
                 ids[-1] = params.stop_token_ids[0]
             log_probs = [-rng.expovariate(1.0) for _ in ids]
             out.append(Generation(token_ids=ids, log_probs=log_probs, finish_reason="stop" if stop else "length", version=version))
+        spt = self._cfg.seconds_per_token
+        began = time.monotonic()
+        try:
+            await asyncio.sleep(spt * max(len(g.token_ids) for g in out))
+        except asyncio.CancelledError:
+            made = int((time.monotonic() - began) / spt) if spt > 0 else 0
+            self.tokens_interrupted += sum(min(made, len(g.token_ids)) for g in out)
+            raise
         self.num_generated_tokens += sum(len(g.token_ids) for g in out)
-        await asyncio.sleep(self._cfg.seconds_per_token * max(len(g.token_ids) for g in out))
+        if self._cfg.inflight_updates and self._version_at(time.monotonic()) != version:
+            for g in out:
+                g.token_versions = [self._version_at(began + spt * (i + 1)) for i in range(len(g.token_ids))]
         return out
 
     async def load_weights(self, state_dict: Mapping[str, "torch.Tensor"], version: int) -> None:
         self._version = version
+        self._loads.append((time.monotonic(), version))

@@ -13,7 +13,9 @@
 - Versions: the engine core labels every decode step with the weight version it ran on
   (`update_weight_version`), and a finished request reports the spans of its tokens per label, so each token is
   stamped with the version that sampled it, also when weights changed in the middle of a turn.
-- Weights in place: a version's tensors are copied into one shared-memory segment while generation goes on; then
+- Weights in place: a version's tensors are copied into one shared-memory segment while generation goes on (the
+  segment is kept from load to load: a copy into pages already mapped is several times faster than into new ones,
+  for the memory of one more copy of the weights); then
   generation pauses, the worker process maps the segment and loads it through the model's own `load_weights`
   (producers/engines/vllm_worker.py), the version label moves, the prefix cache is dropped, and generation
   resumes. Requests in flight either stay (`update_mode: keep`: vLLM preempts them and recomputes their KV on the
@@ -79,8 +81,11 @@ def _engine_env(cfg: VLLMEngineConfig) -> None:
     os.environ.setdefault("DO_NOT_TRACK", "1")
 
 
-def pack_state_dict(state_dict: Mapping[str, Any]) -> tuple[shared_memory.SharedMemory, list[tuple]]:
-    """Copy `state_dict` into one new shared-memory segment; returns it and the layout the worker reads."""
+def pack_state_dict(state_dict: Mapping[str, Any], into: shared_memory.SharedMemory | None = None
+                    ) -> tuple[shared_memory.SharedMemory, list[tuple]]:
+    """Copy `state_dict` into shared memory: `into` if it is large enough (its pages are already mapped: a copy into
+    fresh pages costs several times more), else one new segment. Returns the segment and the layout the worker
+    reads."""
     import torch
 
     tensors = {}
@@ -98,15 +103,17 @@ def pack_state_dict(state_dict: Mapping[str, Any]) -> tuple[shared_memory.Shared
         offset = -(-offset // align) * align
         layout.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset))
         offset += t.numel() * t.element_size()
-    shm = shared_memory.SharedMemory(create=True, size=max(offset, 1))
+    reuse = into is not None and into.size >= offset
+    shm = into if reuse else shared_memory.SharedMemory(create=True, size=max(offset, 1))
     try:
         for (name, dtype, shape, off), t in zip(layout, tensors.values()):
             dst = torch.frombuffer(shm.buf, dtype=t.dtype, count=t.numel(), offset=off).view(shape)
             dst.copy_(t.contiguous().cpu() if t.device.type != "cpu" else t)
             del dst
     except BaseException:
-        shm.close()
-        shm.unlink()
+        if not reuse:
+            shm.close()
+            shm.unlink()
         raise
     return shm, layout
 
@@ -129,6 +136,7 @@ class VLLMEngine(RolloutEngine):
     _version: int
     _llm: Any  # vllm.v1.engine.async_llm.AsyncLLM
     _load_lock: asyncio.Lock  # one weight load at a time
+    _segment: shared_memory.SharedMemory | None  # the staging segment, kept from load to load (the worker copies out)
     _warned_filtered: bool
     max_model_len: int
     last_load_pause_s: float  # how long the last load held generation (pause to resume)
@@ -148,6 +156,7 @@ class VLLMEngine(RolloutEngine):
         self._cfg = engine_cfg
         self._version = version
         self._load_lock = asyncio.Lock()
+        self._segment = None
         self._warned_filtered = False
         self.last_load_pause_s = self.last_load_work_s = 0.0
         self.num_resubmitted = 0
@@ -290,7 +299,10 @@ class VLLMEngine(RolloutEngine):
         async with self._load_lock:
             t0 = time.perf_counter()
             # The copy into shared memory runs while generation goes on (in a thread: it is memory bound).
-            shm, layout = await asyncio.to_thread(pack_state_dict, state_dict)
+            shm, layout = await asyncio.to_thread(pack_state_dict, state_dict, self._segment)
+            if shm is not self._segment:
+                self._drop_segment()
+                self._segment = shm
             staging_s = time.perf_counter() - t0
             try:
                 t1 = time.perf_counter()
@@ -309,11 +321,12 @@ class VLLMEngine(RolloutEngine):
                 self.last_load_work_s = staging_s + self.last_load_pause_s
             except EngineDeadError as e:
                 raise EngineDead(f"vLLM engine core died during a weight load: {e}") from e
-            finally:
-                shm.close()
-                shm.unlink()
         log.info("vllm engine: v%d loaded (%s tensors per worker), generation paused %.3fs, staging %.3fs",
                  version, loaded, self.last_load_pause_s, staging_s)
+
+    @property
+    def updates_in_flight(self) -> bool:
+        return True
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -321,7 +334,14 @@ class VLLMEngine(RolloutEngine):
     def alive(self) -> bool:
         return self._llm is not None and not self._llm.errored
 
+    def _drop_segment(self) -> None:
+        shm, self._segment = self._segment, None
+        if shm is not None:
+            shm.close()
+            shm.unlink()
+
     async def close(self) -> None:
         llm, self._llm = self._llm, None
         if llm is not None:
             llm.shutdown()
+        self._drop_segment()

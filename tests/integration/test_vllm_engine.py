@@ -141,6 +141,47 @@ async def test_a_prompt_over_max_model_len_fails_that_call_only(engine):
     assert len(gen.token_ids) == 4 and engine.alive
 
 
+async def test_partial_rollout_interrupts_stale_samples_and_restarts_them_on_new_weights(engine, model_dir):
+    """Two versions land while a group decodes (bound 1): the samples begun on the oldest are aborted in the engine
+    and begun again on the newest weights; the group ends within the bound and the engine holds no leftovers."""
+    from rlbus.producers.agent_loops import make_agent_loop
+    from rlbus.producers.agent_loops.base import StalenessWatch
+    from rlbus.producers.rewards import load_reward
+    from rlbus.schemas.config import from_dict
+    from rlbus.schemas.wire import ChatMessage, PromptTask
+
+    engine.update_mode = "keep"
+    cfg = from_dict({"model": {"path": str(model_dir)}, "trainer": {"max_staleness": 1},
+                     "rollout": {"agent_loop": "single_turn", "tools": [], "n": 4, "max_new_tokens": 160,
+                                 "max_response_tokens": 160}})
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    before = engine.version
+    watch = StalenessWatch(cfg.trainer, before)
+    loop = make_agent_loop(cfg, engine, tokenizer, {}, load_reward(cfg.rollout), seed=5)
+    loop.staleness = watch
+    task = PromptTask(task_id="p", prompt=[ChatMessage(role="user", content="2+3?")], ground_truth="5")
+    group = asyncio.create_task(loop.rollout_group(task, 4))
+    newest = None
+    for k in (1, 2):
+        await asyncio.sleep(0.4)
+        newest = tiny_model(tokenizer, seed=100 + before + k, spec=SPEC)
+        await engine.load_weights(newest.state_dict(), before + k)
+        watch.advance(before + k)
+    trajs = await group
+    assert watch.samples_restarted >= 1, "no sample was in flight on the oldest weights when the second load came"
+    for t in trajs:
+        assert min(t.versions) >= before + 1, t.versions  # nothing of the version two behind survived
+        assert t.versions == sorted(t.versions)
+    assert engine._llm.output_processor.get_num_unfinished_requests() == 0  # interrupted requests were aborted
+    # The restarted samples are the newest policy's, token for token.
+    fresh = [t for t in trajs if t.restarts and set(t.versions) == {before + 2}]
+    for t in fresh:
+        expected = teacher_forced_logprobs(newest.eval(), t.prompt_ids, t.response_ids, 1.0)
+        assert (expected - torch.tensor(t.log_probs)).abs().max().item() < LOGPROB_TOL
+    print(f"partial rollout on vLLM: {watch.samples_restarted} sample(s) restarted, "
+          f"{watch.tokens_discarded} recorded tokens dropped, {len(fresh)} all on v{before + 2}")
+
+
 def _engine_core_pid() -> int:
     import psutil
 

@@ -107,7 +107,8 @@ async def bench(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
 
     biggest = max(args.concurrency)
     prompts = prompts_for(model_dir, biggest)
-    res: dict[str, Any] = {"model": str(model_dir), "max_new_tokens": args.max_new_tokens, "paths": {}}
+    res: dict[str, Any] = {"model": str(model_dir), "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
+                           "paths": {}}
     t0 = time.perf_counter()
     engine = VLLMEngine(str(model_dir), VLLMEngineConfig(max_model_len=1024, max_num_seqs=max(biggest, 16),
                                                          dtype=args.dtype, cpu_kv_cache_gib=args.kv_gib), seed=0)
@@ -164,7 +165,8 @@ def docs_section(res: dict[str, Any], mach: dict[str, Any], command: str) -> str
     lines = ["## vLLM engine", "",
              f"`{command}` ({machine_line(mach)}). Model `{Path(res['model']).name}`, {res['max_new_tokens']} new "
              f"tokens per request, temperature 1, no stop token; generated tokens/s (mean over rounds, +- half the "
-             f"range). rlbus and bare vLLM alternate on one engine (float32); hf is rlbus's HF engine, one batch.",
+             f"range). rlbus and bare vLLM alternate on one engine ({res.get('dtype', 'float32')}); hf is rlbus's HF "
+             f"engine, one batch.",
              "", "| concurrent requests | rlbus vLLM | bare vLLM | rlbus / bare | HF engine | rlbus vLLM / HF |",
              "|---|---|---|---|---|---|"]
     for c in paths["rlbus"]:

@@ -13,6 +13,7 @@ rank that runs out does empty passes. Tests: `pytest tests/integration/test_fsdp
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Any
@@ -37,11 +38,12 @@ from rlbus.trainer import algorithms as algo
 from rlbus.trainer import logprobs, packing
 from rlbus.trainer.dist import DistInfo, all_reduce, init_distributed, world_size
 from rlbus.trainer.memory import peak_rss_bytes, reset_peak_rss
-from rlbus.trainer.parallelize import parallelize
+from rlbus.trainer.parallelize import compute_precision, parallelize
 
 BATCH_KEYS = ("input_ids", "attention_mask", "position_ids", "response_mask", "rollout_log_probs",
               "token_level_rewards", "group_index")  # fmt: skip
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+log = logging.getLogger("rlbus.trainer")
 
 
 def lr_factor(update: int, *, schedule: str, warmup: int, total: int, min_ratio: float) -> float:
@@ -104,12 +106,7 @@ class TrainEngine:
         if algo_cfg.kl_coef > 0:
             self.ref_model = self._load(model_path, dtype, False)
             self.ref_model.requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
-            lr=trainer_cfg.lr,
-            betas=tuple(trainer_cfg.betas),
-            weight_decay=trainer_cfg.weight_decay,
-        )
+        self.optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], trainer_cfg)
         # The schedule counts optimizer updates; a step makes `mini_batches` of them.
         total = trainer_cfg.total_steps * trainer_cfg.mini_batches
         warmup = trainer_cfg.warmup_steps * trainer_cfg.mini_batches
@@ -156,7 +153,8 @@ class TrainEngine:
         if mb is None:  # this rank ran out of sequences; FSDP still needs its all-gathers and reduce-scatters
             ids = torch.zeros(1, 1, dtype=torch.long, device=self.info.device)
             ones, zeros = torch.ones_like(ids), torch.zeros_like(ids)
-            logits = model(input_ids=ids, attention_mask=ones, position_ids=zeros).logits
+            with compute_precision(self.info.device, self.cfg.mixed_precision):
+                logits = model(input_ids=ids, attention_mask=ones, position_ids=zeros).logits
             return ids.float(), None, logits.sum() * 0.0
         b, T = mb["input_ids"].shape
         device = self.info.device
@@ -169,7 +167,8 @@ class TrainEngine:
         grad = with_entropy and self.algo.entropy_coeff > 0 and torch.is_grad_enabled()
         with logprobs.scoring(model, None, self.temperature, with_entropy=with_entropy, entropy_grad=grad,
                               chunk_bytes=self.logits_chunk_bytes,
-                              select=(sel.src_N.to(device), sel.targets_N.to(device))):  # fmt: skip
+                              select=(sel.src_N.to(device), sel.targets_N.to(device))), \
+                compute_precision(device, self.cfg.mixed_precision):  # fmt: skip
             scores_N2 = model(
                 input_ids=pack.input_ids.to(device), attention_mask=pack.attention_mask.to(device),
                 position_ids=pack.position_ids.to(device),
@@ -442,9 +441,32 @@ class TrainEngine:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_model_state_dict(self.model, state["model"])
+        # The saved param groups carry the kernel choice (fused / foreach) of the run that saved them; this run's
+        # config decides, so trainer.fused_optimizer takes effect on a resume too. The moments are the same either way.
+        kernels = [(g.get("fused"), g.get("foreach")) for g in self.optimizer.param_groups]
         set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+        for group, (fused, foreach) in zip(self.optimizer.param_groups, kernels):
+            group["fused"], group["foreach"] = fused, foreach
         self.scheduler.load_state_dict(state["scheduler"])
         self.num_updates = int(state["num_updates"])
+
+
+def make_optimizer(params: list[nn.Parameter], cfg: TrainerConfig) -> torch.optim.AdamW:
+    """AdamW over `params` with the config's hyper-parameters; its fused kernel with `trainer.fused_optimizer`.
+
+    The fused kernel does the whole update in one pass per tensor (CPU and CUDA, float parameters, DTensors
+    included): 5.9x faster than the foreach one at SmolLM2's size on CPU (bench/bf16.py), equal within float
+    rounding (tests/unit/test_optimizer.py). Where this torch refuses it for these parameters, the default kernel
+    is used and the log says so.
+    """
+    kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    if cfg.fused_optimizer:
+        try:
+            return torch.optim.AdamW(params, fused=True, **kwargs)
+        except RuntimeError as e:  # torch's own check: a device or dtype without the fused kernel
+            log.warning("trainer.fused_optimizer: torch %s has no fused AdamW for these parameters (%s); using the "
+                        "default kernel", torch.__version__, e)
+    return torch.optim.AdamW(params, **kwargs)
 
 
 class _Accumulator:

@@ -42,16 +42,24 @@ def _chunk_scores(
     with_entropy: bool,
     entropy_grad: bool,
 ) -> torch.Tensor:
-    """[b, c, 2]: log softmax(z)[target] and the entropy of softmax(z), z = head(hidden) / temperature (float32)."""
-    z_bcV = F.linear(hidden_bcH, weight_VH, bias_V).float() / temperature
-    lse_bc = torch.logsumexp(z_bcV, dim=-1)
-    logp_bc = z_bcV.gather(-1, targets_bc[..., None]).squeeze(-1) - lse_bc
-    if not with_entropy:
-        return torch.stack([logp_bc, torch.zeros_like(logp_bc)], dim=-1)
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        # H = logsumexp(z) - sum_v softmax(z)_v z_v, as algorithms.entropy_from_logits
-        entropy_bc = lse_bc - (torch.softmax(z_bcV, dim=-1) * z_bcV).sum(dim=-1)
-    return torch.stack([logp_bc, entropy_bc], dim=-1)
+    """[b, c, 2]: log softmax(z)[target] and the entropy of softmax(z), z = head(hidden) / temperature (float32).
+
+    The head's matmul runs in the weight's dtype, outside any autocast: under CPU bf16 autocast
+    (trainer.mixed_precision) the weight is the float32 master, so the logits are float32 (bf16 logits of magnitude
+    20 are off by ~0.05, which doubled the log-prob error against float32 on SmolLM2; MiniMax-M1 kept its head in
+    float32 for the same reason). Under FSDP2's bf16 parameters (GPU) the weight is bf16 and so is the matmul; the
+    softmax is float32 either way.
+    """
+    with torch.autocast(hidden_bcH.device.type, enabled=False):
+        z_bcV = F.linear(hidden_bcH.to(weight_VH.dtype), weight_VH, bias_V).float() / temperature
+        lse_bc = torch.logsumexp(z_bcV, dim=-1)
+        logp_bc = z_bcV.gather(-1, targets_bc[..., None]).squeeze(-1) - lse_bc
+        if not with_entropy:
+            return torch.stack([logp_bc, torch.zeros_like(logp_bc)], dim=-1)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            # H = logsumexp(z) - sum_v softmax(z)_v z_v, as algorithms.entropy_from_logits
+            entropy_bc = lse_bc - (torch.softmax(z_bcV, dim=-1) * z_bcV).sum(dim=-1)
+        return torch.stack([logp_bc, entropy_bc], dim=-1)
 
 
 def chunk_length(vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:

@@ -350,7 +350,7 @@ def _variants_worker(model_dir: str, trainer_cfg: TrainerConfig, algo_cfg: Algor
     return out
 
 
-def _same_numbers(a: dict, b: dict, *, rel: float) -> None:
+def _same_numbers(a: dict, b: dict, *, rel: float, atol: float = 1e-8) -> None:
     def measured(m: dict) -> set[str]:  # what depends on the machine, not on the math
         return {k for k in m if k.startswith("timing/")
                 or k in ("perf/tokens_per_s", "perf/peak_rss_gb", "perf/forward_positions")}  # and on the work done
@@ -360,7 +360,7 @@ def _same_numbers(a: dict, b: dict, *, rel: float) -> None:
         for k in set(m_a) - measured(m_a):
             assert m_a[k] == pytest.approx(m_b[k], rel=rel, abs=1e-7), k
     for name, w in a["weights"].items():
-        torch.testing.assert_close(w, b["weights"][name], rtol=rel, atol=1e-8, msg=name)
+        torch.testing.assert_close(w, b["weights"][name], rtol=rel, atol=atol, msg=name)
 
 
 @pytest.mark.parametrize("off_policy", ["decoupled", "none", "seq_icepop"])
@@ -407,7 +407,9 @@ def test_shared_prefix_packing_changes_no_number(tiny_model: Path, mini_batches:
     initial = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
     for d in (packed, unpacked):
         d["weights"] = {k: w - initial[k] for k, w in d["weights"].items()}
-    _same_numbers(packed, unpacked, rel=1e-4)
+    # Weight changes, not weights: a norm weight near 1 whose update differs by float rounding may land one ulp
+    # (6e-8) apart, as it does with the fused AdamW kernel (trainer.fused_optimizer); allow that ulp, no more.
+    _same_numbers(packed, unpacked, rel=1e-4, atol=6e-8)
 
 
 def test_several_updates_per_step_still_run_the_proximal_pass(tiny_model: Path) -> None:

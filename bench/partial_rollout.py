@@ -33,10 +33,8 @@ import json
 import os
 import re
 import shlex
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -55,6 +53,7 @@ from bench.pipeline import (  # noqa: E402
     Infrastructure,
     RunSpec,
     ensure_bench_model,
+    infrastructure,
     last_error,
     measure,
     tail_run,
@@ -227,11 +226,9 @@ def main() -> int:
     from rlbus.schemas.config import load_config
 
     n = load_config(SIM_CONFIG, [f"model.path={BENCH_MODEL}"]).rollout.n
-    runs_dir = Path(tempfile.mkdtemp(prefix="rlbus-partial-"))
     results: list[Result] = []
     t0 = time.monotonic()
-    infra = Infrastructure(runs_dir)
-    try:
+    with infrastructure("rlbus-partial-", args.keep_runs, console) as (infra, runs_dir):
         for repeat in range(args.repeats):
             for mode in args.modes:  # modes interleaved, so a change in the machine's load hits them alike
                 console.print(f"[bold]{mode}[/bold] repeat {repeat} (load {os.getloadavg()[0]:.1f})")
@@ -239,12 +236,6 @@ def main() -> int:
                 results.append(r)
                 console.print(f"  {r.steps_per_min:.1f} steps/min, discarded {r.discarded_share:.1%}"
                               if r.ok else f"  [red]failed: {r.error}")
-    finally:
-        infra.close()
-        if args.keep_runs:
-            console.print(f"run directories: {runs_dir}")
-        else:
-            shutil.rmtree(runs_dir, ignore_errors=True)
     wall = time.monotonic() - t0
     console.print(table(results))
     summary = summarize(results)

@@ -27,6 +27,7 @@ folder, removed at the end unless --keep-runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -199,6 +201,22 @@ class Infrastructure:
         ray.shutdown()
         stop_ray_head(self.head)
         self.server.stop()
+
+
+@contextlib.contextmanager
+def infrastructure(prefix: str, keep_runs: bool, console: Console) -> Iterator[tuple[Infrastructure, Path]]:
+    """One nats-server and Ray head (Infrastructure) over a temporary folder of run directories, both gone at the end
+    (the folder kept, and named, with `keep_runs`)."""
+    runs_dir = Path(tempfile.mkdtemp(prefix=prefix))
+    infra = Infrastructure(runs_dir)
+    try:
+        yield infra, runs_dir
+    finally:
+        infra.close()
+        if keep_runs:
+            console.print(f"run directories: {runs_dir}")
+        else:
+            shutil.rmtree(runs_dir, ignore_errors=True)
 
 
 def execute(spec: RunSpec, infra: Infrastructure, runs_dir: Path, warmup: int, timeout_s: float,
@@ -554,10 +572,8 @@ def main() -> int:
                               "n": sim.rollout.n, "groups_per_step": sim.trainer.groups_per_step,
                               "max_new_tokens": sim.rollout.max_new_tokens},
                   quickstart_model=str(qs_model.relative_to(ROOT) if qs_model.is_relative_to(ROOT) else qs_model))
-    runs_dir = Path(tempfile.mkdtemp(prefix="rlbus-pipeline-"))
     t0 = time.monotonic()
-    infra = Infrastructure(runs_dir)
-    try:
+    with infrastructure("rlbus-pipeline-", args.keep_runs, console) as (infra, runs_dir):
         for spec in run_specs(args.workload, args.steps, qs_model, tuple(args.producers),
                               tuple(args.modes), tuple(args.qs_producers)):
             console.print(f"[bold]{spec.label}[/bold] (load {os.getloadavg()[0]:.1f})")
@@ -567,12 +583,6 @@ def main() -> int:
                 console.print(f"  {res.steps_per_min:.1f} steps/min, trainer busy {res.trainer_busy:.0%}, "
                               f"staleness {res.staleness_mean:.2f}, startup {res.startup_s:.0f}s, "
                               f"total {res.total_s:.0f}s")
-    finally:
-        infra.close()
-        if args.keep_runs:
-            console.print(f"run directories: {runs_dir}")
-        else:
-            shutil.rmtree(runs_dir, ignore_errors=True)
     bench.wall_s, bench.load_end = time.monotonic() - t0, os.getloadavg()[0]
     console.print(console_table(bench.results))
     Path(args.results).parent.mkdir(parents=True, exist_ok=True)

@@ -27,15 +27,22 @@ from pathlib import Path
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: the repository root, for `bench.*`
 
 from bench.common import machine, write_section
+from rlbus.schemas.config import GUARD_RULES
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "quickstart.yaml"
 RESULTS = ROOT / "bench" / "results" / "quickstart_seeds.json"
 HEADING = "## Quickstart stability"
 BAR = 0.85
+#: The goal (issue: every seed ends with a last-10 reward at or above it, quiet or busy).
+GOAL = 0.9
+#: A near-deterministic policy: mean entropy per token under this.
+LOW_ENTROPY = 0.01
 
 
-def summarise(rows: list[dict]) -> dict[str, float]:
+def summarise(rows: list[dict], discarded: list[dict] = ()) -> dict[str, float]:
+    """Per-run figures from its metrics rows; `discarded`: rows of steps a guard rollback dropped
+    (metrics.discarded.jsonl), which count for the guard's firings only."""
     rewards = [r["reward/mean"] for r in rows]
     late = [statistics.fmean(rewards[i - 4:i + 1]) for i in range(max(10, 4), len(rewards))]
     last = rows[-10:]
@@ -47,14 +54,32 @@ def summarise(rows: list[dict]) -> dict[str, float]:
         "entropy_last10": statistics.fmean(r.get("actor/entropy", 0.0) for r in last),
         "clipfrac_last10": statistics.fmean(r.get("actor/clipfrac", 0.0) for r in last),
         "clipfrac_mean": statistics.fmean(r.get("actor/clipfrac", 0.0) for r in rows),
+        # Entropy before the reward first converged (its 5-step running mean reached the goal): a near-deterministic
+        # policy there is the collapse that one bad update can flip.
+        "entropy_min_unconverged": min((r.get("actor/entropy", 1.0) for r in rows[:converged_at(rewards)]),
+                                       default=float("nan")),
+        # The stability guard (trainer/guard.py): steps it fired on, which rules, rollbacks.
+        "guard_steps": sum(1 for r in [*rows, *discarded] if r.get("guard/fired")),
+        "guard_rules": sorted({k.removeprefix("guard/") for r in [*rows, *discarded] for k in r
+                               if k.startswith("guard/") and k.removeprefix("guard/") in GUARD_RULES}),
+        "guard_rollbacks": int(max((r.get("guard/rollbacks", 0) for r in rows), default=0)),
     }
+
+
+def converged_at(rewards: list[float]) -> int:
+    """Index of the first step whose 5-step running mean of the reward reaches GOAL (len(rewards) if none does)."""
+    for i in range(len(rewards)):
+        if statistics.fmean(rewards[max(0, i - 4):i + 1]) >= GOAL:
+            return i
+    return len(rewards)
 
 
 def collapsed(s: dict[str, float]) -> bool:
     return s["last10"] < BAR
 
 
-def run_seed(seed: int, overrides: list[str], work: Path, timeout: float, config: Path = CONFIG) -> dict:
+def run_seed(seed: int, overrides: list[str], work: Path, timeout: float, config: Path = CONFIG,
+             keep: Path | None = None) -> dict:
     run_dir = work / f"qs-s{seed}"
     argv = [sys.executable, "-m", "rlbus.cli", "up", str(config), f"name=qs-seed{seed}", f"logging.run_dir={run_dir}",
             f"trainer.seed={seed}", f"feeder.seed={seed}", f"data.seed={seed}", "logging.plot=false", *overrides]
@@ -67,8 +92,14 @@ def run_seed(seed: int, overrides: list[str], work: Path, timeout: float, config
     if proc.returncode != 0 or not rows:
         out["error"] = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
         return out
-    out.update(summarise(rows))
+    dropped = run_dir / "metrics.discarded.jsonl"
+    discarded = [json.loads(x) for x in dropped.read_text().splitlines() if x.strip()] if dropped.is_file() else []
+    out.update(summarise(rows, discarded))
     out["collapsed"] = collapsed(out)
+    if keep is not None and out["last10"] < GOAL:  # its event log, checkpoints and metrics, for `rlbus replay`
+        dest = keep / f"{run_dir.name}-{int(time.time())}"
+        shutil.copytree(run_dir, dest, ignore=shutil.ignore_patterns("bus"))
+        out["kept"] = str(dest)
     return out
 
 
@@ -89,21 +120,31 @@ def report(d: dict) -> str:
         f"{' '.join(d['overrides']) or 'none'}."),
         "",
         ("| seed | reward first 5 | reward last 10 | lowest 5-step mean after step 10 | entropy last 10 | "
-        "clip fraction, run mean | wall s | collapsed |"),
-        "|---:|---:|---:|---:|---:|---:|---:|---|",
+        f"lowest entropy before the reward reached {GOAL} | clip fraction, run mean | guard fired (steps: rules) | "
+        "wall s | collapsed |"),
+        "|---:|---:|---:|---:|---:|---:|---:|---|---:|---|",
     ]
     for r in d["runs"]:
         if "last10" not in r:
-            lines.append(f"| {r['seed']} | failed (exit {r['rc']}) | | | | | {r['wall_s']:.0f} | |")
+            lines.append(f"| {r['seed']} | failed (exit {r['rc']}) | | | | | | | {r['wall_s']:.0f} | |")
             continue
+        fired = (f"{r['guard_steps']}: {', '.join(r['guard_rules'])}" if r.get("guard_steps") else
+                 "0" if "guard_steps" in r else "n/a")
+        if r.get("guard_rollbacks"):
+            fired += f"; {r['guard_rollbacks']} rollback(s)"
         lines.append(f"| {r['seed']} | {r['first5']:.3f} | {r['last10']:.3f} | {r['min_running5_after_10']:.3f} | "
-                     f"{r['entropy_last10']:.3f} | {r['clipfrac_mean']:.4f} | {r['wall_s']:.0f} | "
+                     f"{r['entropy_last10']:.3f} | {r.get('entropy_min_unconverged', float('nan')):.3f} | "
+                     f"{r['clipfrac_mean']:.4f} | {fired} | {r['wall_s']:.0f} | "
                      f"{'**yes**' if r['collapsed'] else 'no'} |")
     if ok:
         last = [r["last10"] for r in ok]
+        early = [r for r in ok if r.get("entropy_min_unconverged", 1.0) < LOW_ENTROPY]
         lines += ["", (f"Last-10 reward: mean {statistics.fmean(last):.3f}, min {min(last):.3f}, max {max(last):.3f}; "
-                      f"{sum(r['collapsed'] for r in ok)} of {len(ok)} collapsed. Results: "
-                      "`bench/results/quickstart_seeds.json`."), ""]
+                      f"{sum(x >= GOAL for x in last)} of {len(d['runs'])} at or above {GOAL} (the goal); "
+                      f"{sum(r['collapsed'] for r in ok)} of {len(ok)} collapsed (under {BAR}); "
+                      f"{len(early)} with entropy under {LOW_ENTROPY} before the reward reached {GOAL}; the stability "
+                      f"guard fired in {sum(1 for r in ok if r.get('guard_steps'))} run(s). Results: "
+                      f"`{d.get('results', 'bench/results/quickstart_seeds.json')}`."), ""]
     return "\n".join(lines)
 
 
@@ -113,6 +154,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--results", default=str(RESULTS))
     ap.add_argument("--docs", default="", help="write the section into this benchmarks page")
+    ap.add_argument("--heading", default=HEADING, help="the docs section's heading")
+    ap.add_argument("--keep", default="", help="copy the run directories of runs under the goal here")
     ap.add_argument("--from-json", default="")
     ap.add_argument("--config", default=str(CONFIG), help="the run config (configs/quickstart_vllm.yaml: on vLLM)")
     ap.add_argument("--busy", type=int, default=0, help="keep this many CPUs busy with spinning processes meanwhile")
@@ -124,14 +167,17 @@ def main() -> int:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                                 check=False).stdout.strip()
         d = {"command": shlex.join([".venv/bin/python", "bench/quickstart_seeds.py", *sys.argv[1:]]),
-             "machine": machine(), "commit": commit, "config": args.config, "overrides": args.overrides, "runs": []}
+             "machine": machine(), "commit": commit, "config": args.config, "overrides": args.overrides, "runs": [],
+             "results": str(Path(args.results).resolve().relative_to(ROOT)) if Path(args.results).resolve()
+             .is_relative_to(ROOT) else args.results}
         work = Path(tempfile.mkdtemp(prefix="rlbus-qs-seeds-"))
         # A busy machine: other processes that want every cycle they can get, started here and ended by pid.
         spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
         d["busy_cpus"] = args.busy
         try:
             for seed in args.seeds:
-                r = run_seed(seed, args.overrides, work, args.timeout, Path(args.config))
+                r = run_seed(seed, args.overrides, work, args.timeout, Path(args.config),
+                             keep=Path(args.keep) if args.keep else None)
                 d["runs"].append(r)
                 print(json.dumps({k: v for k, v in r.items() if k != "rewards"}), flush=True)
         finally:
@@ -141,10 +187,10 @@ def main() -> int:
             shutil.rmtree(work, ignore_errors=True)
         Path(args.results).parent.mkdir(parents=True, exist_ok=True)
         Path(args.results).write_text(json.dumps(d, indent=1) + "\n")
-    text = report(d)
+    text = report(d).replace(HEADING, args.heading, 1)
     print(text)
     if args.docs:
-        write_section(HEADING, text, Path(args.docs))
+        write_section(args.heading, text, Path(args.docs))
     ok = [r for r in d["runs"] if "last10" in r]
     return 0 if len(ok) == len(d["runs"]) and not any(r["collapsed"] for r in ok) else 1
 

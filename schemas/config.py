@@ -403,6 +403,10 @@ GuardActionName = Literal["warn", "tighten", "rollback"]
 GUARD_RULES = ("entropy_collapse", "mismatch_kl", "grad_spike", "clip_fraction", "reward_drop")
 
 
+def _rollback_on_reward_drop() -> dict[str, list[str]]:
+    return {"reward_drop": ["warn", "rollback"]}
+
+
 class GuardConfig(_Section):
     # Defaults come from healthy quickstart runs (bench/results/quickstart_seeds*.json, 15 seeds; README "Stability
     # guard"): the largest healthy values seen are mismatch/kl_k3 0.008, actor/clipfrac 0.018, a grad-norm spike of
@@ -410,7 +414,11 @@ class GuardConfig(_Section):
     # quickstart); entropy falls to ~0.003 only once the reward is ~1.0.
     enabled: bool = True  # watch every step's metrics (false: no rule, no action, no guard/* metrics)
     actions: list[GuardActionName] = msgspec.field(default_factory=lambda: ["warn", "tighten"])  # what a firing rule does
-    rule_actions: dict[str, list[GuardActionName]] = {}  # per-rule actions, e.g. {reward_drop: [warn, rollback]}
+    # Per-rule actions. reward_drop rolls back: a near-deterministic policy flipped to a wrong answer gives groups
+    # that all score alike, so GRPO has no gradient to climb back with and a lower LR cannot help (bench/results/
+    # quickstart_seeds20_*.json: with rollback no quickstart seed collapsed, without it 4 of 40 did; docs/
+    # benchmarks.md "Quickstart stability"). {} = every rule does `actions`.
+    rule_actions: dict[str, list[GuardActionName]] = msgspec.field(default_factory=_rollback_on_reward_drop)  # per rule
     window: int = 5  # steps averaged by the windowed rules (entropy_collapse, reward_drop)
     entropy_min: float = 0.01  # entropy_collapse: window mean of actor/entropy below this...
     converged_reward: float = 0.9  # ...while the window mean of reward/mean is still below this

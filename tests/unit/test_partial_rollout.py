@@ -43,6 +43,24 @@ def _loop(cfg: RunConfig, engine, tok, watch: StalenessWatch | None):
     return loop
 
 
+def _instant(tok, seed: int, after_generate):
+    """A single-turn loop on an instant simulated engine whose every call ends with `after_generate(engine, watch,
+    calls)` (what lands while the turn ends)."""
+    cfg = _cfg("single_turn")
+    engine = SimulatedEngine(SimulatedEngineConfig(mean_tokens=20, seconds_per_token=0.0, vocab_size=200, seed=seed))
+    watch = StalenessWatch(cfg.trainer)
+    real_generate, calls = engine.generate, []
+
+    async def generate(prompts, params):
+        out = await real_generate(prompts, params)
+        calls.append(len(prompts))
+        await after_generate(engine, watch, calls)
+        return out
+
+    engine.generate = generate
+    return cfg, _loop(cfg, engine, tok, watch), watch, calls
+
+
 TASK = PromptTask(task_id="t", index=0, epoch=0, prompt=[ChatMessage(role="user", content="What is 2+3?")],
                   ground_truth="5")
 
@@ -98,22 +116,12 @@ async def test_tokens_of_a_turn_that_spans_a_load_carry_both_versions(tok):
 
 
 async def test_without_in_flight_updates_samples_that_finished_early_restart_after_the_turn(tok):
-    cfg = _cfg("single_turn")
-    engine = SimulatedEngine(SimulatedEngineConfig(mean_tokens=20, seconds_per_token=0.0, vocab_size=200, seed=3))
-    watch = StalenessWatch(cfg.trainer)
-    loop = _loop(cfg, engine, tok, watch)
-    real_generate = engine.generate
-    calls = []
-
-    async def generate_then_two_versions(prompts, params):
-        out = await real_generate(prompts, params)
-        calls.append(len(prompts))
+    async def two_versions_after_the_first_call(engine, watch, calls):
         if len(calls) == 1:  # two versions land while the first turn ends: every sample is 2 behind, bound 1
             await engine.load_weights({}, 2)
             watch.advance(2)
-        return out
 
-    engine.generate = generate_then_two_versions
+    cfg, loop, watch, calls = _instant(tok, 3, two_versions_after_the_first_call)
     trajs = await loop.rollout_group(TASK, cfg.rollout.n)
     assert calls == [4, 4]  # one batched call, then one for the four restarted samples (still batched)
     assert watch.samples_restarted == 4 and watch.tokens_discarded > 0
@@ -121,22 +129,12 @@ async def test_without_in_flight_updates_samples_that_finished_early_restart_aft
 
 
 async def test_restarts_are_bounded(tok):
-    cfg = _cfg("single_turn")
-    engine = SimulatedEngine(SimulatedEngineConfig(mean_tokens=20, seconds_per_token=0.0, vocab_size=200, seed=4))
-    watch = StalenessWatch(cfg.trainer)
-    loop = _loop(cfg, engine, tok, watch)
-    real_generate = engine.generate
-    version = 0
-
-    async def generate_then_move_on(prompts, params):
-        nonlocal version
-        out = await real_generate(prompts, params)
-        version += 2  # the trainer always races two versions ahead: no sample can ever be fresh
+    async def always_two_ahead(engine, watch, calls):
+        version = 2 * len(calls)  # the trainer always races two versions ahead: no sample can ever be fresh
         await engine.load_weights({}, version)
         watch.advance(version)
-        return out
 
-    engine.generate = generate_then_move_on
+    cfg, loop, watch, _ = _instant(tok, 4, always_two_ahead)
     trajs = await loop.rollout_group(TASK, cfg.rollout.n)
     assert all(t.restarts == MAX_RESTARTS for t in trajs)
     assert watch.samples_restarted == MAX_RESTARTS * cfg.rollout.n

@@ -160,19 +160,28 @@ async def test_partial_rollout_interrupts_stale_samples_and_restarts_them_on_new
     loop = make_agent_loop(cfg, engine, tokenizer, {}, load_reward(cfg.rollout), seed=5)
     loop.staleness = watch
     task = PromptTask(task_id="p", prompt=[ChatMessage(role="user", content="2+3?")], ground_truth="5")
+    models = [tiny_model(tokenizer, seed=100 + before + k, spec=SPEC) for k in (1, 2)]
+    newest = models[-1]
     group = asyncio.create_task(loop.rollout_group(task, 4))
-    newest = None
-    for k in (1, 2):
-        await asyncio.sleep(0.4)
-        newest = tiny_model(tokenizer, seed=100 + before + k, spec=SPEC)
-        await engine.load_weights(newest.state_dict(), before + k)
+    # Once the group's requests decode (not after a fixed sleep: a busy machine starts them late), two versions
+    # land back to back: every sample then began two versions ago, one more than the bound allows.
+    unfinished = engine._llm.output_processor.get_num_unfinished_requests
+    deadline = time.monotonic() + 30
+    while unfinished() == 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert unfinished() > 0 and not group.done()
+    for k, model in zip((1, 2), models):
+        await engine.load_weights(model.state_dict(), before + k)
         watch.advance(before + k)
     trajs = await group
     assert watch.samples_restarted >= 1, "no sample was in flight on the oldest weights when the second load came"
     for t in trajs:
         assert min(t.versions) >= before + 1, t.versions  # nothing of the version two behind survived
         assert t.versions == sorted(t.versions)
-    assert engine._llm.output_processor.get_num_unfinished_requests() == 0  # interrupted requests were aborted
+    deadline = time.monotonic() + 5
+    while unfinished() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert unfinished() == 0  # interrupted requests were aborted in the engine
     # The restarted samples are the newest policy's, token for token.
     fresh = [t for t in trajs if t.restarts and set(t.versions) == {before + 2}]
     for t in fresh:

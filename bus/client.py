@@ -39,7 +39,7 @@ from nats.js.kv import KeyValue
 
 from rlbus.bus.auth import load_creds
 from rlbus.bus.delivery import ACK_TIMEOUT_S, MSG_ID_HEADER, Delivery, dead_letter_of
-from rlbus.bus.retry import is_transient, retrying
+from rlbus.bus.retry import describe_error, is_transient, permanent, retrying
 from rlbus.bus.streams import consumer_configs, kv_config, stream_configs
 from rlbus.schemas.config import BusConfig
 from rlbus.schemas.errors import BusError, SchemaError
@@ -56,6 +56,8 @@ T = TypeVar("T")
 STOP_RETRY_S = 10.0
 #: How long one JetStream publish waits for its ack; a publish is retried for `bus.retry_s` (bus/retry.py).
 PUBLISH_TIMEOUT_S = 5.0
+#: How long a fetch waits before it asks again after a transient failure (no consumer leader, a reconnect).
+FETCH_RETRY_WAIT_S = 0.5
 #: nats-server error code: "stream name already in use with a different configuration".
 _STREAM_NAME_IN_USE = 10058
 
@@ -389,6 +391,19 @@ class Bus:
     async def _fetch_decoded(
         self, sub: JetStreamContext.PullSubscription, durable: str, decoder: TypedDecoder, batch: int, timeout: float
     ) -> list[Delivery[Any]]:
+        out: list[Delivery[Any]] = []
+        for m in await self._fetch_raw(sub, durable, batch, timeout):
+            try:
+                data = decoder.decode(m.data)
+            except SchemaError as e:
+                await self._dead_letter(m, str(e), durable)
+                continue
+            out.append(Delivery(data, m, durable, self))
+        return out
+
+    async def _fetch_raw(
+        self, sub: JetStreamContext.PullSubscription, durable: str, batch: int, timeout: float
+    ) -> list[Msg]:
         try:
             msgs = await sub.fetch(batch, timeout=timeout)
         except asyncio.TimeoutError:
@@ -399,27 +414,20 @@ class Bus:
         except Exception as e:
             # No consumer leader (an election on a cluster) or a reconnect: nothing to deliver now; try again, for
             # as long as bus.retry_s allows.
+            what = f"bus {self.name}: fetch from {durable}"
             if not is_transient(e):
+                permanent(e, what)
                 raise
             now = asyncio.get_running_loop().time()
             since = self._fetch_failing_since.setdefault(durable, now)
             if now - since > self.cfg.retry_s:
-                raise BusError(f"bus {self.name}: fetch from {durable} failing for {now - since:.0f}s: "
-                               f"{type(e).__name__}: {e}") from e
+                raise BusError(f"{what} failing for {now - since:.0f}s: {describe_error(e)}") from e
             if since == now:
-                log.warning("bus %s: fetch from %s: %s: %s; retrying", self.name, durable, type(e).__name__, e)
-            await asyncio.sleep(min(timeout, 0.5))
+                log.warning("%s: %s; retrying", what, describe_error(e))
+            await asyncio.sleep(min(timeout, FETCH_RETRY_WAIT_S))
             return []
         self._fetch_failing_since.pop(durable, None)
-        out: list[Delivery[Any]] = []
-        for m in msgs:
-            try:
-                data = decoder.decode(m.data)
-            except SchemaError as e:
-                await self._dead_letter(m, str(e), durable)
-                continue
-            out.append(Delivery(data, m, durable, self))
-        return out
+        return msgs
 
     async def watch(self, subject: str, typ: type[T] | Any, *, deliver: DeliverFrom = "new") -> AsyncIterator[T]:
         """Messages of `subject` in order through an ephemeral ordered consumer (nothing to ack)."""
@@ -494,16 +502,7 @@ class Bus:
             durable=s.advisories_consumer, stream=s.advisories_stream))
         try:
             while True:
-                try:
-                    msgs = await sub.fetch(8, timeout=1.0)
-                except asyncio.TimeoutError:
-                    continue
-                except Exception as e:
-                    if not is_transient(e):
-                        raise
-                    await asyncio.sleep(0.5)
-                    continue
-                for m in msgs:
+                for m in await self._fetch_raw(sub, s.advisories_consumer, 8, 1.0):
                     letter = await self._move_exhausted(m, stream, subject, durable)
                     await self._settle(m, b"+ACK", s.advisories_consumer)
                     if letter is not None:

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, Callable, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import nats.errors
 import nats.js.errors
@@ -27,20 +28,22 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: nats-server error codes that mean "not now" rather than "not so": JetStream system temporarily unavailable (no
-#: meta leader), cluster can not handle the request (not the leader), stream offline, consumer offline.
-_TRANSIENT_ERR_CODES = frozenset({10008, 10009, 10118, 10119})
-_TRANSIENT_STATUS = frozenset({408, 500, 503})
+#: nats-server error codes that mean "not now" rather than "not so" (server/errors.json): incomplete results (a peer
+#: did not answer in time), no suitable peers for placement (a replica's server is down), JetStream system
+#: temporarily unavailable (no meta leader), cluster can not handle the request (not the leader), peer not a member
+#: (yet), stream offline, consumer offline.
+TRANSIENT_ERR_CODES = frozenset({10004, 10005, 10008, 10009, 10040, 10118, 10119})
+#: Status-only replies (no err_code) that an outage produces: request timeout, server error, service unavailable.
+TRANSIENT_STATUS = frozenset({408, 500, 503})
 
 _TRANSIENT_TYPES: tuple[type[BaseException], ...] = (
-    nats.errors.TimeoutError,  # a request's reply lost in a failover (also asyncio.TimeoutError's nats subclass)
-    nats.errors.NoRespondersError,  # nobody serves that API subject right now
-    nats.errors.ConnectionReconnectingError,
-    nats.errors.StaleConnectionError,
-    nats.js.errors.NoStreamResponseError,  # a publish no stream leader answered
-    nats.js.errors.ServiceUnavailableError,
-    nats.js.errors.ServerError,
-    asyncio.TimeoutError,
+    nats.errors.TimeoutError,  # a reply lost to a reconnect or an election (FlushTimeoutError, FetchTimeoutError too)
+    nats.errors.NoRespondersError,  # nobody serves that subject right now (a stream or consumer has no leader)
+    nats.errors.ConnectionReconnectingError,  # drain / flush while the client is between two servers
+    nats.errors.StaleConnectionError,  # (and UnexpectedEOF) a server that stopped answering pings or hung up
+    nats.errors.OutboundBufferLimitError,  # a publish while reconnecting, once the reconnect buffer is full
+    nats.js.errors.NoStreamResponseError,  # a JetStream publish no stream leader answered (no responders)
+    asyncio.TimeoutError,  # a fetch whose first probe outlasts its timeout (nats-py raises asyncio's own there)
 )
 
 FIRST_WAIT_S = 0.1
@@ -48,14 +51,43 @@ MAX_WAIT_S = 2.0
 
 
 def is_transient(e: BaseException) -> bool:
-    """True for errors a leader election, a reconnect or a lost reply produce; False for a wrong call."""
-    if isinstance(e, (nats.js.errors.NotFoundError, nats.js.errors.BadRequestError)):
-        return False  # not found / bad request are answers, not outages
+    """True for errors a leader election, a reconnect, a server restart or a lost reply produce; False for a wrong
+    call. docs/reliability.md ("Which errors are passing") lists each case and where nats-py raises it."""
     if isinstance(e, nats.js.errors.APIError):
-        if e.err_code is not None and e.err_code not in _TRANSIENT_ERR_CODES:
-            return False  # the server named what is wrong (e.g. 10052: an invalid stream config); asking again won't fix it
-        return e.err_code in _TRANSIENT_ERR_CODES or (e.code or 0) in _TRANSIENT_STATUS
+        err_code = getattr(e, "err_code", None)  # KeyNotFoundError and its kin set none at all
+        if err_code is not None:
+            # The server named the cause; only the ones that mean "no leader / no peer right now" pass (10005 and
+            # 10040 come as 400s). The rest (e.g. 10052: an invalid stream config, 10039: JetStream not enabled)
+            # will not get better by asking again.
+            return err_code in TRANSIENT_ERR_CODES
+        if isinstance(e, (nats.js.errors.NotFoundError, nats.js.errors.BadRequestError)):
+            return False  # not found / bad request are answers, not outages
+        if isinstance(e, nats.js.errors.ServiceUnavailableError):
+            # A 503 with nothing else: nats-py makes it from a JetStream API request nobody answered (no responders,
+            # js/manager.py `_api_request`) and from a bare "503" status in a fetch (APIError.from_msg): no leader.
+            return True
+        return (getattr(e, "code", None) or 0) in TRANSIENT_STATUS
     return isinstance(e, _TRANSIENT_TYPES)
+
+
+def describe_error(e: BaseException) -> str:
+    """`e` in words that say what is wrong: nats-py prints a bare 503 as "code=None err_code=None
+    description='None'", and a few of its errors print nothing."""
+    name = type(e).__name__
+    if isinstance(e, nats.js.errors.ServiceUnavailableError) and getattr(e, "err_code", None) is None:
+        return (f"{name}: JetStream answered 503 with no detail (no server answered the request: no stream or "
+                "consumer leader, or no JetStream server reachable)")
+    if isinstance(e, nats.js.errors.APIError) and not getattr(e, "description", None):
+        return f"{name}: JetStream answered status {getattr(e, 'code', None)} with no description"
+    text = str(e)
+    return f"{name}: {text}" if text else name
+
+
+def permanent(e: BaseException, what: str) -> BaseException:
+    """`e`, noted with the call it failed and why it was not retried (the type stays, for callers that catch it)."""
+    if isinstance(e, Exception):
+        e.add_note(f"rlbus: {what}: {describe_error(e)}; not retried (not an outage: see docs/reliability.md)")
+    return e
 
 
 async def retrying(what: str, call: Callable[[], Awaitable[T]], *, budget_s: float,
@@ -75,15 +107,15 @@ async def retrying(what: str, call: Callable[[], Awaitable[T]], *, budget_s: flo
             return await call()
         except Exception as e:
             if not is_transient(e):
+                permanent(e, what)
                 raise
             if on_transient is not None:
                 on_transient()
             left = deadline - loop.time()
             if left <= 0:
-                detail = describe(e) if describe else f"{type(e).__name__}: {e}"
+                detail = describe(e) if describe else describe_error(e)
                 raise BusError(f"{what} failed for {budget_s:.0f}s ({attempts} attempts): {detail}") from e
             if attempts == 1 or attempts % 10 == 0:
-                log.warning("%s: %s: %s; retrying for up to %.0fs more", what, type(e).__name__, e or "(no detail)",
-                            left)
+                log.warning("%s: %s; retrying for up to %.0fs more", what, describe_error(e), left)
             await asyncio.sleep(min(wait, left))
             wait = min(wait * 2, MAX_WAIT_S)

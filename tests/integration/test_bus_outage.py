@@ -1,0 +1,75 @@
+"""Bus calls made while the nats-server is down are retried, not raised: a real server SIGKILLed and restarted on
+its store and port (bus/retry.py classifies what nats-py raises meanwhile; docs/reliability.md has the table).
+
+    .venv/bin/python -m pytest -q tests/integration/test_bus_outage.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import msgspec
+
+from rlbus.bus.client import Bus
+from rlbus.bus.server import EmbeddedServer
+from rlbus.schemas.config import BusConfig
+from rlbus.schemas.wire import ChatMessage, PromptTask
+
+
+def test_calls_made_while_the_server_is_down_complete_once_it_is_back(tmp_path: Path) -> None:
+    server = EmbeddedServer(tmp_path / "nats", port=0, host="127.0.0.1", runs=["outage"]).start()
+    cfg = BusConfig(
+        url=server.url,
+        creds_file=str(server.creds_file("admin", "outage")),
+        connect_timeout_s=5.0,
+        retry_s=20.0,
+        reconnect_wait_s=0.1,
+        max_reconnect_wait_s=0.5,
+    )
+    task = PromptTask(
+        task_id="e0-i1-a0", index=1, epoch=0, attempt=0, prompt=[ChatMessage(role="user", content="1+1")], n=2
+    )
+
+    async def main() -> None:
+        async with await Bus.connect(cfg, run="outage", name="t") as bus:
+            await bus.ensure_streams()
+            s = bus.subjects
+            await bus.publish(s.prompts, task, msg_id="first")
+            assert server.pid is not None
+            os.kill(server.pid, signal.SIGKILL)  # our own server, by pid
+            killed = time.monotonic()
+
+            async def restart_later() -> None:
+                await asyncio.sleep(1.5)
+                await asyncio.to_thread(server.restart)
+
+            restarting = asyncio.create_task(restart_later())
+            # Each of these meets the outage (no responders, lost replies, a reconnecting client) and must wait it out.
+            ack, last, pending, fetched = await asyncio.gather(
+                bus.publish(s.prompts, msgspec.structs.replace(task, task_id="e0-i2-a0"), msg_id="second"),
+                bus.stream_last_seq(s.prompts_stream),
+                bus.consumer_pending(s.prompts_stream, s.prompts_consumer),
+                _fetch_until(bus, 2),
+            )
+            await restarting
+            assert not ack.duplicate and last >= 1 and pending[0] + pending[1] >= 1
+            assert sorted(d.data.task_id for d in fetched) == ["e0-i1-a0", "e0-i2-a0"]
+            for d in fetched:
+                await d.ack()
+            assert time.monotonic() - killed < 15
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.stop()
+
+
+async def _fetch_until(bus: Bus, n: int) -> list:
+    s, out = bus.subjects, []
+    while len(out) < n:
+        out += await bus.fetch(s.prompts, s.prompts_consumer, PromptTask, batch=n - len(out), timeout=0.5)
+    return out

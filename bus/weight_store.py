@@ -39,6 +39,7 @@ from rlbus.bus.ray_store import (
     actor_name,
     pack_tensor,
     quiet_readonly,
+    retried,
     run_async,
     run_sync,
     unpack_tensor,
@@ -94,8 +95,9 @@ class WeightStore:
         actor = _WeightStoreActor.options(
             name=name, namespace=cfg.namespace, lifetime="detached", get_if_exists=True
         ).remote(cfg.weight_versions_kept, name)
-        ray.get(actor.list_versions.remote())
-        return cls(run, actor, name)
+        store = cls(run, actor, name)
+        store.versions_sync()  # the actor is up (or, restarting, comes back within the retry budget)
+        return store
 
     def _put_plan(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> Plan[WeightsInfo]:
         packed = {k: pack_tensor(v) for k, v in state_dict.items()}
@@ -111,12 +113,13 @@ class WeightStore:
             store=self.name,
         )
         ref = ray.put(packed)  # the one copy of a publish; the store hands out this object of ours
-        yield [self.actor.put.remote(version, [ref], info)]
+        # A put may run twice (the store restarting when called): a re-put of a version replaces it.
+        yield from retried(lambda: [self.actor.put.remote(version, [ref], info)], f"weight store {self.name} put")
         self._last = version
         return info
 
     def _fetch_plan(self, version: int | None) -> Plan[tuple[WeightsInfo, dict[str, Packed]]]:
-        (reply,) = yield [self.actor.get.remote(version)]
+        (reply,) = yield from self._get_reply(version)
         if isinstance(reply, list):
             want = "any version" if version is None else f"version {version}"
             raise WeightsMissing(f"weight store {self.name!r} does not hold {want}; it holds {reply}")
@@ -128,15 +131,27 @@ class WeightStore:
                               f"published it ({type(e).__name__}); a restarted trainer publishes again") from e
         return info, packed
 
+    def _get_reply(self, version: int | None) -> Plan[list[tuple[list[ray.ObjectRef], WeightsInfo] | list[int]]]:
+        return (yield from retried(lambda: [self.actor.get.remote(version)], f"weight store {self.name} get"))
+
     def _info_plan(self, version: int | None) -> Plan[WeightsInfo]:
-        (reply,) = yield [self.actor.get.remote(version)]
+        (reply,) = yield from self._get_reply(version)
         if isinstance(reply, list):
             raise WeightsMissing(f"weight store {self.name!r} does not hold version {version}; it holds {reply}")
         return reply[1]
 
     def _versions_plan(self) -> Plan[list[int]]:
-        (versions,) = yield [self.actor.list_versions.remote()]
+        (versions,) = yield from retried(lambda: [self.actor.list_versions.remote()],
+                                         f"weight store {self.name} versions")
         return versions
+
+    def _adopt_plan(self) -> Plan[bool]:
+        if self._last is None:
+            return False
+        version = self._last
+        # Adopting twice is harmless (the second finds the version already its own).
+        (adopted,) = yield from retried(lambda: [self.actor.adopt.remote(version)], f"weight store {self.name} adopt")
+        return adopted
 
     async def put(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> WeightsInfo:
         """Store a full state dict as `version` (evicting versions beyond weight_versions_kept); returns once the
@@ -170,12 +185,10 @@ class WeightStore:
     async def flush(self) -> bool:
         """Have the store copy the version this client put last into an object of its own, which outlives this
         process (the trainer flushes before it exits). False if there was nothing to copy."""
-        if self._last is None:
-            return False
-        return await self.actor.adopt.remote(self._last)
+        return await run_async(self._adopt_plan())
 
     def flush_sync(self) -> bool:
-        return self._last is not None and ray.get(self.actor.adopt.remote(self._last))
+        return run_sync(self._adopt_plan())
 
     def get_sync(self, version: int | None = None, *, expect: str | None = None,
                  verify: bool = False) -> dict[str, torch.Tensor]:

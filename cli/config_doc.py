@@ -20,6 +20,7 @@ SECTIONS = {
     "bus": C.BusConfig, "ray": C.RayConfig, "model": C.ModelConfig, "data": C.DataConfig,
     "rollout": C.RolloutConfig, "rollout.engine (type: hf)": C.HFEngineConfig,
     "rollout.engine (type: vllm)": C.VLLMEngineConfig, "rollout.engine (type: simulated)": C.SimulatedEngineConfig,
+    "rollout.openai": C.OpenAIAgentConfig,
     "algorithm": C.AlgorithmConfig, "trainer": C.TrainerConfig, "feeder": C.FeederConfig, "eval": C.EvalConfig,
     "logging": C.LoggingConfig, "launcher": C.LauncherConfig, "guard": C.GuardConfig,
 }
@@ -41,6 +42,8 @@ def _default(cls: type, field: msgspec.structs.FieldInfo) -> str:
         value = field.default_factory()
     else:
         return "(required)"
+    if isinstance(value, msgspec.Struct) and value.__struct_config__.tag is None:
+        return "(a section)"
     if isinstance(value, msgspec.Struct):
         return f"`{{type: {value.__struct_config__.tag}}}`"
     return f"`{msgspec.json.encode(value).decode()}`"

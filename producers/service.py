@@ -194,6 +194,8 @@ class Producer:
                 await self.bus.publish_event(RoleStopped(role="producer", role_id=self.producer_id,
                                                          reason=reason, clean=clean))
             await self.bus.close()
+        if self.agent_loop is not None:
+            await self.agent_loop.close()
         if self.engine is not None:
             await self.engine.close()
 

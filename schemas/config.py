@@ -178,6 +178,24 @@ class SimulatedEngineConfig(_Section, tag="simulated", tag_field="type"):
 EngineConfig = Union[HFEngineConfig, VLLMEngineConfig, SimulatedEngineConfig]
 
 
+class OpenAIAgentConfig(_Section):
+    """`rollout.agent_loop: openai`: an agent written against the OpenAI API, served by the producer's endpoint."""
+
+    function: str = ""  # "pkg.module:fn", `async def fn(client: openai.AsyncOpenAI, task) -> float | None`
+    model: str = "policy"  # the model name the endpoint answers to (any other is a 404 model_not_found)
+    host: str = "127.0.0.1"  # where the endpoint listens; loopback unless you mean otherwise
+    port: int = 0  # 0 = a free port
+    timeout_s: float = 600.0  # longest one rollout of the agent may take before it fails
+    max_n: int = 16  # largest `n` one call may ask for
+
+    def __post_init__(self) -> None:
+        _need(not self.function or ":" in self.function, "function", "must be an import path 'pkg.module:fn'")
+        _need(bool(self.model), "model", "must be non-empty")
+        _need(0 <= self.port < 65536, "port", "must be in [0, 65535] (0 = a free port)")
+        _need(self.timeout_s > 0, "timeout_s", "must be > 0")
+        _need(self.max_n >= 1, "max_n", "must be >= 1")
+
+
 class RolloutConfig(_Section):
     engine: EngineConfig = msgspec.field(default_factory=HFEngineConfig)  # {type: hf / vllm / simulated, ...}
     n: int = 4  # samples per prompt (GRPO group size)
@@ -186,7 +204,8 @@ class RolloutConfig(_Section):
     top_k: int = 0  # 0 = off
     max_new_tokens: int = 48  # per assistant turn
     max_response_tokens: int = 160  # all turns together, tool output included
-    agent_loop: Literal["single_turn", "tool"] = "tool"  # single_turn, or tool (multi-turn tool calls)
+    agent_loop: Literal["single_turn", "tool", "openai"] = "tool"  # single_turn, tool (multi-turn tool calls), openai
+    openai: OpenAIAgentConfig = msgspec.field(default_factory=OpenAIAgentConfig)  # agent_loop: openai
     max_turns: int = 3  # assistant turns per trajectory
     max_tool_response_tokens: int = 32  # longer tool output is truncated
     tools: list[str] = msgspec.field(default_factory=lambda: ["calculator"])  # built-in names or "pkg.mod:attr"
@@ -217,6 +236,8 @@ class RolloutConfig(_Section):
         _need(self.tool_timeout_s > 0, "tool_timeout_s", "must be > 0")
         _need(self.torch_threads >= 0, "torch_threads", "must be >= 0 (0 = auto)")
         _need(0 <= self.nice <= 19, "nice", "must be in [0, 19] (a role may lower its own priority, not raise it)")
+        _need(self.agent_loop != "openai" or bool(self.openai.function), "openai.function",
+              "agent_loop: openai needs the agent, 'pkg.module:fn'")
 
 
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]

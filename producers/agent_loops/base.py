@@ -214,6 +214,9 @@ class AgentLoop(abc.ABC):
         self.staleness = None
         self._num_calls = 0
 
+    async def close(self) -> None:
+        """Release what the loop holds besides the engine (the openai loop's endpoint)."""
+
     async def rollout_group(self, task: PromptTask, n: int) -> list[Trajectory]:
         """Roll out `task` n times together and score every trajectory."""
         return (await self.rollout_many([task], n))[0]
@@ -378,6 +381,10 @@ class AgentLoop(abc.ABC):
 def make_agent_loop(cfg: RunConfig, engine: RolloutEngine, tokenizer: Any, tools: Mapping[str, Tool],
                     reward_fn: RewardFn, *, seed: int | None = None) -> AgentLoop:
     """The agent loop `rollout.agent_loop` names."""
+    if cfg.rollout.agent_loop == "openai":
+        from rlbus.producers.agent_loops.openai_agent import OpenAIAgentLoop
+
+        return OpenAIAgentLoop(cfg.rollout, engine, tokenizer, tools, reward_fn, seed=seed)
     if cfg.rollout.agent_loop == "single_turn":
         from rlbus.producers.agent_loops.single_turn import SingleTurnAgentLoop
 

@@ -1,0 +1,120 @@
+"""The agent loop for agents written against the OpenAI API: each sample is one run of the user's agent function
+with a client that points at the producer's own endpoint (producers/endpoint.py) under the sample's own key.
+
+    rollout:
+      agent_loop: openai
+      openai: {function: rlbus.producers.agents.calculator:rollout}
+
+    async def rollout(client: openai.AsyncOpenAI, task: PromptTask) -> float | None: ...
+
+A group of n samples is n concurrent runs of the function (their calls are batched by the engine as the built-in
+loops' are). Every sequence a run's calls form (producers/capture.py: usually one; more when the agent rewrites its
+history, or asks for n > 1 itself) is a sample of the group, with the run's reward: the number the function
+returns, or, when it returns None, the task's reward function (`rollout.reward`) applied to the sequence's
+response text, as the built-in loops score. A run that raises (its agent failed, a request was refused) fails the
+task, which the producer gives back or dead-letters as any failed task; the engine's own failure is re-raised as
+itself. Partial rollout does not restart samples here (the agent owns the conversation); the producer's check of
+the whole group before publishing still applies.
+
+    .venv/bin/python -m pytest -q tests/integration/test_endpoint.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from rlbus.producers.agent_loops.base import AgentLoop, Trajectory
+from rlbus.producers.endpoint import Endpoint
+from rlbus.producers.engines.base import RolloutEngine
+from rlbus.producers.rewards.registry import RewardFn
+from rlbus.producers.tools.registry import Tool, import_object
+from rlbus.schemas.config import RolloutConfig
+from rlbus.schemas.errors import ConfigError, RlbusError
+from rlbus.schemas.wire import PromptTask
+
+AgentFn = Callable[[Any, PromptTask], Awaitable["float | None"]]
+
+
+class AgentFailed(RlbusError):
+    """The agent function raised, or made no call to the model (there is nothing to train on)."""
+
+
+def load_agent(path: str) -> AgentFn:
+    fn = import_object(path, "rollout.openai.function")
+    if not inspect.iscoroutinefunction(fn):
+        raise ConfigError("rollout.openai.function", f"{path!r} must be an async function (client, task)")
+    return fn
+
+
+class OpenAIAgentLoop(AgentLoop):
+    """Runs the configured agent function once per sample against the endpoint; captures what the engine sampled."""
+
+    agent: AgentFn
+    endpoint: Endpoint
+    _started: asyncio.Lock
+
+    def __init__(
+        self,
+        cfg: RolloutConfig,
+        engine: RolloutEngine,
+        tokenizer: Any,
+        tools: Mapping[str, Tool],
+        reward_fn: RewardFn,
+        *,
+        seed: int | None = None,
+    ):
+        super().__init__(cfg, engine, tokenizer, tools, reward_fn, seed=seed)
+        self.agent = load_agent(cfg.openai.function)
+        self.endpoint = Endpoint(engine, tokenizer, cfg)
+        self._started = asyncio.Lock()
+
+    async def _episodes(self, trajs: list[Trajectory]) -> None:
+        raise NotImplementedError("the agent function drives its own turns (rollout_many)")
+
+    async def _ensure_started(self) -> None:
+        async with self._started:
+            if not self.endpoint.base_url:
+                await self.endpoint.start()
+
+    async def close(self) -> None:
+        await self.endpoint.close()
+
+    async def rollout_many(self, tasks: list[PromptTask], n: int) -> list[list[Trajectory]]:
+        await self._ensure_started()
+        runs = await asyncio.gather(*(self._run(task) for task in tasks for _ in range(n)))
+        return [[t for run in runs[i * n : (i + 1) * n] for t in run] for i in range(len(tasks))]
+
+    async def _run(self, task: PromptTask) -> list[Trajectory]:
+        import openai  # here, so that a config without this loop never imports the client
+
+        with self.endpoint.conversation() as session:
+            client = openai.AsyncOpenAI(
+                base_url=self.endpoint.base_url, api_key=session.key, max_retries=0, timeout=self.cfg.openai.timeout_s
+            )
+            try:
+                reward = await asyncio.wait_for(self.agent(client, task), self.cfg.openai.timeout_s)
+            except Exception as e:
+                if session.capture.failure is not None:  # the engine failed under the agent: that is the error
+                    raise session.capture.failure from e
+                raise AgentFailed(
+                    f"task {task.task_id}: the agent {self.cfg.openai.function} raised {type(e).__name__}: {e}"
+                ) from e
+            finally:
+                await client.close()
+        trajs = session.capture.trajectories()
+        if not trajs:
+            raise AgentFailed(f"task {task.task_id}: the agent {self.cfg.openai.function} made no model call")
+        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
+            raise AgentFailed(f"task {task.task_id}: the agent returned {reward!r}, not a number or None")
+        for traj in trajs:
+            t0 = time.perf_counter()
+            if reward is None:
+                traj.reward = await self.reward_fn(self.decode(traj.response_ids), task.ground_truth, task=task)
+            else:
+                traj.reward = float(reward)
+            traj.reward_time_s = time.perf_counter() - t0
+        return trajs

@@ -1,0 +1,334 @@
+"""An OpenAI-compatible endpoint on a producer, backed by its own rollout engine, for agents written elsewhere.
+
+    endpoint = Endpoint(engine, tokenizer, cfg.rollout)            # rollout.openai: host, port, model name
+    await endpoint.start()                                         # http://127.0.0.1:<free port>/v1
+    with endpoint.conversation() as conv:                          # a fresh API key for one rollout
+        client = openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=conv.key)
+        ...                                                        # conv.capture.trajectories() afterwards
+    await endpoint.close()
+
+Routes: `POST /v1/chat/completions` (messages, tools, tool_choice, temperature, top_p, max_tokens /
+max_completion_tokens, n, logprobs), `POST /v1/completions` (prompt as text or token ids), `GET /v1/models`. Every
+route needs `Authorization: Bearer <key>` of a rollout in flight (401 otherwise); a key dies with its rollout. It
+listens on loopback unless `rollout.openai.host` says otherwise. Replies are sampled by the engine exactly as the
+agent loops sample (stop at eos, log-probs of softmax(logits / temperature)); tool calls in a reply are read by the
+project's parser (agent_loops/tool_parser.py) and handed back as OpenAI `tool_calls`. What each call saw and sampled
+is captured token by token (producers/capture.py). Requests the endpoint refuses get OpenAI's error JSON:
+
+    401 invalid_api_key            no key, or a key of no rollout in flight
+    404 model_not_found            a model name other than rollout.openai.model
+    400 (param named)              malformed messages, tools or tool_choice; temperature <= 0; stream; stop
+    400 context_length_exceeded    a prompt over the model's context, or no room left in rollout.max_response_tokens
+    500 engine_error               the engine failed (the rollout then fails with the engine's error)
+
+    .venv/bin/python -m pytest -q tests/integration/test_endpoint.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from rlbus.producers.capture import (
+    Conversation,
+    Prepared,
+    Reply,
+    RequestError,
+    make_reply,
+    parse_messages,
+    parse_tools,
+)
+from rlbus.producers.engines.base import RolloutEngine, SamplingParams
+from rlbus.schemas.config import RolloutConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Session:
+    """One rollout's access to the endpoint: its key and what its calls captured."""
+
+    key: str
+    capture: Conversation
+
+
+def _number(body: dict, name: str, default: float, *, lo: float, hi: float | None = None, integer: bool = False):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        raise RequestError(400, f"{name} must be {'an integer' if integer else 'a number'}", param=name)
+    if value < lo or (hi is not None and value > hi):
+        raise RequestError(400, f"{name} must be in [{lo:g}, {'inf' if hi is None else f'{hi:g}'}]", param=name)
+    return value
+
+
+def model_context(tokenizer: Any) -> int:
+    """The model's context length: its config's max_position_embeddings when the tokenizer was loaded from the
+    model's directory, else the tokenizer's model_max_length."""
+    config = Path(getattr(tokenizer, "name_or_path", "") or ".") / "config.json"
+    if config.is_file():
+        positions = json.loads(config.read_text()).get("max_position_embeddings")
+        if isinstance(positions, int) and positions > 0:
+            return positions
+    return int(getattr(tokenizer, "model_max_length", 0) or 0) or 1 << 30
+
+
+class Endpoint:
+    """The HTTP server (aiohttp) and the sessions of the rollouts in flight."""
+
+    engine: RolloutEngine
+    tokenizer: Any
+    cfg: RolloutConfig
+    model: str  # the name requests must use
+    context_len: int  # longest prompt + reply the model takes
+    stop_token_id: int
+    base_url: str  # "http://host:port/v1" once started
+    _sessions: dict[str, Session]
+    _runner: web.AppRunner | None
+    _num_ids: int
+
+    def __init__(self, engine: RolloutEngine, tokenizer: Any, cfg: RolloutConfig, *, context_len: int = 0):
+        self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
+        self.model = cfg.openai.model
+        self.context_len = context_len or model_context(tokenizer)
+        self.stop_token_id = int(tokenizer.eos_token_id)
+        self.base_url = ""
+        self._sessions = {}
+        self._runner = None
+        self._num_ids = 0
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        app = web.Application(client_max_size=64 * 1024**2, middlewares=[self._errors])
+        app.add_routes(
+            [
+                web.post("/v1/chat/completions", self._chat),
+                web.post("/v1/completions", self._completions),
+                web.get("/v1/models", self._models),
+            ]
+        )
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.cfg.openai.host, self.cfg.openai.port)
+        await site.start()
+        host, port = site._server.sockets[0].getsockname()[:2]  # the port chosen when 0 was asked for
+        self.base_url = f"http://{host}:{port}/v1"
+        log.info("OpenAI-compatible endpoint on %s (model %r)", self.base_url, self.model)
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    @contextlib.contextmanager
+    def conversation(self) -> Iterator[Session]:
+        """A new API key for one rollout; the key stops working when the block ends."""
+        session = Session(
+            key=f"rlbus-{secrets.token_urlsafe(24)}", capture=Conversation(self.tokenizer, self.cfg.max_response_tokens)
+        )
+        self._sessions[session.key] = session
+        try:
+            yield session
+        finally:
+            del self._sessions[session.key]
+
+    # ---------------------------------------------------------------- requests
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except RequestError as e:
+            return web.json_response(e.body(), status=e.status)
+
+    def _session(self, request: web.Request) -> Session:
+        auth = request.headers.get("Authorization", "")
+        session = self._sessions.get(auth.removeprefix("Bearer ").strip()) if auth.startswith("Bearer ") else None
+        if session is None:
+            raise RequestError(
+                401, "no valid API key: each rollout has its own, valid while it runs", code="invalid_api_key"
+            )
+        return session
+
+    async def _body(self, request: web.Request) -> dict:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise RequestError(400, "the request body is not JSON") from None
+        if not isinstance(body, dict):
+            raise RequestError(400, "the request body must be a JSON object")
+        if body.get("model") != self.model:
+            raise RequestError(
+                404,
+                f"the model {body.get('model')!r} does not exist; this endpoint serves {self.model!r}",
+                param="model",
+                code="model_not_found",
+            )
+        if body.get("stream"):
+            raise RequestError(400, "stream is not supported", param="stream")
+        if body.get("stop"):
+            raise RequestError(400, "stop sequences are not supported (replies end at the model's eos)", param="stop")
+        return body
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self._session(request)
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "rlbus"}]}
+        )
+
+    def _params(self, body: dict, prepared: Prepared, session: Session) -> tuple[SamplingParams, int]:
+        n = _number(body, "n", 1, lo=1, hi=self.cfg.openai.max_n, integer=True)
+        temperature = _number(body, "temperature", self.cfg.temperature, lo=0.0)
+        if temperature <= 0:
+            raise RequestError(
+                400,
+                "temperature must be > 0: a trained policy samples, and its log-probs are "
+                "of softmax(logits / temperature)",
+                param="temperature",
+            )
+        top_p = _number(body, "top_p", self.cfg.top_p, lo=0.0, hi=1.0)
+        if top_p <= 0:
+            raise RequestError(400, "top_p must be > 0", param="top_p")
+        asked = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_tokens = _number({"max_tokens": asked}, "max_tokens", self.cfg.max_new_tokens, lo=1, integer=True)
+        room = min(session.capture.budget(prepared), self.context_len - len(prepared.prompt_ids))
+        if room <= 0:
+            raise RequestError(
+                400,
+                f"the prompt ({len(prepared.prompt_ids)} tokens, {len(prepared.base.response_ids)}"
+                f" of them in this rollout's response) leaves no room: the model's context is "
+                f"{self.context_len} tokens, a rollout's response at most "
+                f"{self.cfg.max_response_tokens}",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        params = SamplingParams(
+            temperature=float(temperature),
+            top_p=float(top_p),
+            top_k=self.cfg.top_k,
+            max_new_tokens=min(int(max_tokens), room),
+            stop_token_ids=(self.stop_token_id,),
+        )
+        return params, int(n)
+
+    async def _sample(
+        self,
+        session: Session,
+        prepared: Prepared,
+        params: SamplingParams,
+        n: int,
+        *,
+        tools_allowed: bool,
+        prompt_text: str | None = None,
+    ) -> tuple[list[tuple[Reply, Any]], str]:
+        call_id = self._new_id()
+        t0 = time.perf_counter()
+        try:
+            gens = await self.engine.generate([prepared.prompt_ids] * n, params)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the engine's failure: the client gets a 500, the rollout the engine's error
+            session.capture.failure = session.capture.failure or e
+            raise RequestError(
+                500, f"the engine failed: {type(e).__name__}: {e}", code="engine_error", kind="server_error"
+            ) from e
+        elapsed = time.perf_counter() - t0
+        out = []
+        for gen in gens:
+            stopped = gen.finish_reason == "stop" and bool(gen.token_ids) and gen.token_ids[-1] == self.stop_token_id
+            body_ids = gen.token_ids[:-1] if stopped else gen.token_ids
+            text = self.tokenizer.decode(body_ids, skip_special_tokens=False)
+            reply = make_reply(text, stopped, tools_allowed=tools_allowed, call_id=f"call_{call_id}")
+            session.capture.record(prepared, gen, reply, elapsed, self.stop_token_id, prompt_text=prompt_text)
+            out.append((reply, gen))
+        session.capture.num_calls += 1
+        return out, call_id
+
+    def _new_id(self) -> str:
+        self._num_ids += 1
+        return f"{self._num_ids}{secrets.token_hex(4)}"
+
+    def _logprobs(self, gen: Any) -> dict:
+        return {
+            "content": [
+                {
+                    "token": self.tokenizer.decode([t], skip_special_tokens=False),
+                    "logprob": lp,
+                    "bytes": None,
+                    "top_logprobs": [],
+                }
+                for t, lp in zip(gen.token_ids, gen.log_probs)
+            ]
+        }
+
+    def _response(
+        self, prefix: str, kind: str, call_id: str, choices: list[dict], prepared: Prepared, replies: list
+    ) -> web.Response:
+        prompt_len, completion = len(prepared.prompt_ids), sum(len(gen.token_ids) for _, gen in replies)
+        usage = {"prompt_tokens": prompt_len, "completion_tokens": completion, "total_tokens": prompt_len + completion}
+        return web.json_response(
+            {
+                "id": f"{prefix}-{call_id}",
+                "object": kind,
+                "created": int(time.time()),
+                "model": self.model,
+                "choices": choices,
+                "usage": usage,
+            }
+        )
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        session = self._session(request)
+        body = await self._body(request)
+        messages = parse_messages(body.get("messages"))
+        tools, tools_allowed = parse_tools(body.get("tools"), body.get("tool_choice"))
+        prepared = session.capture.prepare(messages, tools)
+        params, n = self._params(body, prepared, session)
+        replies, call_id = await self._sample(session, prepared, params, n, tools_allowed=tools_allowed)
+        choices = []
+        for i, (reply, gen) in enumerate(replies):
+            message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+            if reply.tool_calls:
+                message["tool_calls"] = reply.tool_calls
+            choices.append(
+                {
+                    "index": i,
+                    "message": message,
+                    "finish_reason": reply.finish_reason,
+                    "logprobs": self._logprobs(gen) if body.get("logprobs") else None,
+                }
+            )
+        return self._response("chatcmpl", "chat.completion", call_id, choices, prepared, replies)
+
+    async def _completions(self, request: web.Request) -> web.Response:
+        session = self._session(request)
+        body = await self._body(request)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # one prompt in a list
+        ok_ids = (
+            isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        )
+        if not (isinstance(prompt, str) and prompt) and not ok_ids:
+            raise RequestError(400, "prompt must be one non-empty text or list of token ids", param="prompt")
+        prepared = session.capture.prepare_completion(prompt)
+        params, n = self._params(body, prepared, session)
+        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt, skip_special_tokens=False)
+        replies, call_id = await self._sample(session, prepared, params, n, tools_allowed=False, prompt_text=text)
+        choices = [
+            {"index": i, "text": reply.text, "finish_reason": reply.finish_reason, "logprobs": None}
+            for i, (reply, _) in enumerate(replies)
+        ]
+        return self._response("cmpl", "text_completion", call_id, choices, prepared, replies)

@@ -1,0 +1,235 @@
+"""The producer's OpenAI-compatible endpoint, served over real HTTP on loopback to the real `openai` client, backed by
+the HF engine on a tiny warm-started quickstart model (it calls the calculator about half the time).
+
+What a user relies on: an OpenAI agent's multi-turn, tool-calling conversations come back as sequences whose
+behaviour log-probs are the trainer's own at the same weights (importance weight 1), with mask 1 exactly on sampled
+tokens; a bad request gets the error the client raises for it; a key works only while its rollout runs.
+
+    .venv/bin/python -m pytest -q tests/integration/test_endpoint.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlbus.common.data.datasets import load_dataset
+from rlbus.common.model.demos import prompt_messages
+from rlbus.common.model.init_model import init_model
+from rlbus.producers.agent_loops import make_agent_loop
+from rlbus.producers.agent_loops.openai_agent import AgentFailed
+from rlbus.producers.agents.calculator import CALCULATOR_TOOL
+from rlbus.producers.engines.hf import HFEngine
+from rlbus.producers.rewards import load_reward
+from rlbus.schemas.config import HFEngineConfig, from_dict
+from rlbus.schemas.wire import PromptTask
+from rlbus.trainer.engine import token_log_probs
+
+AGENT = "rlbus.producers.agents.calculator:rollout"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the CPU is shared with other test runs
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    # 60 warm-start steps (~10 s): enough for the model to call the calculator in about half of its first turns.
+    return init_model(tmp_path_factory.mktemp("endpoint") / "model", steps=60, num_threads=1, log=lambda *_: None)
+
+
+def run_config(model_dir, function: str = AGENT, **rollout):
+    return from_dict(
+        {
+            "model": {"path": str(model_dir)},
+            "data": {"type": "synthetic", "num_examples": 16},
+            "rollout": {
+                "agent_loop": "openai",
+                "openai": {"function": function},
+                "max_new_tokens": 40,
+                "max_response_tokens": 120,
+                **rollout,
+            },
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+async def stack(model_dir):
+    """(config, engine, agent loop) with the endpoint started; the engine's sampling is seeded."""
+    cfg = run_config(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    engine = HFEngine(str(model_dir), HFEngineConfig(), seed=0)
+    loop = make_agent_loop(cfg, engine, tokenizer, {}, load_reward(cfg.rollout))
+    await loop._ensure_started()
+    yield cfg, engine, loop
+    await loop.close()
+    await engine.close()
+
+
+@pytest.fixture(scope="module")
+def policy(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def tasks(cfg, k: int) -> list[PromptTask]:
+    data = load_dataset(cfg.data, None)
+    return [PromptTask(task_id=f"t{i}", prompt=data[i].prompt, ground_truth=data[i].ground_truth) for i in range(k)]
+
+
+def trainer_log_probs(policy, traj, temperature: float) -> torch.Tensor:
+    """What the trainer computes for the sequence (trainer/engine.py), at the response positions."""
+    ids_BT = torch.tensor([traj.prompt_ids + traj.response_ids])
+    with torch.no_grad():
+        logits_BTV = policy(input_ids=ids_BT).logits
+    return token_log_probs(logits_BTV, ids_BT, temperature)[0, len(traj.prompt_ids) :]
+
+
+def assert_token_exact(policy, traj, temperature: float = 1.0) -> None:
+    mask = torch.tensor(traj.response_mask).bool()
+    captured = torch.tensor(traj.log_probs)
+    recomputed = trainer_log_probs(policy, traj, temperature)
+    assert (recomputed[mask] - captured[mask]).abs().max() < 1e-4  # importance weight 1 at the same version
+    assert captured[~mask].eq(0).all() and all(v == -1 for v, m in zip(traj.versions, traj.response_mask) if not m)
+    assert all(v == 0 for v, m in zip(traj.versions, traj.response_mask) if m)
+
+
+async def test_tool_calling_conversations_are_captured_token_exact(stack, policy):
+    cfg, _, loop = stack
+    groups = await loop.rollout_many(tasks(cfg, 3), 4)
+    trajs = [t for g in groups for t in g]
+    assert [len(g) for g in groups] == [4, 4, 4]  # one sequence per run of the agent: it never rewrites history
+    multi = [t for t in trajs if t.num_tool_calls >= 1 and t.num_turns == 2]
+    assert multi, "no conversation called the calculator and answered (the fixture model should, about half the time)"
+    for traj in trajs:
+        assert_token_exact(policy, traj)
+    text = loop.decode(multi[0].response_ids)
+    assert "<tool_response>" in text and text.endswith(loop.tokenizer.eos_token)
+    # The tool response and the headers around it are context, not trained; every sampled token is.
+    inserted = [i for i, m in zip(multi[0].response_ids, multi[0].response_mask) if not m]
+    assert "<tool_response>" in loop.decode(inserted) and "<tool_call>" not in loop.decode(inserted)
+    # Returning None, the agent leaves scoring to rollout.reward (math): a correct answer scores 1.
+    assert all(
+        t.reward == (1.0 if f"<answer>{task.ground_truth}</answer>" in loop.decode(t.response_ids) else 0.0)
+        for task, g in zip(tasks(cfg, 3), groups)
+        for t in g
+    )
+
+
+async def test_n_temperature_and_logprobs_of_one_call(stack, policy):
+    _, _, loop = stack
+    endpoint = loop.endpoint
+    with endpoint.conversation() as session:
+        async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=session.key, max_retries=0) as client:
+            out = await client.chat.completions.create(
+                model="policy",
+                messages=prompt_messages("What is 12*31?"),
+                tools=[CALCULATOR_TOOL],
+                n=3,
+                temperature=0.7,
+                logprobs=True,
+                max_tokens=12,
+            )
+            models = await client.models.list()
+    assert [m.id for m in models.data] == ["policy"]
+    assert len(out.choices) == 3 and out.usage.completion_tokens <= 36
+    trajs = session.capture.trajectories()
+    assert len(trajs) == 3
+    for choice, traj in zip(out.choices, trajs):
+        assert [lp.logprob for lp in choice.logprobs.content] == traj.log_probs
+        assert_token_exact(policy, traj, temperature=0.7)
+
+
+async def test_completions_continue_a_sequence(stack, policy):
+    _, _, loop = stack
+    endpoint = loop.endpoint
+    with endpoint.conversation() as session:
+        async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=session.key, max_retries=0) as client:
+            first = await client.completions.create(
+                model="policy", prompt="<|im_start|>user\nWhat is 3+4?", max_tokens=6
+            )
+            text = "<|im_start|>user\nWhat is 3+4?" + first.choices[0].text + "\n"
+            await client.completions.create(model="policy", prompt=text, max_tokens=6)
+    [traj] = session.capture.trajectories()
+    assert traj.num_turns == 2
+    assert_token_exact(policy, traj)
+
+
+async def test_bad_requests_get_the_errors_the_client_expects(stack):
+    _, _, loop = stack
+    endpoint = loop.endpoint
+    messages = prompt_messages("What is 1+1?")
+    async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key="rlbus-guess", max_retries=0) as client:
+        with pytest.raises(openai.AuthenticationError):
+            await client.chat.completions.create(model="policy", messages=messages)
+    with endpoint.conversation() as session:
+        async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=session.key, max_retries=0) as client:
+            create = client.chat.completions.create
+            with pytest.raises(openai.NotFoundError) as e:
+                await create(model="gpt-4o", messages=messages)
+            assert e.value.code == "model_not_found"
+            with pytest.raises(openai.BadRequestError) as e:
+                await create(model="policy", messages=messages, tools=[{"type": "function", "function": {}}])
+            assert e.value.param == "tools[0]"
+            with pytest.raises(openai.BadRequestError) as e:
+                await create(model="policy", messages=[{"role": "user", "content": "7+" * 1500}])
+            assert e.value.code == "context_length_exceeded"
+            with pytest.raises(openai.BadRequestError) as e:
+                await create(model="policy", messages=messages, temperature=0)
+            assert e.value.param == "temperature"
+            with pytest.raises(openai.BadRequestError) as e:
+                await create(model="policy", messages=messages, stream=True)
+            ok = await create(model="policy", messages=messages, max_tokens=4)
+            assert ok.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # The key died with its rollout.
+    async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=session.key, max_retries=0) as client:
+        with pytest.raises(openai.AuthenticationError):
+            await client.chat.completions.create(model="policy", messages=messages)
+    assert endpoint.base_url.startswith("http://127.0.0.1:")
+
+
+async def agent_with_a_wrong_model(client, task):
+    await client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+
+
+async def agent_that_never_calls(client, task):
+    return 1.0
+
+
+async def agent_rewarding_by_itself(client, task):
+    await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    return 0.25
+
+
+@pytest.mark.parametrize(
+    "function,expect", [("agent_with_a_wrong_model", "NotFoundError"), ("agent_that_never_calls", "made no model call")]
+)
+async def test_a_failing_agent_fails_its_rollout(model_dir, stack, function, expect):
+    cfg = run_config(model_dir, f"{__name__}:{function}")
+    _, engine, base = stack
+    loop = make_agent_loop(cfg, engine, base.tokenizer, {}, load_reward(cfg.rollout))
+    try:
+        with pytest.raises(AgentFailed, match=expect):
+            await loop.rollout_group(tasks(cfg, 1)[0], 2)
+    finally:
+        await loop.close()
+
+
+async def test_an_agents_own_reward_is_every_sequences_reward(model_dir, stack):
+    cfg = run_config(model_dir, f"{__name__}:agent_rewarding_by_itself")
+    _, engine, base = stack
+    loop = make_agent_loop(cfg, engine, base.tokenizer, {}, load_reward(cfg.rollout))
+    try:
+        group = await asyncio.wait_for(loop.rollout_group(tasks(cfg, 1)[0], 3), 60)
+    finally:
+        await loop.close()
+    assert [t.reward for t in group] == [0.25] * 3 and all(math.isfinite(sum(t.log_probs)) for t in group)

@@ -1,0 +1,51 @@
+"""`rlbus up` trains an agent written against the OpenAI API (`rollout.agent_loop: openai`): the quickstart's
+calculator agent (producers/agents/calculator.py), through each producer's endpoint, on the tiny test model. Its
+first try of one prompt sends a bad request (an unknown model name): the client raises, the rollout fails, the task
+is dead-lettered (bus.max_deliver 1) and released again, and the retry is trained -- all named in the ledger.
+
+    .venv/bin/python -m pytest -q tests/system/test_openai_agent.py
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from rlbus.consumers.ledger import read_ledger
+from rlbus.trainer.metrics import read_metrics
+from tests.support.runs import check_ledger, log_tail, small_run_config, start_role, stop, write_config
+
+pytestmark = pytest.mark.slow
+
+AGENT = '''
+from rlbus.producers.agents import calculator
+
+
+async def rollout(client, task):
+    if task.index == 0 and task.attempt == 0:  # a bad request: the client raises openai.NotFoundError
+        await client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    return await calculator.rollout(client, task)
+'''
+
+
+def test_rlbus_up_trains_an_openai_client_agent(tmp_path, tiny_model_dir, run_name, monkeypatch):
+    (tmp_path / "my_agent.py").write_text(AGENT)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the launcher's children import the agent from here
+    run_dir = tmp_path / "run"
+    cfg = small_run_config(run_name, run_dir, tiny_model_dir, "", "", "", bus={"max_deliver": 1},
+                           rollout={"num_producers": 1, "agent_loop": "openai", "tools": [],
+                                    "openai": {"function": "my_agent:rollout"}},
+                           trainer={"total_steps": 3}, feeder={"shuffle": False})
+    up = start_role("up", write_config(tmp_path / "run.yaml", cfg), tmp_path / "logs", name="up")
+    try:
+        assert up.wait(timeout=400) == 0, log_tail(up)
+    finally:
+        stop(up, signal.SIGKILL)
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["response_length/mean"] > 0 for r in rows)
+    check_ledger(run_dir, cfg)
+    ledger = read_ledger(run_dir)
+    assert "e0-i0-a0" in ledger.dead_lettered and "e0-i0-a0" in ledger.reissued
+    assert "e0-i0-a1" in ledger.trained

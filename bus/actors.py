@@ -51,6 +51,7 @@ class Shard:
         self.num_bytes = 0
         self.staged: dict[str, Staged] = {}  # txn id -> a put waiting for commit
         self.by_owner: dict[str, set[str]] = {}  # owner_of(key) -> the stored keys under it
+        self.started_at = time.time()  # Unix time; a shard Ray restarts (empty) has a later one
 
     def _usage(self) -> tuple[int, int]:
         return (
@@ -142,6 +143,7 @@ class Shard:
     def stats(self) -> dict:
         return {
             "shard": self.index,
+            "started_at": self.started_at,
             "items": len(self.items),
             "bytes": self.num_bytes,
             "staged_items": sum(len(s.items) for s in self.staged.values()),

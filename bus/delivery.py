@@ -51,6 +51,11 @@ class Delivery(Generic[T]):
         return self._msg.metadata.num_delivered
 
     @property
+    def stored_at(self) -> float:
+        """Unix time JetStream stored the message (the server's clock: no publisher can set it)."""
+        return self._msg.metadata.timestamp.timestamp()
+
+    @property
     def msg_id(self) -> str:
         """The Nats-Msg-Id header ("" if the publisher set none)."""
         return msg_id_of(self._msg)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 import uuid
 import zlib
 from collections.abc import Mapping, Sequence
@@ -220,6 +221,15 @@ class TransferQueue:
         total = {k: sum(s[k] for s in shards) for k in ("items", "bytes", "capacity_items", "capacity_bytes")}
         return {**total, "shards": shards}
 
+    def _up_since_plan(self, keys: Sequence[str]) -> Plan[float]:
+        order = sorted({self.shard_of(k) for k in keys})
+        try:
+            shards = yield from retried(lambda: [self.shards[i].stats.remote() for i in order],
+                                        f"TransferQueue {self.run} stats", revive=self._revive)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError):
+            return time.time()  # a shard down now: whatever it held is lost
+        return max((s["started_at"] for s in shards), default=0.0)
+
     # -- async API -------------------------------------------------------------------------------------------
 
     async def put(self, key: str, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -238,6 +248,11 @@ class TransferQueue:
         """Drop keys, and every key under each of `owners`, and free their memory; returns how many were stored.
         Unknown keys and owners are ignored."""
         return await run_async(self._delete_plan(keys, owners))
+
+    async def up_since(self, keys: Sequence[str]) -> float:
+        """Unix time since which the shards of `keys` have run without a restart (the latest start among them): a
+        key missing there was put before that moment and lost, or never put at all."""
+        return await run_async(self._up_since_plan(keys))
 
     async def stats(self) -> dict:
         """items, bytes, capacity_items, capacity_bytes over all shards, and `shards`: each shard's counters."""

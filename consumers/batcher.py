@@ -30,6 +30,10 @@ from rlbus.schemas.wire import TrajectoryGroup
 
 log = logging.getLogger("rlbus.batcher")
 
+#: Beyond bus.retry_s (how long a producer's publish may take after its put), how much earlier than a group was
+#: stored its TransferQueue shards must have started for its missing payload to count as never put (clock skew).
+NEVER_PUT_SLACK_S = 10.0
+
 
 class Releases(Protocol):
     """Whoever released the prompts (the trainer's feeder): told of every release that will never be trained."""
@@ -37,6 +41,10 @@ class Releases(Protocol):
     def abandon(self, index: int, epoch: int, attempt: int, *, reissue: bool) -> None:
         """Release `index` of `epoch` (its `attempt`-th release) will not become a trained group; release the example
         again when `reissue`."""
+
+    def vouch(self, task: str, index: int, epoch: int, attempt: int) -> str | None:
+        """None if `task` is a release made and not yet superseded; otherwise why not (a group naming anything else
+        is dead-lettered with that reason, and steers nothing)."""
 
 
 class Held(msgspec.Struct):
@@ -144,6 +152,13 @@ class Batcher:
         if g.group_id in self._held:  # redelivered while we hold it: keep the first delivery
             self.counts.duplicates += 1
             return None
+        distrust = self._releases.vouch(g.task_id, g.index, g.epoch, g.attempt) or _inconsistent(g)
+        if distrust is not None:
+            # Not a release of ours (forged, or a copy of one already re-issued): it frees no admission slot and
+            # re-issues nothing; the dead letter says why. Not remembered as discarded: the real group may come.
+            self.counts.dead_lettered += 1
+            await d.dead_letter(f"group {g.group_id} from {g.producer_id!r}: {distrust}")
+            return None
         bad = [s.key for s in g.samples if not math.isfinite(s.reward)]
         if bad:
             # A NaN or inf reward would make the whole step's loss NaN (and waste every other group of it). Not
@@ -184,11 +199,25 @@ class Batcher:
         self._releases.abandon(g.index, g.epoch, g.attempt, reissue=reissue)
 
     async def payload_missing(self, group_ids: list[str]) -> None:
-        """Groups whose tensors are gone (Ray restarted): acknowledge them and re-issue their prompts."""
+        """Groups whose tensors are gone (Ray restarted): acknowledge them and re-issue their prompts.
+
+        Unless they were never there: a producer puts a group's tensors before it publishes the group, and its
+        publish takes at most bus.retry_s, so tensors missing from shards that ran without a restart since well
+        before the group was stored (JetStream's clock, which no publisher sets) were never put. Such a group is
+        dead-lettered, naming that, and its prompt stays with the release in flight (no re-issue).
+        """
         for gid in group_ids:
             held = self._held.pop(gid)
-            self.counts.missing_payload += 1
             g = held.delivery.data
+            up_since = await self._tq.up_since(g.keys)
+            if up_since < held.delivery.stored_at - self.cfg.bus.retry_s - NEVER_PUT_SLACK_S:
+                self.counts.dead_lettered += 1
+                await held.delivery.dead_letter(
+                    f"group {g.group_id} from {g.producer_id!r}: its payloads were never put (the TransferQueue "
+                    f"shards of {g.keys[:3]} have run without a restart since {held.delivery.stored_at - up_since:.0f}"
+                    " s before the group was published, and do not hold them)")
+                continue
+            self.counts.missing_payload += 1
             await held.delivery.ack()
             await self._free(g)
             self._releases.abandon(g.index, g.epoch, g.attempt, reissue=True)
@@ -250,3 +279,16 @@ class Batcher:
             await asyncio.sleep(period)
             for delivery in [h.delivery for h in self._held.values()] + list(self._backlog):
                 await delivery.in_progress()
+
+
+def _inconsistent(g: TrajectoryGroup) -> str | None:
+    """Why a group cannot be what a producer publishes for its task (None if it can): a producer names the group
+    after its task and stores its tensors under `<task id>/...` keys, one per sample."""
+    if g.group_id != g.task_id:
+        return f"group id {g.group_id!r} is not its task id {g.task_id!r}"
+    if not g.samples:
+        return "it has no samples"
+    foreign = [k for k in g.keys if not k.startswith(f"{g.task_id}/")]
+    if foreign:
+        return f"payload keys {foreign[:3]} are not under its task id {g.task_id!r}"
+    return None

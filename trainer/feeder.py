@@ -54,6 +54,7 @@ class FeederState(msgspec.Struct, kw_only=True):
     gave_up: list[str] = []  # their last task ids, so that the ledger accounts for each by name
     dead_lettered: list[str] = []  # task ids whose dead letter was handled (re-issued once)
     exhausted: bool = False  # all epochs released
+    attempts: dict[str, int] = {}  # "e<epoch>-i<index>" -> its latest re-issue (scheduled or released); absent: 0
 
 
 def task_id(index: int, epoch: int, attempt: int) -> str:
@@ -87,6 +88,7 @@ class Feeder:
     _wake: asyncio.Event
     _path: Path
     _order: list[int]
+    _position: list[int]  # example index -> its position in this epoch's order
     _on_release: Callable[[PromptTask, str], None] | None  # the event recorder (the work queue allows no 2nd reader)
     _forget: Callable[[list[str]], Awaitable[Any]] | None  # frees whatever tasks stored in the TransferQueue
     _bound: Callable[[], int] | None  # the staleness bound in force (the stability guard's); None = the configured
@@ -105,7 +107,7 @@ class Feeder:
         self._wake = asyncio.Event()
         self._path = cfg.run_dir / "feeder.json"
         self.state = state or self._load_saved() or FeederState()
-        self._order = permutation(len(dataset), cfg.feeder.seed, self.state.epoch, cfg.feeder.shuffle)
+        self._set_order()
 
     # -------------------------------------------------------------- admission
 
@@ -127,6 +129,7 @@ class Feeder:
         if reissue:
             if attempt + 1 < self.cfg.feeder.max_attempts:
                 self.state.reissues.append(Reissue(index=index, epoch=epoch, attempt=attempt + 1))
+                self.state.attempts[_example(index, epoch)] = attempt + 1
             else:
                 self.state.given_up += 1
                 self.state.gave_up.append(task_id(index, epoch, attempt))
@@ -135,6 +138,26 @@ class Feeder:
         # lose the re-issue and keep the admission slot held for good.
         self._save()
         self.notify()
+
+    def vouch(self, task: str, index: int, epoch: int, attempt: int) -> str | None:
+        """None if `task` (index, epoch, attempt) is a release this feeder made and has not superseded; otherwise
+        why not. Only such a release may re-issue or retire its prompt: a group or a dead letter that names
+        anything else (forged, or a copy of a release already re-issued) is dead-lettered with this reason."""
+        s = self.state
+        if task != task_id(index, epoch, attempt):
+            return f"task id {task!r} does not match its index {index}, epoch {epoch}, attempt {attempt}"
+        if not 0 <= index < len(self._dataset):
+            return f"task {task} names example {index}; the data set has {len(self._dataset)}"
+        if epoch > s.epoch or (epoch == s.epoch and self._position[index] >= s.cursor):
+            return f"task {task} was never released (the feeder is at epoch {s.epoch}, position {s.cursor})"
+        latest = s.attempts.get(_example(index, epoch), 0)
+        if attempt > latest or Reissue(index=index, epoch=epoch, attempt=attempt) in s.reissues:
+            return f"task {task} was never released (example {index} of epoch {epoch} is at attempt {latest})"
+        if attempt < latest:
+            return f"task {task} was superseded: its prompt was already re-issued as attempt {latest}"
+        if task in s.gave_up:
+            return f"task {task} was given up after {attempt + 1} releases"
+        return None
 
     # -------------------------------------------------------------- main loop
 
@@ -180,7 +203,7 @@ class Feeder:
                 return None
             s.epoch += 1
             s.cursor = 0
-            self._order = permutation(len(self._dataset), self.cfg.feeder.seed, s.epoch, self.cfg.feeder.shuffle)
+            self._set_order()
         index = self._order[s.cursor]
         s.cursor += 1
         return index, s.epoch, 0
@@ -217,6 +240,10 @@ class Feeder:
                 continue  # garbage on the prompts subject names no example
             if task.task_id in handled:
                 continue
+            distrust = self.vouch(task.task_id, task.index, task.epoch, task.attempt)
+            if distrust is not None:  # not ours to act on: a forged letter, or one of a release already replaced
+                log.warning("dead letter of task %s ignored: %s", task.task_id, distrust)
+                continue
             handled.add(task.task_id)
             self.state.dead_lettered.append(task.task_id)
             log.warning("task %s was dead-lettered (%s); releasing it again", task.task_id, letter.reason)
@@ -252,5 +279,15 @@ class Feeder:
         restored = msgspec.convert(d, FeederState)
         if restored.released > self.state.released:
             self.state = restored
-            self._order = permutation(len(self._dataset), self.cfg.feeder.seed, restored.epoch,
-                                      self.cfg.feeder.shuffle)
+            self._set_order()
+
+    def _set_order(self) -> None:
+        """This epoch's order of examples, and each example's position in it (what `vouch` asks)."""
+        self._order = permutation(len(self._dataset), self.cfg.feeder.seed, self.state.epoch, self.cfg.feeder.shuffle)
+        self._position = [0] * len(self._order)
+        for pos, index in enumerate(self._order):
+            self._position[index] = pos
+
+
+def _example(index: int, epoch: int) -> str:
+    return f"e{epoch}-i{index}"

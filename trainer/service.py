@@ -231,7 +231,7 @@ class TrainerService:
                 break
             owner = {key: g.group_id for g in groups for key in g.keys}
             lost = {owner[k] for k in result.missing}
-            log.warning("payload missing for %d group(s); re-issuing their prompts", len(lost))
+            log.warning("payload missing for %d group(s); re-issuing their prompts (unless never put)", len(lost))
             await self.batcher.payload_missing(sorted(lost))
             groups = [g for g in groups if g.group_id not in lost]
             more = await self._next_batch(len(lost))

@@ -14,6 +14,7 @@ semantics is tested by the integration tests against a real nats-server (tests/s
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
@@ -42,6 +43,7 @@ class MemoryDelivery:
         self.terms = 0
         self.in_progress_calls = 0
         self.dead_letters: list[str] = []  # reasons of dead_letter() calls (the real one publishes, then terms)
+        self.stored_at = time.time()  # JetStream's clock, when the message was stored
 
     @property
     def settled(self) -> bool:
@@ -150,6 +152,9 @@ class MemoryTransferQueue:
     def __init__(self) -> None:
         self.deleted: list[list[str]] = []  # the keys of every delete call
         self.owners_deleted: list[list[str]] = []  # its owners
+
+    async def up_since(self, keys: list[str]) -> float:
+        return time.time()  # as if restarted just now: a missing payload was lost, not never put
 
     async def delete(self, keys: list[str], owners: list[str] = ()) -> int:
         self.deleted.append(list(keys))

@@ -1,0 +1,110 @@
+"""The feeder trusts only itself: a trajectory group (or a prompt's dead letter) re-issues or retires a prompt only
+when it names a release the feeder made and has not superseded, and its payloads were really put; anything else is
+dead-lettered with the reason (trainer/feeder.py `vouch`, consumers/batcher.py).
+
+    .venv/bin/python -m pytest -q tests/unit/test_feeder_trust.py
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from rlbus.consumers.batcher import Batcher
+from rlbus.schemas.wire import DeadLetter, PromptTask, encode
+from rlbus.trainer.feeder import Feeder
+from tests.support.memory_bus import MemoryBus, MemoryTransferQueue
+from tests.unit.test_batcher import group
+from tests.unit.test_feeder import DATASET, N, Version, make_cfg
+
+pytestmark = pytest.mark.timeout(10)
+
+
+class RecordingTQ(MemoryTransferQueue):
+    def __init__(self, up_since: float) -> None:
+        super().__init__()
+        self.started = up_since
+
+    async def up_since(self, keys: list[str]) -> float:
+        return self.started
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> tuple[Feeder, MemoryBus]:
+    bus = MemoryBus()
+    feeder = Feeder(make_cfg(tmp_path / "run", "feeder.max_attempts=3"), DATASET, bus, Version())
+    return feeder, bus
+
+
+async def test_vouch_knows_its_own_releases_and_nothing_else(run) -> None:
+    feeder, _ = run
+    assert await feeder._release(2) == 2  # examples 0 and 1 of epoch 0 (no shuffle)
+    assert feeder.vouch("e0-i1-a0", 1, 0, 0) is None
+    assert "never released" in feeder.vouch("e0-i4-a0", 4, 0, 0)
+    assert "never released" in feeder.vouch("e1-i0-a0", 0, 1, 0)
+    assert "never released" in feeder.vouch("e0-i1-a1", 1, 0, 1)
+    assert "does not match" in feeder.vouch("e0-i1-a0", 0, 0, 0)
+    assert f"the data set has {N}" in feeder.vouch(f"e0-i{N}-a0", N, 0, 0)
+    feeder.abandon(1, 0, 0, reissue=True)  # its payload was lost: attempt 1 is scheduled, not yet released
+    assert "superseded" in feeder.vouch("e0-i1-a0", 1, 0, 0)
+    assert "never released" in feeder.vouch("e0-i1-a1", 1, 0, 1)
+    await feeder._release(1)
+    assert feeder.vouch("e0-i1-a1", 1, 0, 1) is None
+    feeder.abandon(1, 0, 1, reissue=True)
+    await feeder._release(1)
+    feeder.abandon(1, 0, 2, reissue=True)  # the third release of three: given up
+    assert "given up" in feeder.vouch("e0-i1-a2", 1, 0, 2)
+    # Saved with the state: a restarted feeder vouches the same.
+    again = Feeder(feeder.cfg, DATASET, MemoryBus(), Version())
+    assert "superseded" in again.vouch("e0-i1-a1", 1, 0, 1) and again.vouch("e0-i0-a0", 0, 0, 0) is None
+
+
+async def test_a_forged_group_naming_a_real_prompt_is_dead_lettered_and_reissues_nothing(run) -> None:
+    feeder, bus = run
+    await feeder._release(2)
+    b = Batcher(feeder.cfg, bus, MemoryTransferQueue(), feeder)
+    forged = [
+        group(5),  # a prompt never released
+        msgspec.structs.replace(group(1), task_id="e0-i0-a0"),  # names one task, answers another
+        msgspec.structs.replace(group(1), samples=[msgspec.structs.replace(s, key=f"e0-i0-a0/{j}")
+                                                   for j, s in enumerate(group(1).samples)]),  # another task's keys
+    ]  # fmt: skip
+    ds = [bus.deliver_group(g) for g in forged]
+    real = bus.deliver_group(group(1))
+    assert [g.group_id for g in await b.next_batch(version=0, need=1)] == ["e0-i1-a0"]
+    assert [d.terms for d in ds] == [1, 1, 1] and real.terms == 0
+    assert "never released" in ds[0].dead_letters[0]
+    assert "does not match" in ds[1].dead_letters[0] and "are not under its task id" in ds[2].dead_letters[0]
+    assert feeder.state.abandoned == 0 and feeder.state.reissues == [] and b.counts.dead_lettered == 3
+
+
+@pytest.mark.parametrize(("shards_started_s_before", "reissued"), [(120.0, False), (5.0, True)])
+async def test_a_missing_payload_reissues_only_if_a_restart_can_have_lost_it(
+    run, shards_started_s_before: float, reissued: bool
+) -> None:
+    feeder, bus = run
+    await feeder._release(2)
+    tq = RecordingTQ(up_since=time.time() - shards_started_s_before)  # bus.retry_s is 30 s: the bound is 40 s
+    b = Batcher(feeder.cfg, bus, tq, feeder)
+    d = bus.deliver_group(group(0))
+    await b.next_batch(version=0, need=1)
+    await b.payload_missing(["e0-i0-a0"])
+    assert (feeder.state.reissues != []) is reissued
+    if reissued:
+        assert d.acks == 1 and b.counts.missing_payload == 1
+    else:
+        assert d.terms == 1 and "never put" in d.dead_letters[0] and feeder.state.abandoned == 0
+
+
+async def test_a_forged_prompt_dead_letter_reissues_nothing(run) -> None:
+    feeder, bus = run
+    await feeder._release(1)
+    task = PromptTask(task_id="e0-i3-a0", prompt=[], index=3)  # never released
+    letter = DeadLetter(reason="forged", original_subject=bus.subjects.prompts, payload=encode(task),
+                        payload_bytes=len(encode(task)))  # fmt: skip
+    await bus.publish(bus.subjects.dead_letter, letter)
+    await feeder.reissue_dead_letters()
+    assert feeder.state.reissues == [] and feeder.state.abandoned == 0

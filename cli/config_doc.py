@@ -21,7 +21,8 @@ SECTIONS = {
     "rollout": C.RolloutConfig, "rollout.engine (type: hf)": C.HFEngineConfig,
     "rollout.engine (type: vllm)": C.VLLMEngineConfig, "rollout.engine (type: simulated)": C.SimulatedEngineConfig,
     "rollout.openai": C.OpenAIAgentConfig,
-    "algorithm": C.AlgorithmConfig, "trainer": C.TrainerConfig, "feeder": C.FeederConfig, "eval": C.EvalConfig,
+    "algorithm": C.AlgorithmConfig, "trainer": C.TrainerConfig, "critic": C.CriticConfig, "feeder": C.FeederConfig,
+    "eval": C.EvalConfig,
     "logging": C.LoggingConfig, "launcher": C.LauncherConfig, "guard": C.GuardConfig,
 }
 

@@ -240,16 +240,22 @@ class RolloutConfig(_Section):
               "agent_loop: openai needs the agent, 'pkg.module:fn'")
 
 
+# grpo (group z-score), rloo (leave-one-out), reinforce_plus_plus (discounted returns, batch-whitened),
+# reinforce_plus_plus_baseline (group mean removed, batch-whitened), gae (a critic: the critic section): verl's names.
+AdvEstimatorName = Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
 class AlgorithmConfig(_Section):
-    adv_estimator: Literal["grpo", "rloo"] = "grpo"  # grpo (group z-score) or rloo (leave-one-out baseline)
+    adv_estimator: AdvEstimatorName = "grpo"  # grpo, rloo, reinforce_plus_plus(_baseline), gae (trains the critic)
     norm_adv_by_std: bool = True  # False = Dr.GRPO
+    gamma: float = 1.0  # discount over response tokens (gae, reinforce_plus_plus)
+    lam: float = 1.0  # GAE's lambda (gae)
     clip_ratio_low: float = 0.2  # ratio clipped to [1 - low, 1 + high]
     clip_ratio_high: float = 0.2  # clip-higher (DAPO uses 0.28)
     clip_ratio_c: float = 3.0  # dual-clip lower bound for negative advantages; must be > 1
     loss_agg_mode: LossAggMode = "token-mean"  # how token losses become the step loss (see trainer/algorithms)
+    loss_mode: Literal["vanilla", "gspo", "cispo"] = "vanilla"  # PPO clip, GSPO (sequence ratio), CISPO (clipped IS)
     off_policy: Literal["decoupled", "bypass", "none"] = "decoupled"  # decoupled / bypass / none
     is_cap: float = 2.0  # truncation C of the importance weight proximal / behaviour
     log_ratio_clamp: float = 20.0  # |log ratio| clamp before exp, for stability
@@ -327,6 +333,8 @@ class AlgorithmConfig(_Section):
         _need(self.log_ratio_clamp > 0, "log_ratio_clamp", "must be > 0")
         _need(self.loss_scale_factor >= 0, "loss_scale_factor", "must be >= 0 (0 = the step's longest response)")
         _need(self.kl_coef >= 0, "kl_coef", "must be >= 0")
+        _need(0 <= self.gamma <= 1, "gamma", "must be in [0, 1]")
+        _need(0 <= self.lam <= 1, "lam", "must be in [0, 1]")
         _ = (self.is_bounds, self.rs_bounds)  # parsed now: a bad bound is a config error, not a crash at step 1
         _need(self.rollout_is is None or self.off_policy == "decoupled", "rollout_is",
               f"needs off_policy: decoupled (under {self.off_policy} no importance weight is applied)")
@@ -334,6 +342,31 @@ class AlgorithmConfig(_Section):
               "needs rollout_is")
         _need(self.rollout_rs_threshold is None or self.rollout_rs is not None, "rollout_rs_threshold",
               "is set but rollout_rs is not (it would be ignored)")
+
+
+class CriticConfig(_Section):
+    """The value model trained beside the policy when algorithm.adv_estimator is gae (verl's critic.* names).
+
+    A separate transformer initialised from `path` with a fresh scalar head (verl's AutoModelForTokenClassification
+    critic), sharded with FSDP2 like the policy, with its own AdamW and LR schedule; the policy's other
+    trainer.* settings (micro-batches, mini-batches, precision) apply to it too.
+    """
+
+    path: str = ""  # initial weights of the critic's transformer; "" = model.path (a fresh value head on top)
+    lr: float = 1e-5  # the critic's AdamW learning rate
+    warmup_steps: int = 0  # linear warmup of the critic's LR, in steps
+    weight_decay: float = 0.0  # the critic's AdamW weight decay
+    grad_clip: float = 1.0  # max gradient norm of the critic
+    cliprange_value: float = 0.5  # values may move at most this far from those the advantages used (clipped loss)
+    loss_agg_mode: LossAggMode = "token-mean"  # how token value losses become the step's value loss
+    critic_warmup: int = 0  # the actor first updates at step N; steps before it train the critic alone (verl's)
+
+    def __post_init__(self) -> None:
+        _need(self.lr > 0 and math.isfinite(self.lr), "lr", "must be a finite number > 0")
+        _need(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        _need(self.grad_clip > 0, "grad_clip", "must be > 0")
+        _need(self.cliprange_value > 0, "cliprange_value", "must be > 0")
+        _need(self.critic_warmup >= 0, "critic_warmup", "must be >= 0")
 
 
 class TrainerConfig(_Section):
@@ -493,6 +526,7 @@ class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
+    critic: CriticConfig = msgspec.field(default_factory=CriticConfig)  # used by algorithm.adv_estimator: gae
     feeder: FeederConfig = msgspec.field(default_factory=FeederConfig)
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)

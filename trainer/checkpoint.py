@@ -8,6 +8,7 @@ Layout under a checkpoint root (`<run_dir>/checkpoints`):
         extra.json            the service's blob (step, version, feeder position, trained group ids, ...)
         rng/rank_00000.pt     each rank's RNG states
         hf/config.json        the model's Hugging Face config, for export_hf
+        critic_hf/config.json the value model's (adv_estimator: gae; its state is under "critic" in the shards)
     latest                    the name of the newest complete checkpoint (replaced atomically)
 
     python -c "from rlbus.trainer.checkpoint import export_hf; export_hf('runs/x/checkpoints/step_00000010', 'out', 'model')"
@@ -46,7 +47,7 @@ from torch.distributed.checkpoint.metadata import (
     StorageMeta,
     TensorStorageMetadata,
 )
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 from rlbus.schemas.errors import RlbusError
 from rlbus.trainer.dist import all_reduce, barrier, rank
@@ -56,6 +57,7 @@ if TYPE_CHECKING:  # the engine imports FSDP and transformers' models; checkpoin
 
 T = TypeVar("T")
 LATEST = "latest"
+CRITIC_HF = "critic_hf"  # the critic's config inside a checkpoint; `export_hf` writes the critic to out_dir/critic
 _PREFIX = "step_"
 _NAME = re.compile(r"step_[0-9]+")
 
@@ -311,6 +313,8 @@ def save_checkpoint(engine: TrainEngine, root: str | os.PathLike, step: int, ext
     if rank() == 0:
         (tmp / "extra.json").write_bytes(msgspec.json.encode(extra))
         AutoConfig.from_pretrained(engine.model_path).save_pretrained(tmp / "hf")
+        if getattr(engine, "critic", None) is not None:
+            engine.critic.model.config.save_pretrained(tmp / CRITIC_HF)
     barrier()
     if rank() == 0:
         if final.exists():  # the same step saved again (a resumed run): the new one wins
@@ -381,7 +385,9 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, tokenizer
     """Write a Hugging Face model directory (config, safetensors weights, tokenizer) from a trainer checkpoint.
 
     Runs in one process without a process group (DCP reads every shard). The result loads with
-    `AutoModelForCausalLM.from_pretrained(out_dir)`.
+    `AutoModelForCausalLM.from_pretrained(out_dir)`. A checkpoint of a run with a critic (gae) also gets the value
+    model next to the policy, in `out_dir/critic` (`AutoModelForTokenClassification`, one label: V_t is its output
+    at position t - 1).
     """
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     if not (ckpt_dir / ".metadata").is_file() or not (ckpt_dir / "hf" / "config.json").is_file():
@@ -394,4 +400,10 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, tokenizer
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(tokenizer_src).save_pretrained(out_dir)
+    if (ckpt_dir / CRITIC_HF / "config.json").is_file():
+        critic = AutoModelForTokenClassification.from_config(AutoConfig.from_pretrained(ckpt_dir / CRITIC_HF))
+        state = {"critic": {"model": critic.state_dict()}}
+        _dcp_load(state, ckpt_dir)
+        critic.load_state_dict(state["critic"]["model"])
+        critic.save_pretrained(out_dir / "critic")
     return out_dir

@@ -6,6 +6,9 @@ The trainer service (`trainer/service.py`) owns the loop; this module owns the m
     metrics = engine.train_step(batch)       # batch: this rank's share (whole GRPO groups) as a TensorDict [B]
     weights = engine.full_state_dict()       # rank 0: HF-named full tensors on CPU; others: {}
 
+With `algorithm.adv_estimator: gae` the engine also holds the critic (`trainer/critic.py`), whose values, GAE and
+update run inside `train_step`; its state is part of `state_dict`.
+
 Every rank must call `train_step`, `compute_log_probs` and `full_state_dict` together (they run collectives);
 ranks may hold different numbers of sequences: the number of forward/backward passes is agreed by all-reduce and a
 rank that runs out does empty passes. Tests: `pytest tests/integration/test_fsdp.py`.
@@ -13,7 +16,6 @@ rank that runs out does empty passes. Tests: `pytest tests/integration/test_fsdp
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from typing import Any
@@ -23,37 +25,28 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoModelForCausalLM
 
-from rlbus.schemas.config import AlgorithmConfig, RunConfig, TrainerConfig
+from rlbus.schemas.config import AlgorithmConfig, CriticConfig, RunConfig, TrainerConfig
 from rlbus.trainer import algorithms as algo
 from rlbus.trainer import logprobs, packing
+from rlbus.trainer.critic import Critic
 from rlbus.trainer.dist import DistInfo, all_reduce, init_distributed, world_size
 from rlbus.trainer.memory import peak_rss_bytes, reset_peak_rss
+from rlbus.trainer.optim import (  # noqa: F401 - lr_factor, make_optimizer: this module's names for their users
+    clipped_step,
+    load_train_state,
+    lr_factor,
+    make_optimizer,
+    make_scheduler,
+    train_state,
+)
 from rlbus.trainer.parallelize import compute_precision, parallelize
 
 BATCH_KEYS = ("input_ids", "attention_mask", "position_ids", "response_mask", "rollout_log_probs",
               "token_level_rewards", "group_index")  # fmt: skip
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-log = logging.getLogger("rlbus.trainer")
-
-
-def lr_factor(update: int, *, schedule: str, warmup: int, total: int, min_ratio: float) -> float:
-    """Multiplier of the base LR for optimizer update `update` (0-based): linear warmup, then constant or cosine."""
-    if update < warmup:
-        return (update + 1) / warmup
-    if schedule == "constant":
-        return 1.0
-    progress = min(1.0, (update - warmup) / max(1, total - warmup))
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def token_log_probs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -78,6 +71,7 @@ class TrainEngine:
     fuse_proximal: bool  # take proximal log-probs from the update's forward when that is the same computation
     correction: algo.CorrectionSpec  # IS weights and rejection between behaviour and proximal (rollout_* fields)
     hidden_size: int  # the model's, for packing's cost model
+    critic: Critic | None  # the value model of adv_estimator: gae (trainer/critic.py)
     forward_positions: int  # token-positions run by this step's forwards so far
 
     def __init__(
@@ -89,6 +83,7 @@ class TrainEngine:
         *,
         dtype: str = "float32",
         gradient_checkpointing: bool = False,
+        critic_cfg: CriticConfig | None = None,
     ) -> None:
         self.cfg = trainer_cfg
         self.algo = algo_cfg
@@ -108,14 +103,14 @@ class TrainEngine:
             self.ref_model.requires_grad_(False)
         self.optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], trainer_cfg)
         # The schedule counts optimizer updates; a step makes `mini_batches` of them.
-        total = trainer_cfg.total_steps * trainer_cfg.mini_batches
-        warmup = trainer_cfg.warmup_steps * trainer_cfg.mini_batches
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            lambda u: lr_factor(u, schedule=trainer_cfg.lr_schedule, warmup=warmup, total=total,
-                                min_ratio=trainer_cfg.min_lr_ratio),
-        )  # fmt: skip
+        self.scheduler = make_scheduler(self.optimizer, trainer_cfg, warmup_steps=trainer_cfg.warmup_steps)
         self.num_updates = 0
+        self.critic = None
+        if algo_cfg.adv_estimator == "gae":
+            critic_cfg = critic_cfg or CriticConfig()
+            self.critic = Critic(critic_cfg.path or model_path, critic_cfg, trainer_cfg, device=self.info.device,
+                                 world_size=self.info.world_size, dtype=_DTYPES[dtype],
+                                 gradient_checkpointing=gradient_checkpointing)  # fmt: skip
 
     @classmethod
     def from_config(cls, cfg: RunConfig, model_path: str | None = None) -> TrainEngine:
@@ -124,7 +119,8 @@ class TrainEngine:
         Weights from `model_path` (default `cfg.model.path`); torch is seeded with `trainer.seed` first.
         """
         return cls(model_path or cfg.model.path, cfg.trainer, cfg.algorithm, temperature=cfg.rollout.temperature,
-                   dtype=cfg.model.dtype, gradient_checkpointing=cfg.model.gradient_checkpointing)
+                   dtype=cfg.model.dtype, gradient_checkpointing=cfg.model.gradient_checkpointing,
+                   critic_cfg=cfg.critic)  # fmt: skip
 
     def _load(self, path: str, dtype: str, gradient_checkpointing: bool) -> nn.Module:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype])
@@ -251,11 +247,31 @@ class TrainEngine:
                 rewards_BT, old_BT, ref_BT, mask_BT, kl_coef=self.algo.kl_coef, kl_type=self.algo.kl_type
             )
         # Advantages see every response token: a rejected token leaves the loss, not its sequence's score (as in
-        # verl, where rejection masks the tokens and GRPO scores the unmasked rewards).
-        adv_BT = algo.compute_advantages(
-            rewards_BT, mask_BT, data["group_index"],
-            estimator=self.algo.adv_estimator, norm_by_std=self.algo.norm_adv_by_std,
-        )  # fmt: skip
+        # verl, where rejection masks the tokens and GRPO scores the unmasked rewards). Whitening estimators
+        # (reinforce_plus_plus*, gae) whiten over the whole batch: their sums are all-reduced over ranks.
+        acc = _Accumulator()
+        reduce = lambda xs: all_reduce(xs, "sum")
+        if self.critic is not None:
+            # GAE: the critic's values of this batch, advantages and returns, then the critic's update (verl's order:
+            # the critic trains on the values the advantages used, before the actor).
+            t = time.perf_counter()
+            values_BT = self.critic.values(data, self._micro_batches)
+            timing["timing/values_s"] = time.perf_counter() - t
+            adv_BT, returns_BT = algo.gae_advantages_returns(rewards_BT, values_BT, mask_BT, gamma=self.algo.gamma,
+                                                             lam=self.algo.lam, reduce=reduce)  # fmt: skip
+            # verl's trainer.critic_warmup: the actor waits while critic_warmup > this step (steps count from 1)
+            actor_waits = self.critic.cfg.critic_warmup > self.critic.steps_done + 1
+            t = time.perf_counter()
+            self.critic.update(data, self._micro_batches, values_BT, returns_BT, mask_BT, acc)
+            timing["timing/critic_update_s"] = time.perf_counter() - t
+            sums = algo.ValueSums.of(values_BT, returns_BT, mask_BT).as_list()
+            metrics_values = algo.ValueSums(*all_reduce(sums, "sum")).metrics()
+        else:
+            adv_BT = algo.compute_advantages(
+                rewards_BT, mask_BT, data["group_index"], estimator=self.algo.adv_estimator,
+                norm_by_std=self.algo.norm_adv_by_std, gamma=self.algo.gamma, reduce=reduce,
+            )  # fmt: skip
+            actor_waits, metrics_values = False, {}
         # The rollout correction between behaviour and proximal log-probs: IS weights and the response mask less
         # rejected tokens (`loss_mask_BT`, which also sets the loss normaliser). Fused: the weights are filled per
         # micro-batch like proximal_BT (they are per row). Bypass has no proximal policy: rejection and the
@@ -275,10 +291,11 @@ class TrainEngine:
         if not scale:
             (scale,) = all_reduce([float(mask_BT.sum(dim=-1).max().item()) if mask_BT.numel() else 1.0], "max")
 
-        acc = _Accumulator()
         t_update = time.perf_counter()
         B = data["input_ids"].shape[0]
-        for part in torch.arange(B, device=self.info.device).tensor_split(self.cfg.mini_batches):
+        # During the critic's warm-up the actor waits: no update, no step of its LR schedule (verl's critic_warmup).
+        parts = [] if actor_waits else torch.arange(B, device=self.info.device).tensor_split(self.cfg.mini_batches)
+        for part in parts:
             num_tokens, num_seqs = all_reduce(list(algo.LossNormaliser.local_counts(loss_mask_BT[part])), "sum")
             norm = algo.LossNormaliser(num_tokens=num_tokens, num_seqs=num_seqs, scale=max(scale, 1.0))
             self.optimizer.zero_grad(set_to_none=True)
@@ -301,24 +318,20 @@ class TrainEngine:
                 # FSDP averages gradients over ranks; the normaliser is already global, so undo the average.
                 (loss * self.info.world_size).backward()
             acc.add("actor/pg_loss", update_loss, 1.0)
-            grad_norm = self._clip_grad_norm()
-            acc.add_global("actor/grad_norm", grad_norm)
-            acc.add_global("actor/lr", self.optimizer.param_groups[0]["lr"])
-            if math.isfinite(grad_norm):
-                self.optimizer.step()
-            else:  # a NaN/inf gradient would poison the weights and Adam's moments: skip this update, say so
-                acc.add_global("actor/skipped_updates", 1.0)
-            self.scheduler.step()
+            acc.add_update("actor", *clipped_step(self.model, self.optimizer, self.scheduler, self.cfg.grad_clip))
             self.num_updates += 1
         self.optimizer.zero_grad(set_to_none=True)
         timing["timing/update_s"] = time.perf_counter() - t_update
 
-        if fused:  # the statistics of the weights the update used, now that all are known (the same weights)
+        if fused and not actor_waits:  # the statistics of the weights the update used, now that all are known
             corr = algo.correct(proximal_BT, behaviour_BT, mask_BT, self.correction)
         acc.add("perf/num_tokens", float(data["attention_mask"].sum().item()), 0.0)
         acc.add("perf/forward_positions", float(self.forward_positions), 0.0)
         metrics = acc.reduce(num_updates=self.cfg.mini_batches)
-        if corr is not None:
+        metrics.update(metrics_values)
+        if actor_waits:
+            metrics["actor/waiting"] = 1.0  # the critic's warm-up: the policy did not move this step
+        elif corr is not None:
             metrics.update(self._correction_metrics(corr.sums, corr.values_N))
         else:  # bypass: over every micro-batch of every update, token-weighted
             metrics.update(self._correction_metrics(bypass_sums, None))
@@ -391,8 +404,8 @@ class TrainEngine:
         `mask_bT` is the micro-batch's loss mask: the response mask less the tokens rejected by the correction.
         """
         mode = self.algo.loss_agg_mode
-        out = algo.ppo_clip_loss(
-            logp_bT, old_BT[idx], adv_BT[idx], mask_bT, norm=norm, agg_mode=mode,
+        out = algo.policy_loss(
+            self.algo.loss_mode, logp_bT, old_BT[idx], adv_BT[idx], mask_bT, norm=norm, agg_mode=mode,
             clip_ratio_low=self.algo.clip_ratio_low, clip_ratio_high=self.algo.clip_ratio_high,
             clip_ratio_c=self.algo.clip_ratio_c, log_ratio_clamp=self.algo.log_ratio_clamp,
             token_weights_BT=None if weights_BT is None else weights_BT[idx],
@@ -413,13 +426,6 @@ class TrainEngine:
                 loss = loss + self.algo.kl_coef * algo.aggregate_loss(kl_bT, mask_bT, mode, norm)
         return loss, float(out.loss.detach())
 
-    def _clip_grad_norm(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        return float(norm)
-
     # -------------------------------------------------------------------------------------------------------------
     # weights and state
 
@@ -431,42 +437,17 @@ class TrainEngine:
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def state_dict(self) -> dict[str, Any]:
-        """Sharded trainer state for torch.distributed.checkpoint: model, optimizer, LR schedule, update count."""
-        return {
-            "model": get_model_state_dict(self.model),
-            "optim": get_optimizer_state_dict(self.model, self.optimizer),
-            "scheduler": self.scheduler.state_dict(),
-            "num_updates": self.num_updates,
-        }
+        """Sharded trainer state for torch.distributed.checkpoint: model, optimizer, LR schedule, update count, and
+        the same four of the critic under "critic" (gae)."""
+        state = train_state(self.model, self.optimizer, self.scheduler, self.num_updates)
+        if self.critic is not None:
+            state["critic"] = self.critic.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state["model"])
-        # The saved param groups carry the kernel choice (fused / foreach) of the run that saved them; this run's
-        # config decides, so trainer.fused_optimizer takes effect on a resume too. The moments are the same either way.
-        kernels = [(g.get("fused"), g.get("foreach")) for g in self.optimizer.param_groups]
-        set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
-        for group, (fused, foreach) in zip(self.optimizer.param_groups, kernels):
-            group["fused"], group["foreach"] = fused, foreach
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.num_updates = int(state["num_updates"])
-
-
-def make_optimizer(params: list[nn.Parameter], cfg: TrainerConfig) -> torch.optim.AdamW:
-    """AdamW over `params` with the config's hyper-parameters; its fused kernel with `trainer.fused_optimizer`.
-
-    The fused kernel does the whole update in one pass per tensor (CPU and CUDA, float parameters, DTensors
-    included): 5.9x faster than the foreach one at SmolLM2's size on CPU (bench/bf16.py), equal within float
-    rounding (tests/unit/test_optimizer.py). Where this torch refuses it for these parameters, the default kernel
-    is used and the log says so.
-    """
-    kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
-    if cfg.fused_optimizer:
-        try:
-            return torch.optim.AdamW(params, fused=True, **kwargs)
-        except RuntimeError as e:  # torch's own check: a device or dtype without the fused kernel
-            log.warning("trainer.fused_optimizer: torch %s has no fused AdamW for these parameters (%s); using the "
-                        "default kernel", torch.__version__, e)
-    return torch.optim.AdamW(params, **kwargs)
+        self.num_updates = load_train_state(self.model, self.optimizer, self.scheduler, state)
+        if self.critic is not None:
+            self.critic.load_state_dict(state["critic"])
 
 
 class _Accumulator:
@@ -480,6 +461,13 @@ class _Accumulator:
         s = self.sums.setdefault(name, [0.0, 0.0])
         s[0] += value
         s[1] += weight
+
+    def add_update(self, prefix: str, grad_norm: float, lr: float) -> None:
+        """An optimizer update's grad norm and LR (`clipped_step`'s), and whether it was skipped (a NaN/inf norm)."""
+        self.add_global(f"{prefix}/grad_norm", grad_norm)
+        self.add_global(f"{prefix}/lr", lr)
+        if not math.isfinite(grad_norm):
+            self.add_global(f"{prefix}/skipped_updates", 1.0)
 
     def add_global(self, name: str, value: float) -> None:
         """A value that is already identical on every rank (grad norm, LR): averaged over updates, not ranks."""
@@ -496,8 +484,9 @@ class _Accumulator:
             value, weight = total[2 * i], total[2 * i + 1]
             if n in self.global_names:
                 value, weight = value / world, weight / world
-                out[n] = value if n == "actor/skipped_updates" else value / max(weight, 1.0)
-            elif n == "actor/pg_loss":  # summed over ranks = each update's whole-batch loss; mean over updates
+                out[n] = value if n.endswith("/skipped_updates") else value / max(weight, 1.0)
+            elif n in ("actor/pg_loss", "critic/vf_loss"):  # summed over ranks = each update's whole-batch loss;
+                # the mean over updates
                 out[n] = value / num_updates
             elif weight == 0.0:  # a plain total (token counts)
                 out[n] = value

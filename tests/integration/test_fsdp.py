@@ -131,8 +131,8 @@ def reference_step(model_dir: str, trainer_cfg: TrainerConfig, algo_cfg: Algorit
     bypass = algo_cfg.off_policy == "bypass"
     tokens, seqs = A.LossNormaliser.local_counts(mask if bypass else corr.mask_BT)
     norm = A.LossNormaliser(num_tokens=tokens, num_seqs=seqs, scale=float(mask.sum(-1).max()))
-    out = A.ppo_clip_loss(logp(), batch["rollout_log_probs"] if bypass else prox, adv, corr.mask_BT, norm=norm,
-                          agg_mode=algo_cfg.loss_agg_mode, token_weights_BT=weights)  # fmt: skip
+    out = A.policy_loss(algo_cfg.loss_mode, logp(), batch["rollout_log_probs"] if bypass else prox, adv, corr.mask_BT,
+                        norm=norm, agg_mode=algo_cfg.loss_agg_mode, token_weights_BT=weights)  # fmt: skip
     out.loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), trainer_cfg.grad_clip)
     opt.step()
@@ -157,6 +157,8 @@ CORRECTIONS = {
                        rollout_rs="token_k1", rollout_rs_threshold="0.8_1.25"),
     "seq_icepop": dict(rollout_is="sequence", rollout_is_threshold="0.5_2.0"),
     "bypass_geo_rs": dict(off_policy="bypass", rollout_rs="seq_mean_k1", rollout_rs_threshold="0.8_1.25"),
+    # GSPO, whose ratio is a sequence's, with sequence-level TIS (CISPO's and GSPO's numerics: the unit tests)
+    "gspo_seq_tis": dict(loss_mode="gspo", rollout_is="sequence", rollout_is_threshold=2.0),
 }  # fmt: skip
 
 

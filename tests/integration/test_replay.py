@@ -51,10 +51,11 @@ def make_groups(step: int, producers: tuple[str, ...] = ("p0", "p1")) -> tuple[l
     return groups, stored
 
 
-def run_config(run_dir: Path, model_dir: Path, mode: str = "full") -> RunConfig:
+def run_config(run_dir: Path, model_dir: Path, mode: str = "full", **sections: dict) -> RunConfig:
     return from_dict({
         "name": "replaytest",
         "model": {"path": str(model_dir)},
+        **sections,
         "trainer": {"total_steps": NUM_STEPS, "groups_per_step": GROUPS_PER_STEP, "micro_batch_size": 3,
                     "mini_batches": 2, "lr": 1e-3, "checkpoint_interval": 2, "keep_checkpoints": 4},
         "rollout": {"n": GROUP_SIZE, "temperature": 0.9},
@@ -62,8 +63,9 @@ def run_config(run_dir: Path, model_dir: Path, mode: str = "full") -> RunConfig:
     })  # fmt: skip
 
 
-def record_run(root: Path, mode: str = "full") -> dict[str, Any]:
-    """Train NUM_STEPS steps the way StepWorker / TrainerService do, with the recorder on; checkpoint at step 2."""
+def record_run(root: Path, mode: str = "full", **sections: dict) -> dict[str, Any]:
+    """Train NUM_STEPS steps the way StepWorker / TrainerService do, with the recorder on; checkpoint at step 2.
+    `sections`: config sections added to the run's (e.g. algorithm=..., critic=...)."""
     from rlbus.consumers.collate import collate
     from rlbus.consumers.recorder import Recorder, write_shard
     from rlbus.trainer.checkpoint import save_checkpoint
@@ -74,7 +76,7 @@ def record_run(root: Path, mode: str = "full") -> dict[str, Any]:
     torch.set_num_threads(1)
     model_dir = build_tiny_qwen2(root / "model")
     run_dir = root / "run"
-    cfg = run_config(run_dir, model_dir, mode)
+    cfg = run_config(run_dir, model_dir, mode, **sections)
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     engine = TrainEngine.from_config(cfg, str(model_dir))  # as every trainer rank builds it
@@ -96,7 +98,7 @@ def record_run(root: Path, mode: str = "full") -> dict[str, Any]:
             save_checkpoint(engine, run_dir / "checkpoints", step, {"step": step, "version": step}, keep=4)
         weights_after[step] = {k: v.clone() for k, v in engine.full_state_dict().items()}
     metrics_log.close()
-    return {"run_dir": run_dir, "rows": rows, "weights": weights_after, "cfg": cfg}
+    return {"run_dir": run_dir, "rows": rows, "weights": weights_after, "cfg": cfg, "engine": engine}
 
 
 @pytest.fixture(scope="module")

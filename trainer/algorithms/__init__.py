@@ -4,8 +4,13 @@ No model, no process group here; `trainer/engine.py` composes these. Tests: `pyt
 """
 
 from rlbus.trainer.algorithms.advantages import (
+    ADV_ESTIMATORS,
     compute_advantages,
+    discounted_returns,
+    gae_advantages_returns,
     grpo_advantages,
+    masked_whiten,
+    reinforce_pp_baseline_advantages,
     rloo_advantages,
     sequence_scores,
 )
@@ -13,10 +18,14 @@ from rlbus.trainer.algorithms.kl import apply_kl_reward_penalty, entropy_from_lo
 from rlbus.trainer.algorithms.off_policy import needs_proximal, old_log_probs_for
 from rlbus.trainer.algorithms.policy_loss import (
     LOSS_AGG_MODES,
+    POLICY_LOSS_MODES,
     LossNormaliser,
     PolicyLossOutput,
     aggregate_loss,
+    cispo_loss,
+    gspo_loss,
     masked_mean,
+    policy_loss,
     ppo_clip_loss,
 )
 from rlbus.trainer.algorithms.rollout_correction import (
@@ -29,29 +38,42 @@ from rlbus.trainer.algorithms.rollout_correction import (
     mismatch_metrics,
     rejection_mask,
 )
+from rlbus.trainer.algorithms.value_loss import ValueLossOutput, ValueSums, value_loss
 
 __all__ = [
+    "ADV_ESTIMATORS",
     "LOSS_AGG_MODES",
+    "POLICY_LOSS_MODES",
     "Correction",
     "CorrectionSpec",
     "LossNormaliser",
     "MismatchSums",
     "PolicyLossOutput",
+    "ValueLossOutput",
+    "ValueSums",
     "aggregate_loss",
     "apply_kl_reward_penalty",
     "batch_norm_factor",
+    "cispo_loss",
     "compute_advantages",
     "correct",
+    "discounted_returns",
     "entropy_from_logits",
+    "gae_advantages_returns",
     "grpo_advantages",
+    "gspo_loss",
     "importance_weights",
     "kl_estimate",
     "masked_mean",
+    "masked_whiten",
     "mismatch_metrics",
     "needs_proximal",
     "old_log_probs_for",
+    "policy_loss",
     "ppo_clip_loss",
+    "reinforce_pp_baseline_advantages",
     "rejection_mask",
     "rloo_advantages",
     "sequence_scores",
+    "value_loss",
 ]

@@ -1,4 +1,6 @@
-"""PPO-clip policy loss (asymmetric clip, dual clip) and loss aggregation with an explicit global normaliser.
+"""Policy losses (PPO clip with asymmetric and dual clip, GSPO, CISPO) and loss aggregation with an explicit
+global normaliser. The loss modes carry verl's names (`actor.policy_loss.loss_mode`: vanilla, gspo, cispo) and its
+numerics (`tests/unit/test_policy_losses_vs_verl.py` compares against verl 0.9.1 itself).
 
 Notation: m_{i,t} is the response mask, n_i = sum_t m_{i,t} the number of response tokens of sequence i, L_{i,t}
 the per-token loss. The aggregation modes follow verl's `agg_loss`, but every mode divides by a normaliser of the
@@ -20,6 +22,9 @@ from typing import Literal
 
 import torch
 
+PolicyLossMode = Literal["vanilla", "gspo", "cispo"]
+POLICY_LOSS_MODES: tuple[str, ...] = ("vanilla", "gspo", "cispo")
+GSPO_LOG_RATIO_MAX = 10.0  # verl's clamp of GSPO's log sequence ratio (above only) before exp
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -79,6 +84,30 @@ class PolicyLossOutput:
     num_tokens: float  # response tokens of this shard (to weight the fractions when combining shards)
 
 
+def _finish(
+    loss_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    agg_mode: LossAggMode,
+    norm: LossNormaliser,
+    token_weights_BT: torch.Tensor | None,
+    clipped_BT: torch.Tensor,
+    dual_BT: torch.Tensor | None,
+    log_ratio_BT: torch.Tensor,
+) -> PolicyLossOutput:
+    """What every policy loss ends with: L * w (weights without gradient), the aggregation, the token statistics."""
+    if token_weights_BT is not None:
+        loss_BT = loss_BT * token_weights_BT.detach()
+    loss = aggregate_loss(loss_BT, mask_BT, agg_mode, norm)
+    with torch.no_grad():
+        return PolicyLossOutput(
+            loss=loss,
+            clipfrac=float(masked_mean(clipped_BT.float(), mask_BT)),
+            dual_clipfrac=0.0 if dual_BT is None else float(masked_mean(dual_BT.float(), mask_BT)),
+            approx_kl=float(masked_mean(-log_ratio_BT.detach(), mask_BT)),
+            num_tokens=float(mask_BT.sum()),
+        )
+
+
 def ppo_clip_loss(
     log_probs_BT: torch.Tensor,
     old_log_probs_BT: torch.Tensor,
@@ -112,16 +141,100 @@ def ppo_clip_loss(
     loss_dual_bound_BT = -adv_BT * clip_ratio_c
     negative_BT = adv_BT < 0
     loss_BT = torch.where(negative_BT, torch.minimum(loss_ppo_BT, loss_dual_bound_BT), loss_ppo_BT)
-    if token_weights_BT is not None:
-        loss_BT = loss_BT * token_weights_BT.detach()
-    loss = aggregate_loss(loss_BT, mask_BT, agg_mode, norm)
-    with torch.no_grad():
-        clipped_BT = (loss_clipped_BT > loss_unclipped_BT).float()
-        dual_BT = (negative_BT & (loss_ppo_BT > loss_dual_bound_BT)).float()
-        return PolicyLossOutput(
-            loss=loss,
-            clipfrac=float(masked_mean(clipped_BT, mask_BT)),
-            dual_clipfrac=float(masked_mean(dual_BT, mask_BT)),
-            approx_kl=float(masked_mean(-log_ratio_BT, mask_BT)),
-            num_tokens=float(mask_BT.sum()),
-        )
+    return _finish(loss_BT, mask_BT, agg_mode, norm, token_weights_BT, clipped_BT=loss_clipped_BT > loss_unclipped_BT,
+                   dual_BT=negative_BT & (loss_ppo_BT > loss_dual_bound_BT), log_ratio_BT=log_ratio_BT)  # fmt: skip
+
+
+def gspo_loss(
+    log_probs_BT: torch.Tensor,
+    old_log_probs_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    response_mask_BT: torch.Tensor,
+    *,
+    norm: LossNormaliser,
+    agg_mode: LossAggMode = "token-mean",
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    token_weights_BT: torch.Tensor | None = None,
+) -> PolicyLossOutput:
+    """GSPO (Zheng et al. 2025): the PPO clip on a sequence-level ratio, the geometric mean of the token ratios.
+
+        s_i     = exp( sum_t m (log pi - log pi_old) / max(n_i, 1) )
+        s_{i,t} = sg[s_i] * pi_{i,t} / sg[pi_{i,t}]        (value s_i; the gradient of log pi_{i,t}, scaled by s_i)
+        L       = max(-A s_{i,t}, -A clip(s_{i,t}, 1 - eps_low, 1 + eps_high))     no dual clip
+        L       = L * w
+
+    The log of s_{i,t} is clamped from above at 10 (verl's choice), not from below, and the token log ratio is not
+    clamped; a sequence is whole in every micro-batch, so s_i needs nothing from other micro-batches or ranks.
+    verl recommends seq-mean-token-mean aggregation for GSPO (the paper's); any mode is accepted, as in verl.
+    """
+    mask_BT = response_mask_BT.float()
+    log_ratio_BT = log_probs_BT - old_log_probs_BT
+    n_B = mask_BT.sum(dim=-1).clamp(min=1)
+    seq_log_ratio_B = (log_ratio_BT * mask_BT).sum(dim=-1) / n_B
+    log_seq_ratio_BT = log_probs_BT - log_probs_BT.detach() + seq_log_ratio_B.detach().unsqueeze(-1)
+    seq_ratio_BT = torch.exp(log_seq_ratio_BT.clamp(max=GSPO_LOG_RATIO_MAX))
+    adv_BT = advantages_BT.float()
+    loss_unclipped_BT = -adv_BT * seq_ratio_BT
+    loss_clipped_BT = -adv_BT * seq_ratio_BT.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss_BT = torch.maximum(loss_unclipped_BT, loss_clipped_BT)
+    return _finish(loss_BT, mask_BT, agg_mode, norm, token_weights_BT, clipped_BT=loss_clipped_BT > loss_unclipped_BT,
+                   dual_BT=None, log_ratio_BT=log_ratio_BT)  # fmt: skip
+
+
+def cispo_loss(
+    log_probs_BT: torch.Tensor,
+    old_log_probs_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    response_mask_BT: torch.Tensor,
+    *,
+    norm: LossNormaliser,
+    agg_mode: LossAggMode = "token-mean",
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    log_ratio_clamp: float = 20.0,
+    token_weights_BT: torch.Tensor | None = None,
+) -> PolicyLossOutput:
+    """CISPO (MiniMax-M1, 2025): REINFORCE weighted by a clipped, stop-gradient importance ratio; no token dropped.
+
+        rho = exp(clamp(log pi - log pi_old, -c, c))
+        L   = -sg[clip(rho, 1 - eps_low, 1 + eps_high)] * A * log pi,    L = L * w
+
+    Unlike PPO's clip, a token whose ratio left the range keeps its gradient (of log pi, with the clipped weight).
+    The loss value carries log pi itself, so it is not comparable with PPO's; its gradient is what matters.
+    """
+    mask_BT = response_mask_BT.float()
+    log_ratio_BT = (log_probs_BT - old_log_probs_BT).clamp(-log_ratio_clamp, log_ratio_clamp)
+    ratio_BT = torch.exp(log_ratio_BT)
+    clipped_BT = ratio_BT.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high).detach()
+    loss_BT = -clipped_BT * advantages_BT.float() * log_probs_BT
+    return _finish(loss_BT, mask_BT, agg_mode, norm, token_weights_BT, clipped_BT=ratio_BT != clipped_BT,
+                   dual_BT=None, log_ratio_BT=log_ratio_BT)  # fmt: skip
+
+
+def policy_loss(
+    mode: PolicyLossMode,
+    log_probs_BT: torch.Tensor,
+    old_log_probs_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    response_mask_BT: torch.Tensor,
+    *,
+    norm: LossNormaliser,
+    agg_mode: LossAggMode = "token-mean",
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    log_ratio_clamp: float = 20.0,
+    token_weights_BT: torch.Tensor | None = None,
+) -> PolicyLossOutput:
+    """The policy loss of `mode` (verl's `policy_loss.loss_mode`): vanilla (PPO clip + dual clip), gspo, cispo."""
+    common = {"norm": norm, "agg_mode": agg_mode, "clip_ratio_low": clip_ratio_low,
+              "clip_ratio_high": clip_ratio_high, "token_weights_BT": token_weights_BT}  # fmt: skip
+    args = (log_probs_BT, old_log_probs_BT, advantages_BT, response_mask_BT)
+    if mode == "vanilla":
+        return ppo_clip_loss(*args, clip_ratio_c=clip_ratio_c, log_ratio_clamp=log_ratio_clamp, **common)
+    if mode == "gspo":
+        return gspo_loss(*args, **common)
+    if mode == "cispo":
+        return cispo_loss(*args, log_ratio_clamp=log_ratio_clamp, **common)
+    raise ValueError(f"loss_mode: unknown policy loss {mode!r}; choose from {', '.join(POLICY_LOSS_MODES)}")

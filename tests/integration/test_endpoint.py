@@ -103,9 +103,24 @@ def assert_token_exact(policy, traj, temperature: float = 1.0) -> None:
     assert all(v == 0 for v, m in zip(traj.versions, traj.response_mask) if m)
 
 
-async def test_tool_calling_conversations_are_captured_token_exact(stack, policy):
-    cfg, _, loop = stack
-    groups = await loop.rollout_many(tasks(cfg, 3), 4)
+def agents_sdk() -> str:
+    pytest.importorskip("agents", reason="the OpenAI Agents SDK is the optional extra rlbus[agents]")
+    return "rlbus.producers.agents.agents_sdk:rollout"
+
+
+@pytest.mark.parametrize("agent", ["plain", "agents_sdk"])
+async def test_tool_calling_conversations_are_captured_token_exact(model_dir, stack, policy, agent):
+    """The calculator agent as plain openai-client code, and written with the OpenAI Agents SDK."""
+    cfg, engine, base = stack
+    loop = base
+    if agent == "agents_sdk":
+        cfg = run_config(model_dir, agents_sdk())
+        loop = make_agent_loop(cfg, engine, base.tokenizer, {}, load_reward(cfg.rollout))
+    try:
+        groups = await loop.rollout_many(tasks(cfg, 3), 4)
+    finally:
+        if loop is not base:
+            await loop.close()
     trajs = [t for g in groups for t in g]
     assert [len(g) for g in groups] == [4, 4, 4]  # one sequence per run of the agent: it never rewrites history
     multi = [t for t in trajs if t.num_tool_calls >= 1 and t.num_turns == 2]

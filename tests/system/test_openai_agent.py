@@ -1,5 +1,6 @@
-"""`rlbus up` trains an agent written against the OpenAI API (`rollout.agent_loop: openai`): the quickstart's
-calculator agent (producers/agents/calculator.py), through each producer's endpoint, on the tiny test model. Its
+"""`rlbus up` trains an agent written with an agent framework from PyPI (`rollout.agent_loop: openai`): the
+quickstart's calculator task as an OpenAI Agents SDK agent (producers/agents/agents_sdk.py, the optional extra
+rlbus[agents], which `make setup` installs), through each producer's endpoint, on the tiny test model. Its
 first try of one prompt sends a bad request (an unknown model name): the client raises, the rollout fails, the task
 is dead-lettered (bus.max_deliver 1) and released again, and the retry is trained -- all named in the ledger.
 
@@ -18,25 +19,50 @@ from tests.support.runs import check_ledger, log_tail, small_run_config, start_r
 
 pytestmark = pytest.mark.slow
 
-AGENT = '''
-from rlbus.producers.agents import calculator
+AGENT = """
+from rlbus.producers.agents import agents_sdk
 
 
 async def rollout(client, task):
     if task.index == 0 and task.attempt == 0:  # a bad request: the client raises openai.NotFoundError
         await client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
-    return await calculator.rollout(client, task)
-'''
+    return await agents_sdk.rollout(client, task)
+"""
 
 
-def test_rlbus_up_trains_an_openai_client_agent(tmp_path, tiny_model_dir, run_name, monkeypatch):
+@pytest.fixture(scope="module")
+def calculator_model_dir(tmp_path_factory):
+    """The quickstart's model after 60 warm-start steps (~10 s): it calls the calculator in about half of its first
+    turns, with calls the parser reads (the shared tiny_model_dir's wider model, after 30 steps, rarely does)."""
+    from rlbus.common.model.init_model import init_model
+
+    return init_model(tmp_path_factory.mktemp("agent") / "model", steps=60, num_threads=1, log=lambda *_: None)
+
+
+def test_rlbus_up_trains_an_agents_sdk_agent(tmp_path, calculator_model_dir, run_name, monkeypatch):
+    pytest.importorskip("agents", reason="the OpenAI Agents SDK is the optional extra rlbus[agents] (make setup)")
     (tmp_path / "my_agent.py").write_text(AGENT)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the launcher's children import the agent from here
     run_dir = tmp_path / "run"
-    cfg = small_run_config(run_name, run_dir, tiny_model_dir, "", "", "", bus={"max_deliver": 1},
-                           rollout={"num_producers": 1, "agent_loop": "openai", "tools": [],
-                                    "openai": {"function": "my_agent:rollout"}},
-                           trainer={"total_steps": 3}, feeder={"shuffle": False})
+    cfg = small_run_config(
+        run_name,
+        run_dir,
+        calculator_model_dir,
+        "",
+        "",
+        "",
+        bus={"max_deliver": 1},
+        rollout={
+            "num_producers": 1,
+            "agent_loop": "openai",
+            "tools": [],
+            "openai": {"function": "my_agent:rollout"},
+            "max_new_tokens": 40,  # room for a whole tool call
+            "max_response_tokens": 120,
+        },
+        trainer={"total_steps": 3},
+        feeder={"shuffle": False},
+    )
     up = start_role("up", write_config(tmp_path / "run.yaml", cfg), tmp_path / "logs", name="up")
     try:
         assert up.wait(timeout=400) == 0, log_tail(up)
@@ -45,6 +71,7 @@ def test_rlbus_up_trains_an_openai_client_agent(tmp_path, tiny_model_dir, run_na
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["response_length/mean"] > 0 for r in rows)
+    assert sum(r["tool_calls/mean"] for r in rows) > 0  # the SDK ran the calculator between model calls
     check_ledger(run_dir, cfg)
     ledger = read_ledger(run_dir)
     assert "e0-i0-a0" in ledger.dead_lettered and "e0-i0-a0" in ledger.reissued

@@ -1,0 +1,46 @@
+"""The quickstart's calculator task written with the OpenAI Agents SDK (`pip install openai-agents`, or the
+`agents` extra): an `Agent` with a `@function_tool` calculator, run by `Runner.run` on the client rlbus hands it.
+Nothing here knows about rlbus but the task; the SDK's own tool loop drives the producer's endpoint.
+
+    rollout:
+      agent_loop: openai
+      openai: {function: rlbus.producers.agents.agents_sdk:rollout}
+
+Tracing is switched off (it would export to OpenAI's servers). A run that reaches `MAX_TURNS` with a tool call
+still pending ends there and is scored as it stands, as the built-in tool loop's "max_turns" episodes are.
+"""
+
+from __future__ import annotations
+
+import openai
+from agents import Agent, MaxTurnsExceeded, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+
+from rlbus.producers.tools.calculator import evaluate
+
+MODEL = "policy"  # rollout.openai.model
+MAX_TURNS = 2  # model calls per rollout, as the quickstart's rollout.max_turns
+
+set_tracing_disabled(True)
+
+
+@function_tool
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression, e.g. 17*23."""
+    return evaluate(expression)
+
+
+async def rollout(client: openai.AsyncOpenAI, task) -> float | None:
+    """One run of the SDK's agent loop; None: the run's reward function scores the conversation's answer."""
+    system = "\n".join(m.content for m in task.prompt if m.role == "system")
+    agent = Agent(
+        name="calculator",
+        instructions=system or None,
+        tools=[calculator],
+        model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+    )
+    turns = [{"role": m.role, "content": m.content} for m in task.prompt if m.role != "system"]
+    try:
+        await Runner.run(agent, turns, max_turns=MAX_TURNS)
+    except MaxTurnsExceeded:
+        pass  # the last turn called the tool: the episode ends as the built-in loop's "max_turns" ones do
+    return None

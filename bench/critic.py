@@ -7,8 +7,8 @@ Each estimator runs in its own fresh process (one FSDP rank, one thread) on the 
 groups of 8 sequences, prompts of 32-40 tokens, responses up to 120, two optimizer updates per step in micro-batches
 of 16, as configs/quickstart.yaml. The first step is warm-up; the medians of the others are reported: step time, its
 parts (values, critic update, actor update), the step's peak RSS (`perf/peak_rss_gb`, the high-water mark reset at
-each step) and the parameters the process holds. Writes bench/results/critic.json and, with --docs, the
-`## Critic cost` section.
+each step) and the parameters the process holds. Writes bench/results/critic.json (--results) and, with --docs,
+the `## Critic cost` section.
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--results", type=Path, default=RESULTS)
     ap.add_argument("--docs", type=Path, default=None)
     args = ap.parse_args()
 
@@ -92,8 +93,8 @@ def main() -> None:
         out = {e: spawn_local(1, _run, model_dir, e, args.steps, vocab)[0] for e in ("grpo", "gae")}
     result = {"model": model_dir if not args.layers else f"random Qwen2 {args.layers}x{args.hidden}, vocab "
               f"{args.vocab}", "steps": args.steps, "machine": machine(), **out}  # fmt: skip
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2))
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    args.results.write_text(json.dumps(result, indent=2))
     g, c = out["grpo"], out["gae"]
     lines = [
         (

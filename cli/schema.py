@@ -31,7 +31,7 @@ import msgspec.inspect as mi
 from rlbus.bus.auth import ROLES, RunCredentials, load_creds
 from rlbus.bus.streams import DUPLICATE_WINDOW_S, consumer_configs, kv_config, stream_configs
 from rlbus.schemas import wire
-from rlbus.schemas.config import BusConfig
+from rlbus.schemas.config import BusConfig, OpenAIAgentConfig
 from rlbus.schemas.subjects import Subjects
 
 #: The command that regenerates the page (the test's failure message names it).
@@ -233,6 +233,111 @@ def _creds_keys() -> list[str]:
             "only on its own inbox prefix. A file may instead hold `token` (and `url`).")]
 
 
+def _following() -> list[str]:
+    """How an outside program follows a run: which file, which URL, the consumer recipe, how the run ends."""
+    s = Subjects.for_run(EXAMPLE_RUN)
+    return [
+        "## Following a run",
+        "",
+        ("**Which file.** `rlbus up` writes two configs into the run directory, and a client needs neither for "
+        "credentials. `<run_dir>/config.yaml` is the run config as given (resolved, defaults filled in; "
+        "`bus.url` empty and `bus.creds_file` as given when the launcher starts its own bus). "
+        "`<run_dir>/launch.yaml` is what its roles were started with: `bus.url` the embedded server's URL, "
+        "`ray.address` the Ray head's, and `bus.creds_file: \"\"` (no credential is written there: each role is "
+        "handed its own file on its command line). A client reads the observer's credential file, "
+        "`<run_dir>/bus/creds/<run>/observer.json` (under `bus.embedded_dir` if set; `<dir>/creds/<run>/observer.json` "
+        "for a server started with `rlbus bus up --dir <dir>`): it holds `url`, `user`, `password`, `run` and "
+        "`inbox_prefix`, all that connecting needs. `trainer.total_steps` (the step that ends the run) is in "
+        "config.yaml."),
+        "",
+        ("**Server URLs** in a credential file's `url`: `nats://host:port`; `tls://host:port` when the server has a "
+        "certificate (connect with TLS, trusting `bus.tls_ca`); several servers of a cluster as one comma-separated "
+        "list, `nats://10.0.0.1:4222,nats://10.0.0.2:4222` (each server of the cluster adds its own; give the list "
+        "to the client as its servers). A server bound to every interface is written as `127.0.0.1`, an IPv6 host "
+        "in brackets (`nats://[::1]:4222`). A password or token given to `rlbus up` on the command line goes to the "
+        "roles as `<run_dir>/creds/bus.json`, `{\"user\", \"password\"}` or `{\"token\"}` plus `url`."),
+        "",
+        "**The recipe** (what examples/follow_run.py does, and what `rlbus events --follow` does):",
+        "",
+        "1. Connect with `user`, `password` and `inbox_prefix`, and take a JetStream context.",
+        (f"2. On each stream you want, create an **ordered consumer** (ephemeral, in order, nothing to ack), naming "
+         f"the stream: `js.subscribe(\"{s.events}\", stream=\"{s.events_stream}\", ordered_consumer=True, "
+         f"deliver_policy=...)`. The observer may not list streams (`$JS.API.STREAM.NAMES`, which nats-py sends "
+         "to find the stream of a subject when `stream=` is left out), so a subscribe without `stream=` fails "
+         "with a timeout. Streams: `" + "`, `".join(
+             f"{sub}` in `{stream}" for sub, stream in ((s.events, s.events_stream), (s.weights, s.weights_stream),
+                                                        (s.traj, s.traj_stream))) + "`."),
+        ("3. Deliver policy: `all` replays the run from its first message (the streams keep everything unless "
+         "`bus.max_age_s` is set), `new` only what comes after, `last` the newest message (the current weights), "
+         f"`last_per_subject` on `{s.event('heartbeat.*')}` each producer's latest heartbeat. The newest "
+         f"WeightsPublished is also the KV bucket `{s.weights_bucket}`'s key `latest` (a direct get)."),
+        ("4. Wait for the streams: the trainer (or `rlbus up`, before it starts any role) creates them, and until "
+         "then creating a consumer answers \"stream not found\" (nats-py: `NotFoundError`). Retry every half "
+         "second; an observer may not create them."),
+        "5. Decode every message as msgpack, skip what does not decode or has an unknown `schema_version`.",
+        "",
+        (f"**How a run ends.** Each trainer, producer and evaluator process publishes `RoleStarted` when it is up "
+         f"and `RoleStopped` on its way down, on `{s.event('lifecycle')}`; `role` is `trainer`, `producer` or "
+         "`evaluator` (the launcher publishes only `ProducersScaled`, with the admin credential). The trainer's "
+         "`RoleStopped` says why:"),
+        "",
+        "| `reason` | `clean` | meaning |",
+        "|---|---|---|",
+        "| `finished` | true | it reached `trainer.total_steps`: **the run is over** |",
+        ("| `stopped` | true | stopped (SIGTERM / Ctrl-C) before the end, after a checkpoint; the same `rlbus up` "
+        "resumes it |"),
+        ("| `<ExceptionType>: <message>` | false | it failed (an `ErrorRaised` with `fatal: true` follows); `rlbus "
+        "up` starts it again, from its last checkpoint |"),
+        "",
+        ("Producers and the evaluator stop with `stopped` (clean) or `<ExceptionType>: <message>` (not clean). "
+         "After the trainer's `finished` the launcher stops the producers (their `stopped` follow), exports the "
+         "final model and then stops the embedded server: a follower should end on the trainer's `finished` "
+         "instead of waiting for more (the streams stay on disk under `<run_dir>/bus`)."),
+        "",
+    ]
+
+
+def _endpoint() -> list[str]:
+    """The OpenAI-compatible endpoint an agent of `rollout.agent_loop: openai` talks to (producers/endpoint.py)."""
+    model = OpenAIAgentConfig().model
+    return [
+        "## The OpenAI-compatible endpoint",
+        "",
+        ("With `rollout.agent_loop: openai` each producer serves an HTTP endpoint for the rollouts it runs, on "
+         "`rollout.openai.host` (default `127.0.0.1`) and `rollout.openai.port` (default 0: a free port). The agent "
+         "function gets an `openai.AsyncOpenAI` client whose `base_url` (`http://127.0.0.1:<port>/v1`) and "
+         "`api_key` belong to its rollout; a program in another process or language is handed the same two (for "
+         "example as `OPENAI_BASE_URL` and `OPENAI_API_KEY` in its environment) and must finish before the agent "
+         "function returns: a key is valid only while its rollout runs."),
+        "",
+        "| route | body | answer |",
+        "|---|---|---|",
+        ("| `POST /v1/chat/completions` | `model`, `messages` (system, developer, user, assistant with `tool_calls`, "
+        "tool; text content), `tools` (function tools), `tool_choice`, `temperature` (> 0), `top_p`, `max_tokens` "
+        "or `max_completion_tokens`, `n`, `logprobs` | OpenAI's `chat.completion`; a reply holding tool calls the "
+        "model wrote in its template's form comes back as `tool_calls` with `finish_reason: \"tool_calls\"` |"),
+        ("| `POST /v1/completions` | `model`, `prompt` (a text or a list of token ids), the same sampling fields | "
+        "`text_completion` |"),
+        f"| `GET /v1/models` | | the one model, `{model}` unless `rollout.openai.model` says otherwise |",
+        "",
+        ("Every request needs `Authorization: Bearer <key>`. Refusals are OpenAI's error JSON, `{\"error\": "
+         "{\"message\", \"type\", \"param\", \"code\"}}`: 401 `invalid_api_key` (no key, or a key of no rollout "
+         "in flight); 404 `model_not_found`; 400 naming the field for malformed messages, tools or tool_choice, "
+         "`temperature` 0, `stream` or `stop`; 400 `context_length_exceeded` when the prompt leaves no room in the "
+         "model's context or in the rollout's `rollout.max_response_tokens`; 500 `engine_error`. `stream` and `stop` "
+         "are not supported; `tool_choice` `required` or a named function is accepted but not enforced."),
+        "",
+        ("What is trained is what was sampled: each call's prompt and reply are recorded as token ids with their "
+         "log-probs and weight versions. A call whose messages repeat an earlier reply of the same rollout (its text "
+         "and tool calls) continues that reply's sequence with the reply's sampled ids, and only the tokens the chat "
+         "template adds after it (end of turn, tool results, the next assistant header) are tokenized, with "
+         "`response_mask` 0. A call that changes earlier turns starts another sequence; each sequence is a sample of "
+         "the group, with the rollout's reward (the number the agent returns, or `rollout.reward` on the sequence's "
+         "text when it returns None)."),
+        "",
+    ]
+
+
 # ------------------------------------------------------------------ the page
 
 
@@ -281,6 +386,8 @@ def wire_markdown() -> str:
         "",
         *_creds_keys(),
         "",
+        *_following(),
+        *_endpoint(),
         "## Evolution",
         "",
         (f"- `SCHEMA_VERSION` is {wire.SCHEMA_VERSION}; readers accept `schema_version` in "

@@ -170,6 +170,7 @@ class Evaluator:
                                                      clean=clean))
             await self.bus.close()
         if self.stack is not None:
+            await self.stack.agent_loop.close()
             await self.stack.engine.close()
 
 

@@ -148,7 +148,7 @@ class ProducerHeartbeat(Wire, tag="producer_heartbeat"):
 class RoleStarted(Wire, tag="role_started"):
     """Lifecycle: a process of some role came up. Published on `events.lifecycle`."""
 
-    role: str  # "trainer" | "producer" | "feeder" | "recorder" | "launcher"
+    role: str  # "trainer" | "producer" | "evaluator" (the launcher publishes only ProducersScaled)
     role_id: str  # e.g. the producer id, "trainer-<pid>"
     host: str = ""  # host name
     pid: int = 0  # process id

@@ -11,6 +11,7 @@ for two ranks (the real all-reduce runs in tests/integration/test_critic.py).
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -222,3 +223,18 @@ def test_estimator_names_are_verls(verl) -> None:  # noqa: F811
     for name in A.ADV_ESTIMATORS:
         assert callable(verl.core.get_adv_estimator_fn(name))
         assert AlgorithmConfig(adv_estimator=name).adv_estimator == name
+
+
+def test_bad_discounts_and_critic_settings_are_config_errors_naming_the_key() -> None:
+    from rlbus.schemas.config import load_config
+    from rlbus.schemas.errors import ConfigError
+
+    for override, key in [("algorithm.gamma=1.5", "algorithm.gamma"), ("algorithm.lam=-0.1", "algorithm.lam"),
+                          ("critic.cliprange_value=0", "critic.cliprange_value"), ("critic.lr=0", "critic.lr"),
+                          ("critic.critic_warmup=-1", "critic.critic_warmup"),
+                          ("algorithm.adv_estimator=ppo", "algorithm.adv_estimator"),
+                          ("algorithm.loss_mode=dapo", "algorithm.loss_mode")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_config(None, ["model.path=x", override])
+    cfg = load_config(str(Path(__file__).resolve().parents[2] / "configs" / "quickstart_gae.yaml"), ["model.path=x"])
+    assert cfg.algorithm.adv_estimator == "gae" and cfg.critic.critic_warmup == 3

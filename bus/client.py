@@ -39,7 +39,7 @@ from nats.js.kv import KeyValue
 
 from rlbus.bus.auth import load_creds
 from rlbus.bus.delivery import ACK_TIMEOUT_S, MSG_ID_HEADER, Delivery, dead_letter_of
-from rlbus.bus.retry import describe_error, is_transient, permanent, retrying
+from rlbus.bus.retry import abandon_requests, describe_error, is_transient, permanent, retrying
 from rlbus.bus.streams import consumer_configs, kv_config, stream_configs
 from rlbus.schemas.config import BusConfig
 from rlbus.schemas.errors import BusError, SchemaError
@@ -159,7 +159,9 @@ class Bus:
 
         async def on_disconnect() -> None:
             if connected and not nc.is_closed:  # closed = our own close(), not an outage
-                log.warning("bus %s (%s): disconnected; reconnecting", cfg.url, name)
+                lost = abandon_requests(nc)
+                log.warning("bus %s (%s): disconnected; reconnecting (%d request(s) in flight asked again)",
+                            cfg.url, name, lost)
 
         async def on_reconnect() -> None:
             log.info("bus %s (%s): reconnected", cfg.url, name)
@@ -212,6 +214,12 @@ class Bus:
             log.warning("bus %s (%s): drain did not finish within %.1fs; closing", self.cfg.url, self.name, timeout)
         except nats.errors.ConnectionReconnectingError:
             pass  # no server to drain to (it is gone, or between two of a cluster): nothing can be flushed
+        if not self.nc.is_connected:
+            # Requests made while reconnecting wait in the client's reconnect buffer; nats-py's close() would write
+            # them into the dead transport and raise ConnectionResetError (nats-py 2.16 Client._close). They can
+            # reach no server now: drop them (what they would have acknowledged is redelivered, as for any exit).
+            self.nc._pending.clear()
+            self.nc._pending_data_size = 0
         await self.nc.close()
 
     async def __aenter__(self) -> "Bus":

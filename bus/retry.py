@@ -4,9 +4,9 @@ On a NATS cluster, a server that dies takes the leaders of the streams and consu
 seconds an election takes, every JetStream call on those assets fails: a publish finds no responders, an API
 request answers 503 or "JetStream system temporarily unavailable", a request's reply never comes. A reconnect to
 another server looks the same from the client. None of it means the call is wrong, so every JetStream call of
-`Bus` goes through `retrying`: transient errors are retried with doubling backoff for up to `bus.retry_s` seconds
-(longer than an election), anything else is raised at once, and a call still failing at the end raises `BusError`
-naming the call and the last error.
+`Bus` goes through `retrying`: transient errors are retried with doubling backoff (0.1 s up to 0.5 s) for up to
+`bus.retry_s` seconds (longer than an election), anything else is raised at once, and a call still failing at the end
+raises `BusError` naming the call and the last error.
 
 Every call retried is idempotent or made so: publishes carry a Nats-Msg-Id where a copy would matter (the server
 drops a duplicate), acks / naks / terms of one delivery apply once, KV puts of the same value are harmless.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import nats.errors
 import nats.js.errors
@@ -46,8 +46,34 @@ _TRANSIENT_TYPES: tuple[type[BaseException], ...] = (
     asyncio.TimeoutError,  # a fetch whose first probe outlasts its timeout (nats-py raises asyncio's own there)
 )
 
+class ConnectionLost(nats.errors.TimeoutError):
+    """A request's connection dropped before its reply came: the request or its reply may have died with it."""
+
+    def __str__(self) -> str:
+        return "nats: the connection dropped while the request awaited its reply"
+
+
+def abandon_requests(nc: Any) -> int:
+    """Fail, with ConnectionLost, every request of `nc` still awaiting its reply; call it when the connection drops.
+
+    A request written to a connection that then dies is never answered, and nats-py would wait out its whole
+    timeout (5 s for a publish's ack or an ack's confirmation) before the retry loop asks again; failed now, it is
+    asked again as soon as the client has reconnected. Every call `Bus` retries is idempotent, so a request that did
+    reach the server before the drop is harmless to repeat. nats-py keeps the pending replies' futures in
+    `Client._resp_map` (nats-py 2.16, `_request_new_style`); tests/integration/test_bus_outage.py pins this.
+    """
+    lost = 0
+    for future in list(getattr(nc, "_resp_map", {}).values()):
+        if not future.done():
+            future.set_exception(ConnectionLost())
+            lost += 1
+    return lost
+
+
 FIRST_WAIT_S = 0.1
-MAX_WAIT_S = 2.0
+#: The longest pause between two attempts. Short: a call waits out an election (seconds, nats-server's Raft timeouts)
+#: and then at most this long, and asking twice a second for up to bus.retry_s is no load for a server.
+MAX_WAIT_S = 0.5
 
 
 def is_transient(e: BaseException) -> bool:

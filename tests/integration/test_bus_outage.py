@@ -73,3 +73,35 @@ async def _fetch_until(bus: Bus, n: int) -> list:
     while len(out) < n:
         out += await bus.fetch(s.prompts, s.prompts_consumer, PromptTask, batch=n - len(out), timeout=0.5)
     return out
+
+
+def test_a_request_in_flight_when_the_connection_drops_is_asked_again_at_once(tmp_path: Path) -> None:
+    # The server stops answering (SIGSTOP) with a publish in flight, then dies (SIGKILL) and is restarted: the publish
+    # must not wait out its 5 s ack timeout for a reply that died with the connection (bus/retry.py
+    # abandon_requests), but be asked again as soon as the client is back.
+    server = EmbeddedServer(tmp_path / "nats", port=0, host="127.0.0.1", runs=["outage"]).start()
+    cfg = BusConfig(url=server.url, creds_file=str(server.creds_file("admin", "outage")), connect_timeout_s=5.0,
+                    retry_s=20.0, reconnect_wait_s=0.1, max_reconnect_wait_s=0.5)  # fmt: skip
+    task = PromptTask(task_id="e0-i1-a0", prompt=[ChatMessage(role="user", content="1+1")], index=1, n=2)
+
+    async def main() -> float:
+        async with await Bus.connect(cfg, run="outage", name="t") as bus:
+            await bus.ensure_streams()
+            assert server.pid is not None
+            os.kill(server.pid, signal.SIGSTOP)  # our own server, by pid: the request goes out, no reply comes
+            started = time.monotonic()
+            publishing = asyncio.create_task(bus.publish(bus.subjects.prompts, task, msg_id=task.task_id))
+            await asyncio.sleep(0.5)
+            os.kill(server.pid, signal.SIGKILL)
+            await asyncio.to_thread(server.restart)
+            ack = await publishing
+            assert not ack.duplicate or ack.seq == 1
+            assert await bus.stream_msgs(bus.subjects.prompts_stream) == 1  # once, whatever was asked twice
+            return time.monotonic() - started
+
+    try:
+        took = asyncio.run(main())
+    finally:
+        server.stop()
+    print(f"publish took {took:.2f}s")
+    assert took < 4.0, f"the publish took {took:.1f}s: it waited out its ack timeout"

@@ -1,6 +1,8 @@
 """A three-server NATS cluster on loopback (JetStream, `bus.replicas=3`), as `rlbus bus up --cluster-port` makes it,
-under a real `rlbus up`; one server after another is SIGKILLed mid-run -- each time the one leading the stream the
-trainer consumes -- and the run reaches total_steps with a clean ledger.
+under a real `rlbus up`; one server after another is SIGKILLed mid-run -- first the one leading the `prompts` stream
+(the feeder publishes there, producers pull from it; on this cluster it often leads the advisories stream too), then,
+once it rejoined, the one leading `traj` (the stream the trainer consumes) -- and the run reaches total_steps with a
+clean ledger.
 
     .venv/bin/python -m pytest -q tests/system/test_nats_cluster.py
 
@@ -69,12 +71,12 @@ def test_a_run_on_a_three_server_cluster_survives_each_server_sigkilled(tmp_path
                                bus={"replicas": 3}, trainer={"total_steps": 12, "checkpoint_interval": 3},
                                rollout={"num_producers": 2})
         up = start_role("up", write_config(tmp_path / "run.yaml", cfg), tmp_path / "logs", name="up")
-        traj_stream = Subjects.for_run(run_name).traj_stream
+        subjects = Subjects.for_run(run_name)
         killed: list[EmbeddedServer] = []
         try:
-            for at_step in (3, 7):
+            for at_step, stream in ((3, subjects.prompts_stream), (7, subjects.traj_stream)):
                 wait_for_steps(run_dir, at_step, [up], timeout=400)
-                victim = server_named(servers, asyncio.run(stream_leader(admin, traj_stream)))
+                victim = server_named(servers, asyncio.run(stream_leader(admin, stream)))
                 assert victim.pid is not None
                 os.kill(victim.pid, signal.SIGKILL)  # a server this test started, by pid
                 victim.stop()  # reap it

@@ -94,6 +94,9 @@ class Endpoint:
     context_len: int  # longest prompt + reply the model takes
     stop_token_id: int
     base_url: str  # "http://host:port/v1" once started
+    num_calls: int  # calls answered (bench/endpoint.py reads these three)
+    engine_s: float  # seconds of those calls spent in engine.generate
+    handler_s: float  # seconds from a request's arrival to its reply (engine time included)
     _sessions: dict[str, Session]
     _runner: web.AppRunner | None
     _num_ids: int
@@ -104,6 +107,7 @@ class Endpoint:
         self.context_len = context_len or model_context(tokenizer)
         self.stop_token_id = int(tokenizer.eos_token_id)
         self.base_url = ""
+        self.num_calls, self.engine_s, self.handler_s = 0, 0.0, 0.0
         self._sessions = {}
         self._runner = None
         self._num_ids = 0
@@ -148,10 +152,13 @@ class Endpoint:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        t0 = time.perf_counter()
         try:
             return await handler(request)
         except RequestError as e:
             return web.json_response(e.body(), status=e.status)
+        finally:
+            self.handler_s += time.perf_counter() - t0
 
     def _session(self, request: web.Request) -> Session:
         auth = request.headers.get("Authorization", "")
@@ -245,6 +252,8 @@ class Endpoint:
                 500, f"the engine failed: {type(e).__name__}: {e}", code="engine_error", kind="server_error"
             ) from e
         elapsed = time.perf_counter() - t0
+        self.num_calls += 1
+        self.engine_s += elapsed
         out = []
         for gen in gens:
             stopped = gen.finish_reason == "stop" and bool(gen.token_ids) and gen.token_ids[-1] == self.stop_token_id

@@ -45,6 +45,11 @@ def load_value_model(path: str, dtype: torch.dtype) -> nn.Module:
     config.classifier_dropout = 0.0  # the values must be a function of the weights (replay, ranks agree)
     model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype)
     model.config.use_cache = False
+    # The head's output on [b, T, H] is a view (linear reshapes), and FSDP2 warns of a root output that is a view
+    # (an in-place op on it would skip its backward hook): give it a tensor of its own, [b, T, 1] floats.
+    head = getattr(model, "score", None) or getattr(model, "classifier", None)  # Llama/Qwen2 name it score
+    if isinstance(head, nn.Module):
+        head.register_forward_hook(lambda _module, _args, out: out.clone())
     return model
 
 

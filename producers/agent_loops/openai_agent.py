@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from rlbus.producers.agent_loops.base import AgentLoop, Trajectory
-from rlbus.producers.endpoint import Endpoint
+from rlbus.producers.endpoint import Endpoint, model_context
 from rlbus.producers.engines.base import RolloutEngine
 from rlbus.producers.rewards.registry import RewardFn
 from rlbus.producers.tools.registry import Tool, import_object
@@ -55,6 +55,7 @@ class OpenAIAgentLoop(AgentLoop):
 
     agent: AgentFn
     endpoint: Endpoint
+    _http: Any  # one httpx.AsyncClient under every rollout's openai client (making one costs ~30 ms of CPU)
     _started: asyncio.Lock
 
     def __init__(
@@ -69,7 +70,11 @@ class OpenAIAgentLoop(AgentLoop):
     ):
         super().__init__(cfg, engine, tokenizer, tools, reward_fn, seed=seed)
         self.agent = load_agent(cfg.openai.function)
-        self.endpoint = Endpoint(engine, tokenizer, cfg)
+        # An engine may take less than the model's positions (vLLM's max_model_len): the smaller is the context.
+        engine_len = getattr(cfg.engine, "max_model_len", 0) or 0
+        context = min(model_context(tokenizer), engine_len) if engine_len > 0 else 0
+        self.endpoint = Endpoint(engine, tokenizer, cfg, context_len=context)
+        self._http = None
         self._started = asyncio.Lock()
 
     async def _episodes(self, trajs: list[Trajectory]) -> None:
@@ -78,9 +83,15 @@ class OpenAIAgentLoop(AgentLoop):
     async def _ensure_started(self) -> None:
         async with self._started:
             if not self.endpoint.base_url:
+                import openai  # here, so that a config without this loop never imports the client
+
                 await self.endpoint.start()
+                self._http = openai.DefaultAsyncHttpxClient(timeout=self.cfg.openai.timeout_s)
 
     async def close(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
         await self.endpoint.close()
 
     async def rollout_many(self, tasks: list[PromptTask], n: int) -> list[list[Trajectory]]:
@@ -89,11 +100,16 @@ class OpenAIAgentLoop(AgentLoop):
         return [[t for run in runs[i * n : (i + 1) * n] for t in run] for i in range(len(tasks))]
 
     async def _run(self, task: PromptTask) -> list[Trajectory]:
-        import openai  # here, so that a config without this loop never imports the client
+        import openai
 
         with self.endpoint.conversation() as session:
+            # A client per rollout (its own key) over the shared connection pool; closing it would close the pool.
             client = openai.AsyncOpenAI(
-                base_url=self.endpoint.base_url, api_key=session.key, max_retries=0, timeout=self.cfg.openai.timeout_s
+                base_url=self.endpoint.base_url,
+                api_key=session.key,
+                max_retries=0,
+                timeout=self.cfg.openai.timeout_s,
+                http_client=self._http,
             )
             try:
                 reward = await asyncio.wait_for(self.agent(client, task), self.cfg.openai.timeout_s)
@@ -103,8 +119,6 @@ class OpenAIAgentLoop(AgentLoop):
                 raise AgentFailed(
                     f"task {task.task_id}: the agent {self.cfg.openai.function} raised {type(e).__name__}: {e}"
                 ) from e
-            finally:
-                await client.close()
         trajs = session.capture.trajectories()
         if not trajs:
             raise AgentFailed(f"task {task.task_id}: the agent {self.cfg.openai.function} made no model call")

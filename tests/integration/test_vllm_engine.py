@@ -103,6 +103,37 @@ async def test_concurrent_requests_and_stop_tokens(engine):
     assert both < 1.8 * one
 
 
+async def test_the_openai_endpoint_captures_vllm_samples_token_exact(engine, model_dir):
+    """A two-turn conversation through the producer's endpoint (real HTTP, the openai client) on this engine: the
+    second call continues the first reply's sampled ids, and every captured log-prob is the trainer's."""
+    import openai
+
+    from rlbus.producers.endpoint import Endpoint
+    from rlbus.schemas.config import RolloutConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    endpoint = Endpoint(engine, tokenizer, RolloutConfig(max_new_tokens=12, max_response_tokens=60),
+                        context_len=MAX_MODEL_LEN)
+    await endpoint.start()
+    try:
+        with endpoint.conversation() as session:
+            async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=session.key, max_retries=0) as client:
+                messages = [{"role": "user", "content": "What is 17*23?"}]
+                first = await client.chat.completions.create(model="policy", messages=messages, n=2)
+                messages += [first.choices[0].message.model_dump(exclude_none=True),
+                             {"role": "user", "content": "Are you sure?"}]
+                await client.chat.completions.create(model="policy", messages=messages)
+    finally:
+        await endpoint.close()
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    trajs = session.capture.trajectories()
+    assert sorted(t.num_turns for t in trajs) == [1, 2]  # the second choice was not continued
+    for traj in trajs:
+        mask = torch.tensor(traj.response_mask).bool()
+        expected = teacher_forced_logprobs(reference, traj.prompt_ids, traj.response_ids)
+        assert (expected[mask] - torch.tensor(traj.log_probs)[mask]).abs().max().item() < LOGPROB_TOL
+
+
 @pytest.mark.parametrize("mode", ["keep", "abort"])
 async def test_weights_load_in_flight_and_versions_stay_true(engine, model_dir, mode):
     engine.update_mode = mode

@@ -29,16 +29,12 @@ from rlbus.producers.rewards import load_reward
 from rlbus.schemas.config import HFEngineConfig, from_dict
 from rlbus.schemas.wire import PromptTask
 from rlbus.trainer.engine import token_log_probs
+from tests.support.engines import one_torch_thread  # noqa: F401 - a fixture (pytestmark below)
 
 AGENT = "rlbus.producers.agents.calculator:rollout"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # the CPU is shared with other test runs
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ from rlbus.common.chat import encode_chat
 from rlbus.schemas.config import HFEngineConfig, from_dict
 from rlbus.schemas.errors import WeightLoadError
 from tests.support.engines import assert_cut_at_first_stop, teacher_forced_logprobs
+from tests.support.engines import one_torch_thread  # noqa: F401 - a fixture (pytestmark below)
 from tests.support.loop_gaps import loop_gaps
 
 #: Wider and deeper than the quickstart's model: at random init the quickstart's tied-embedding 2-layer model greedily
@@ -37,12 +38,7 @@ ENGINE_SPEC = TinyModelSpec(hidden_size=128, intermediate_size=384, num_hidden_l
 QUESTIONS = ["What is 17*23?", "What is 5+38?", "What is 9*9? Please show the steps and be careful.", "Hi"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # the CPU is shared with other test runs
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

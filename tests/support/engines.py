@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for a test module (the CPU is shared with other test runs); a module takes it with
+    `pytestmark = pytest.mark.usefixtures("one_torch_thread")` after importing it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def teacher_forced_logprobs(model, prompt: list[int], tokens: list[int], temperature: float = 1.0) -> torch.Tensor:

@@ -38,6 +38,8 @@ BAR = 0.85
 GOAL = 0.9
 #: A near-deterministic policy: mean entropy per token under this.
 LOW_ENTROPY = 0.01
+#: Per-step metrics kept in the results, to judge the guard's rules on them afterwards (trainer/guard.py).
+SERIES = ("reward/mean", "actor/entropy", "mismatch/kl_k3", "actor/grad_norm", "actor/clipfrac", "guard/fired")
 
 
 def summarise(rows: list[dict], discarded: list[dict] = ()) -> dict[str, float]:
@@ -58,6 +60,11 @@ def summarise(rows: list[dict], discarded: list[dict] = ()) -> dict[str, float]:
         # policy there is the collapse that one bad update can flip.
         "entropy_min_unconverged": min((r.get("actor/entropy", 1.0) for r in rows[:converged_at(rewards)]),
                                        default=float("nan")),
+        # The same judged step by step: steps before convergence whose policy was near-deterministic while that
+        # step's own reward was under the goal (certain and often wrong). The running mean above lags the reward by
+        # up to 4 steps, so it also counts the steps where reward and entropy settled together.
+        "early_low_entropy_steps": sum(1 for r in rows[:converged_at(rewards)]
+                                       if r.get("actor/entropy", 1.0) < LOW_ENTROPY and r["reward/mean"] < GOAL),
         # The stability guard (trainer/guard.py): steps it fired on, which rules, rollbacks.
         "guard_steps": sum(1 for r in [*rows, *discarded] if r.get("guard/fired")),
         "guard_rules": sorted({k.removeprefix("guard/") for r in [*rows, *discarded] for k in r
@@ -88,7 +95,8 @@ def run_seed(seed: int, overrides: list[str], work: Path, timeout: float, config
     wall = time.monotonic() - t0
     metrics = run_dir / "metrics.jsonl"
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.is_file() else []
-    out = {"seed": seed, "rc": proc.returncode, "wall_s": wall, "rewards": [r["reward/mean"] for r in rows]}
+    out = {"seed": seed, "rc": proc.returncode, "wall_s": wall, "rewards": [r["reward/mean"] for r in rows],
+           "series": {k: [r.get(k) for r in rows] for k in SERIES}}
     if proc.returncode != 0 or not rows:
         out["error"] = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
         return out
@@ -179,7 +187,7 @@ def main() -> int:
                 r = run_seed(seed, args.overrides, work, args.timeout, Path(args.config),
                              keep=Path(args.keep) if args.keep else None)
                 d["runs"].append(r)
-                print(json.dumps({k: v for k, v in r.items() if k != "rewards"}), flush=True)
+                print(json.dumps({k: v for k, v in r.items() if k not in ("rewards", "series")}), flush=True)
         finally:
             for p in spinners:
                 p.kill()

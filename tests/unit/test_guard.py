@@ -43,6 +43,12 @@ def healthy_runs() -> list[tuple[str, list[dict]]]:
     runs = []
     for path in sorted(FIXTURES.glob("quickstart_*.jsonl")):
         runs.append((path.name, [json.loads(x) for x in path.read_text().splitlines() if x.strip()]))
+    # 20 whole healthy quickstart runs with the guard only warning (bench/quickstart_seeds.py --seeds 0..19
+    # 'guard.actions=[warn]' 'guard.rule_actions={}'): every step's reward, entropy, mismatch KL, grad norm, clip.
+    for r in json.loads((FIXTURES / "quickstart_healthy_seeds.json").read_text())["runs"]:
+        s = r["series"]
+        rows = [{"step": i + 1, **{k: v[i] for k, v in s.items() if v[i] is not None}} for i in range(len(s["reward/mean"]))]
+        runs.append((f"quickstart_healthy_seeds seed {r['seed']}", rows))
     for path in sorted((ROOT / "bench" / "results").glob("quickstart_seeds*.json")):
         for r in json.loads(path.read_text())["runs"]:
             # Healthy: ended at the goal and never fell more than reward_drop below its best after step 10 (the
@@ -62,21 +68,20 @@ def test_never_fires_on_healthy_quickstart_runs(name, rows):
 
 
 def test_healthy_runs_are_many():
-    assert len(healthy_runs()) >= 40  # the seeds benches' healthy runs + 2 whole runs
+    assert len(healthy_runs()) >= 60  # the seeds benches' healthy runs + 22 whole runs
 
 
 def test_a_recorded_collapse_is_rolled_back_to_before_it_began():
     """A quickstart run that collapsed (bench/quickstart_seeds.py, seed 6 with entropy_coeff 0.005, kept with --keep):
     reward 0.97-1.0 to step 22 with entropy ~0.003, then step 22's update (grad norm 0.0004: Adam's momentum and
-    normalisation, not a signal) moved the policy by a mismatch KL of 0.054 (k3; healthy runs stay under 0.008), the
-    reward fell to 0.25 by step 26 in all-or-nothing groups and never came back. With the default guard, reward_drop
-    rolls back to a checkpoint from before the fall, and the others warn and tighten."""
+    normalisation, not a signal) moved the policy by a mismatch KL of 0.054 (k3), the reward fell to 0.25 by step 26
+    in all-or-nothing groups and never came back. Healthy runs reach a mismatch KL of 0.058 too (the fixture of 20
+    healthy seeds), so that KL cannot tell them apart and mismatch_kl's default bound is above both; reward_drop rolls
+    back to a checkpoint from before the fall, and entropy_collapse warns and tightens."""
     rows = [json.loads(x) for x in (FIXTURES / "collapse_quickstart_seed6.jsonl").read_text().splitlines()]
     g = guard()
     fired = run(g, rows)
     assert fired
-    mismatch = next(v for v in fired if any(f.rule == "mismatch_kl" for f in v.fired))
-    assert mismatch.step == 23 and "rollback" not in mismatch.actions
     back = next(v for v in fired if "rollback" in v.actions)
     assert back.step <= 27, f"rolled back only at step {back.step}"
     assert {f.rule for f in back.fired} >= {"reward_drop"}
@@ -128,7 +133,7 @@ def test_mismatch_kl_clip_and_grad_spike_fire_on_one_step():
     assert [f.rule for f in v.fired] == ["clip_fraction"]
     v = g.observe(13, healthy_row(13, grad=40.0))
     assert [f.rule for f in v.fired] == ["grad_spike"]
-    assert v.fired[0].threshold == pytest.approx(max(10 * 0.31, 5.0))
+    assert v.fired[0].threshold == pytest.approx(max(10 * 0.31, g.cfg.grad_spike_min))
     assert g.observe(14, healthy_row(14, grad=4.0)).fired == []  # above 10x the median but under grad_spike_min
 
 

@@ -51,9 +51,10 @@ def test_guard_warns_tightens_rolls_back_and_replays(tmp_path, tiny_model_dir, r
     assert 0 < rb.rollback_to < rb.step and rb.rollback_to % 2 == 0  # a checkpoint before the trouble
     assert rb.rollback_to < rb.step - 1  # before the rollouts of the evidence (max_staleness 1)
     assert rb.lr_scale == 0.5 and rb.max_staleness == 0
-    # before the first checkpoint there is nothing to roll back to: that firing warned and tightened instead
+    # evidence from before the first checkpoint (step 2) plus max_staleness (1) has nothing older to roll back to:
+    # that firing warned and tightened instead (on a busy machine the first mismatch may come only at step 3)
     first = actions[0]
-    assert first.step < 2 or "rollback" in first.actions
+    assert first.step <= 3 or "rollback" in first.actions
     if "rollback" not in first.actions:
         assert first.actions == ["warn", "tighten"] and "no checkpoint before step" in first.message
 

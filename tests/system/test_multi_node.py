@@ -2,8 +2,7 @@
 multi-machine recipes start them:
 
 - a Ray head and a second node joined by `ray start --address` (bus/ray_cluster.py), the TransferQueue shards
-  spread over both and the weight store on the second; the second node SIGKILLed mid-run under a real `rlbus up`,
-  and the run finishes with a clean ledger;
+  spread over both; the second node SIGKILLed mid-run under a real `rlbus up`, and the run finishes;
 - one short job across all of it: a three-server NATS cluster, the trainer under `torchrun` with two ranks,
   producers pinned to the second Ray node.
 
@@ -54,32 +53,21 @@ def two_ray_nodes(monkeypatch):
         assert not leaks, leaks
 
 
-def _shard_nodes(run: str, ray_address: str, create: bool = False, prefix: str = "tq-") -> dict[str, str]:
-    """Node IP of each of the run's actors named rlbus-<run>-<prefix>... (TransferQueue shards by default), asked from
-    a fresh driver (Ray's GCS actor table); with `create`, that driver first creates the shards as the run's trainer
-    would (2 shards), and the weight store on the second node (softly: Ray may restart it elsewhere), which the
-    trainer then attaches to by name."""
+def _shard_nodes(run: str, ray_address: str, create: bool = False) -> dict[str, str]:
+    """Node IP of each of the run's TransferQueue shards, asked from a fresh driver (Ray's GCS actor table); with
+    `create`, that driver first creates them as the run's trainer would (2 shards)."""
     code = (
         "import json, ray, sys\n"
-        "from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy\n"
         "from rlbus.bus.ray_cluster import ensure_ray\n"
-        "from rlbus.bus.ray_store import actor_name\n"
         "from rlbus.bus.transfer_queue import TransferQueue\n"
-        "from rlbus.bus.weight_store import WeightStore, _WeightStoreActor\n"
         "from rlbus.schemas.config import RayConfig\n"
         f"cfg = RayConfig(address={ray_address!r}, num_storage_actors=2, capacity_bytes=256 * 1024**2)\n"
         "ensure_ray(cfg)\n"
-        f"if {create}:\n"
-        f"    TransferQueue.connect({run!r}, cfg)\n"
-        f"    node = next(n['NodeID'] for n in ray.nodes() if n['Alive'] and n['NodeManagerAddress'] == {NODE_IP!r})\n"
-        f"    name = actor_name({run!r}, 'weights')\n"
-        "    _WeightStoreActor.options(name=name, namespace=cfg.namespace, lifetime='detached',"
-        " scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True)).remote(cfg.weight_versions_kept, name)\n"
-        f"    WeightStore.connect({run!r}, cfg)\n"
+        f"if {create}: TransferQueue.connect({run!r}, cfg)\n"
         "ips = {n['NodeID']: n['NodeManagerAddress'] for n in ray.nodes()}\n"
         "print('SHARDS', json.dumps({a['Name']: ips.get(a['Address']['NodeID'], '?')"
         " for a in ray._private.state.actors().values()"
-        f" if a['Name'].startswith('rlbus-{run}-{prefix}') and a['State'] == 'ALIVE'}}))\n"
+        f" if a['Name'].startswith('rlbus-{run}-tq-') and a['State'] == 'ALIVE'}}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -94,20 +82,15 @@ def test_second_ray_node_sigkilled_mid_run_loses_only_what_it_held(tmp_path, tin
         cfg = small_run_config(run_name, run_dir, tiny_model_dir, server.url, str(server.creds_file("admin")),
                                head.address, ray={"num_storage_actors": 2},
                                trainer={"total_steps": 300, "checkpoint_interval": 5}, rollout={"num_producers": 2})
-        # The shards as the trainer makes them (it attaches to these): one on each node; the weight store on the
-        # node that will be lost, so that the run publishes weights into a store Ray is restarting.
+        # The shards as the trainer makes them (it attaches to these): one on each node.
         assert sorted(_shard_nodes(run_name, head.address, create=True).values()) == [HEAD_IP, NODE_IP]
-        assert list(_shard_nodes(run_name, head.address, prefix="weights").values()) == [NODE_IP]
         up = start_role("up", write_config(tmp_path / "run.yaml", cfg), tmp_path / "logs", name="up")
         try:
             wait_for_steps(run_dir, 2, [up], timeout=400)
             os.killpg(node.pid, signal.SIGKILL)  # the second "machine": the node this test started, all of it
             # Ray restarted the lost shard (empty) on the node that is left, and the run goes on.
             deadline = time.monotonic() + 120  # Ray declares the node dead after its health checks fail
-            # So did the weight store, whose puts meanwhile were retried (bus/weight_store.py).
-            while (placed := sorted(_shard_nodes(run_name, head.address).values())) != [HEAD_IP, HEAD_IP] or (
-                list(_shard_nodes(run_name, head.address, prefix="weights").values()) != [HEAD_IP]
-            ):
+            while (placed := sorted(_shard_nodes(run_name, head.address).values())) != [HEAD_IP, HEAD_IP]:
                 assert time.monotonic() < deadline and up.poll() is None, placed
                 time.sleep(2)
             assert up.wait(timeout=600) == 0

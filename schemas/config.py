@@ -476,7 +476,7 @@ class GuardConfig(_Section):
     rule_actions: dict[str, list[GuardActionName]] = msgspec.field(default_factory=_rollback_on_reward_drop)  # per rule
     window: int = 5  # steps averaged by the windowed rules (entropy_collapse, reward_drop)
     entropy_min: float = 0.01  # entropy_collapse: window mean of actor/entropy below this...
-    converged_reward: float = 0.9  # ...while the window mean of reward/mean is still below this
+    converged_reward: float = 0.9  # ...while the window mean of reward/mean has never yet reached this
     max_mismatch_kl: float = 0.1  # mismatch_kl: mismatch/kl_k3 (KL of behaviour to proximal policy) above this
     grad_spike_factor: float = 10.0  # grad_spike: actor/grad_norm above this times the median of recent non-zero norms
     grad_spike_min: float = 10.0  # grad_spike: ...and above this absolute norm

@@ -3,9 +3,10 @@
 The trainer's controller (trainer/service.py) hands each step's metrics row to `StabilityGuard.observe`, which
 judges five rules against `GuardConfig` thresholds (defaults from healthy quickstart runs: README, "Stability guard"):
 
-    entropy_collapse  window mean of actor/entropy < entropy_min while the window mean of reward/mean is still below
-                      converged_reward (a near-deterministic policy is healthy only once it is right: the quickstart's
-                      entropy falls to ~0.003 when its reward is ~1.0)
+    entropy_collapse  window mean of actor/entropy < entropy_min while the window mean of reward/mean has never yet
+                      reached converged_reward (a near-deterministic policy is healthy only once it is right: the
+                      quickstart's entropy falls to ~0.003 when its reward is ~1.0; a fall after convergence is
+                      reward_drop's, and low-entropy dips after it fired this rule on 2 of 20 healthy runs)
     mismatch_kl       mismatch/kl_k3 (KL of the behaviour policy to the proximal one) > max_mismatch_kl
     grad_spike        actor/grad_norm > grad_spike_factor x the median of recent non-zero norms, and > grad_spike_min
     clip_fraction     actor/clipfrac > max_clipfrac
@@ -183,6 +184,8 @@ class StabilityGuard:
     def _entropy_collapse(self, recent: list[Observation], reward_mean: float) -> Firing | None:
         if self.cfg.entropy_min <= 0 or len(recent) < self.cfg.window or math.isnan(reward_mean):
             return None
+        if self.state.best_reward and self.state.best_reward[-1][1] >= self.cfg.converged_reward:
+            return None  # converged once: a later fall with low entropy is reward_drop's (a dip is no early collapse)
         entropy = _mean([o.entropy for o in recent])
         if math.isnan(entropy) or entropy >= self.cfg.entropy_min or reward_mean >= self.cfg.converged_reward:
             return None

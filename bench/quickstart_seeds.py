@@ -48,6 +48,7 @@ def summarise(rows: list[dict], discarded: list[dict] = ()) -> dict[str, float]:
     rewards = [r["reward/mean"] for r in rows]
     late = [statistics.fmean(rewards[i - 4:i + 1]) for i in range(max(10, 4), len(rewards))]
     last = rows[-10:]
+    unconverged = rows[:converged_at(rewards)]
     return {
         "steps": len(rows),
         "first5": statistics.fmean(rewards[:5]),
@@ -58,12 +59,11 @@ def summarise(rows: list[dict], discarded: list[dict] = ()) -> dict[str, float]:
         "clipfrac_mean": statistics.fmean(r.get("actor/clipfrac", 0.0) for r in rows),
         # Entropy before the reward first converged (its 5-step running mean reached the goal): a near-deterministic
         # policy there is the collapse that one bad update can flip.
-        "entropy_min_unconverged": min((r.get("actor/entropy", 1.0) for r in rows[:converged_at(rewards)]),
-                                       default=float("nan")),
+        "entropy_min_unconverged": min((r.get("actor/entropy", 1.0) for r in unconverged), default=float("nan")),
         # The same judged step by step: steps before convergence whose policy was near-deterministic while that
         # step's own reward was under the goal (certain and often wrong). The running mean above lags the reward by
         # up to 4 steps, so it also counts the steps where reward and entropy settled together.
-        "early_low_entropy_steps": sum(1 for r in rows[:converged_at(rewards)]
+        "early_low_entropy_steps": sum(1 for r in unconverged
                                        if r.get("actor/entropy", 1.0) < LOW_ENTROPY and r["reward/mean"] < GOAL),
         # The stability guard (trainer/guard.py): steps it fired on, which rules, rollbacks.
         "guard_steps": sum(1 for r in [*rows, *discarded] if r.get("guard/fired")),

@@ -136,12 +136,33 @@ def parse_messages(raw: Any) -> list[Message]:
     return out
 
 
-def parse_tools(raw: Any, tool_choice: Any) -> tuple[list[dict] | None, bool]:
-    """`tools` (None when absent) and whether replies may carry tool calls (tool_choice is not "none")."""
+@dataclass(frozen=True)
+class ToolChoice:
+    """A request's `tools` and what its `tool_choice` asks of every reply."""
+
+    tools: list[dict] | None  # None when the request has none
+    allowed: bool  # replies may carry tool calls ("none" says they may not: any call the model writes stays text)
+    name: str = ""  # the function every reply must call (a named function, or "required" with one tool)
+    required: bool = False  # every reply must be a tool call ("required" or a named function)
+
+    @property
+    def opening(self) -> str:
+        """The text every reply must begin with: the tool-call opening, up to the arguments when the function is
+        known, up to the name otherwise ("" when nothing is forced). Written as the project's parser reads it and
+        as the calculator demonstrations spell it (json.dumps)."""
+        if not self.required:
+            return ""
+        if self.name:
+            return f'{TOOL_CALL_START}{{"name": {json.dumps(self.name)}, "arguments": '
+        return f'{TOOL_CALL_START}{{"name": "'
+
+
+def parse_tools(raw: Any, tool_choice: Any) -> ToolChoice:
+    """`tools` and `tool_choice` of a chat request, validated (400 naming the field otherwise)."""
     if raw is None:
         if tool_choice not in (None, "none", "auto"):
             raise _bad("tool_choice needs tools", "tool_choice")
-        return None, False
+        return ToolChoice(tools=None, allowed=False)
     if not isinstance(raw, list):
         raise _bad("tools must be a list of function tools", "tools")
     names = []
@@ -164,9 +185,12 @@ def parse_tools(raw: Any, tool_choice: Any) -> tuple[list[dict] | None, bool]:
         name = (tool_choice.get("function") or {}).get("name")
         if tool_choice.get("type") != "function" or name not in names:
             raise _bad(f"tool_choice names no tool of the request ({', '.join(names)})", "tool_choice")
-    elif tool_choice not in (None, "none", "auto", "required"):
+        return ToolChoice(tools=list(raw), allowed=True, name=name, required=True)
+    if tool_choice == "required":
+        return ToolChoice(tools=list(raw), allowed=True, name=names[0] if len(set(names)) == 1 else "", required=True)
+    if tool_choice not in (None, "none", "auto"):
         raise _bad('tool_choice must be "none", "auto", "required" or a function', "tool_choice")
-    return list(raw), tool_choice != "none"
+    return ToolChoice(tools=list(raw), allowed=tool_choice != "none")
 
 
 @dataclass
@@ -184,10 +208,35 @@ class Reply:
         return "assistant", (self.content or "").strip(), calls
 
 
-def make_reply(text: str, stopped: bool, *, tools_allowed: bool, call_id: str) -> Reply:
-    """The assistant message for sampled `text`: tool calls the project's parser reads (tool_parser.py) become
-    `tool_calls` when the request allowed tools and every call parsed; otherwise the text is the content."""
+def make_reply(
+    text: str,
+    stopped: bool,
+    *,
+    tools_allowed: bool,
+    call_id: str,
+    captured: str | None = None,
+    forced: tuple[str, str] | None = None,
+) -> Reply:
+    """The assistant message for `text` (what the reply says: the sampled text, with a forced opening before it and
+    without what followed a stop sequence): tool calls the project's parser reads (tool_parser.py) become
+    `tool_calls` when the request allowed tools and every call parsed; otherwise the text is the content.
+    `captured`: the text of every token of the reply in the sequence, when it is more than `text` (a stop
+    sequence's own tokens). `forced`: (function name, opening text) when the request forced a call of that
+    function: a reply whose call does not parse is still that call, its arguments the text the model wrote after
+    the opening, as OpenAI's are ("the model does not always generate valid JSON": the agent validates them)."""
     calls = parse_tool_calls(text) if tools_allowed else []
+    if forced is not None and not (calls and all(not c.error for c in calls)):
+        name, opening = forced
+        raw = text.removeprefix(opening)
+        raw = raw.split(TOOL_CALL_END, 1)[0].strip()
+        raw = raw[:-1].rstrip() if raw.endswith("}}") else raw  # the call object's own closing brace
+        call = {"id": f"{call_id}_0", "type": "function", "function": {"name": name, "arguments": raw}}
+        return Reply(
+            text=text if captured is None else captured,
+            content=None,
+            tool_calls=[call],
+            finish_reason="tool_calls" if stopped else "length",
+        )
     if calls and all(not c.error for c in calls):
         content = text
         while TOOL_CALL_START in content:  # the prose around the calls stays the content
@@ -203,12 +252,17 @@ def make_reply(text: str, stopped: bool, *, tools_allowed: bool, call_id: str) -
             for i, c in enumerate(calls)
         ]
         return Reply(
-            text=text,
+            text=text if captured is None else captured,
             content=content.strip() or None,
             tool_calls=tool_calls,
             finish_reason="tool_calls" if stopped else "length",
         )
-    return Reply(text=text, content=text, tool_calls=[], finish_reason="stop" if stopped else "length")
+    return Reply(
+        text=text if captured is None else captured,
+        content=text,
+        tool_calls=[],
+        finish_reason="stop" if stopped else "length",
+    )
 
 
 @dataclass
@@ -235,6 +289,7 @@ class Prepared:
     keys: list[tuple]
     tools: list[dict] | None
     parent: Node | None
+    opening: str = ""  # the text of the forced opening at the end of prompt_ids (tool_choice), "" when none
 
 
 @dataclass
@@ -246,6 +301,7 @@ class Conversation:
     nodes: list[Node] = field(default_factory=list)
     failure: BaseException | None = None  # a server-side failure (the engine's), re-raised by the agent loop
     num_calls: int = 0
+    _openings: dict[tuple[str, str], tuple[list[int], str]] = field(default_factory=dict)
 
     def render(self, template: list[dict], tools: list[dict] | None, *, add_generation_prompt: bool) -> str:
         kwargs = {"tools": tools} if tools else {}
@@ -292,6 +348,40 @@ class Conversation:
             prompt_ids=prompt_ids, messages=[ChatMessage(role=t["role"], content=t["content"]) for t in template]
         )
         return Prepared(prompt_ids=prompt_ids, base=base, template=template, keys=keys, tools=tools, parent=None)
+
+    def opening_ids(self, choice: ToolChoice) -> tuple[list[int], str]:
+        """The ids (and their text) of the opening `choice` forces, tokenized as the tokenizer writes it inside a
+        whole call, so that the model continues from a tokenization it has seen: the longest prefix of the ids of
+        the opening plus a typical continuation whose text lies within the opening (a trailing space would else be
+        its own token where the model writes ` {` as one). The function's name is always whole."""
+        key = (choice.opening, choice.name)
+        if key not in self._openings:
+            opening = choice.opening
+            whole = self.encode(opening + ('{"x": 1}}' if choice.name else 'x", "arguments": {}}') + TOOL_CALL_END)
+            ids: list[int] = []
+            for k in range(1, len(whole) + 1):
+                if not opening.startswith(self.tokenizer.decode(whole[:k], skip_special_tokens=False)):
+                    break
+                ids = whole[:k]
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
+            need = opening.index(json.dumps(choice.name)) + len(json.dumps(choice.name)) if choice.name else 0
+            if len(text) < max(need, len(TOOL_CALL_START)):  # the tokenizer merges the name's end with what follows
+                ids, text = self.encode(opening), opening
+            self._openings[key] = (ids, text)
+        return self._openings[key]
+
+    def force(self, prepared: Prepared, choice: ToolChoice) -> None:
+        """Begin every reply of the call with the opening `choice` forces (tool_choice "required" or a function):
+        its ids go at the end of the prompt, in the sequence as context the model did not sample (the prompt itself
+        in a sequence's first call, mask 0 after a reply), and the model samples the rest of the call."""
+        ids, text = self.opening_ids(choice)
+        prepared.prompt_ids = prepared.prompt_ids + ids
+        base = prepared.base
+        if base.response_ids:
+            base.add_inserted(ids)
+        else:
+            base.prompt_ids = base.prompt_ids + ids
+        prepared.opening = text
 
     def _inserted(
         self, parent: Node, done: list[dict], template: list[dict], tools: list[dict] | None
@@ -344,9 +434,11 @@ class Conversation:
         stop_id: int,
         *,
         prompt_text: str | None = None,
+        stop_matched: bool = False,
     ) -> Node:
         """One sampled choice of a prepared call, as a node (its parent, if any, is now extended). `prompt_text`:
-        a completion's prompt as text, which a later completion may continue."""
+        a completion's prompt as text, which a later completion may continue; `stop_matched`: the reply ended on a
+        stop sequence of the request (its last token completed it; a later call inserts the eos, mask 0)."""
         traj = copy.deepcopy(prepared.base)
         traj.add_generated(list(gen.token_ids), list(gen.log_probs), gen.versions())
         traj.num_turns += 1
@@ -354,7 +446,7 @@ class Conversation:
         traj.gen_time_s += elapsed_s
         traj.messages.append(ChatMessage(role="assistant", content=reply.text))
         stopped = gen.finish_reason == "stop" and bool(gen.token_ids) and gen.token_ids[-1] == stop_id
-        traj.finish_reason = "stop" if stopped else "length"
+        traj.finish_reason = "stop" if stopped or stop_matched else "length"
         if prepared.parent is not None:
             prepared.parent.extended = True
         node = Node(

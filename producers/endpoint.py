@@ -8,16 +8,33 @@
     await endpoint.close()
 
 Routes: `POST /v1/chat/completions` (messages, tools, tool_choice, temperature, top_p, max_tokens /
-max_completion_tokens, n, logprobs), `POST /v1/completions` (prompt as text or token ids), `GET /v1/models`. Every
-route needs `Authorization: Bearer <key>` of a rollout in flight (401 otherwise); a key dies with its rollout. It
-listens on loopback unless `rollout.openai.host` says otherwise. Replies are sampled by the engine exactly as the
-agent loops sample (stop at eos, log-probs of softmax(logits / temperature)); tool calls in a reply are read by the
-project's parser (agent_loops/tool_parser.py) and handed back as OpenAI `tool_calls`. What each call saw and sampled
-is captured token by token (producers/capture.py). Requests the endpoint refuses get OpenAI's error JSON:
+max_completion_tokens, n, seed, stop, stream, stream_options.include_usage, logprobs), `POST /v1/completions`
+(prompt as text or token ids; the same sampling fields, stop and stream), `GET /v1/models`. Every route needs
+`Authorization: Bearer <key>` of a rollout in flight (401 otherwise); a key dies with its rollout. It listens on
+loopback unless `rollout.openai.host` says otherwise. Replies are sampled by the engine exactly as the agent loops
+sample (stop at eos, log-probs of softmax(logits / temperature)); tool calls in a reply are read by the project's
+parser (agent_loops/tool_parser.py) and handed back as OpenAI `tool_calls`. What each call saw and sampled is
+captured token by token (producers/capture.py).
+
+- tool_choice "none": no reply carries `tool_calls` (a call the model writes stays text). "required" or a named
+  function: every reply begins with the tool-call opening, written by the endpoint into the prompt (up to
+  `"arguments":` when the function is known: named, or the only tool; up to `"name": "` otherwise), so the
+  model samples the rest of a call of that function. The opening is context the model did not sample (prompt, or
+  mask 0 inside a sequence) and the rest is the model's, with its own log-probs: no token is constrained. The
+  reply is that call; its arguments are what the model wrote (valid JSON or not, as OpenAI's: the agent validates
+  them). With several tools and "required", a reply whose call does not parse comes back as text.
+- stop: the reply ends where its text first holds a stop sequence; the sequence keeps exactly the tokens sampled
+  up to the one that completed it (a one-token stop ends the generation in the engine; what the engine sampled
+  past a longer one is dropped) and a later call inserts the eos, mask 0, as after a reply cut by max_tokens.
+- stream: the same reply as OpenAI's server-sent `chat.completion.chunk`s (content deltas per token, `tool_calls`
+  deltas, a last chunk with the finish reason, `data: [DONE]`), sent once the reply is sampled: the engine
+  interface returns whole generations, so there is no first-token latency gain, and a failure is an HTTP error.
+
+Requests the endpoint refuses get OpenAI's error JSON:
 
     401 invalid_api_key            no key, or a key of no rollout in flight
     404 model_not_found            a model name other than rollout.openai.model
-    400 (param named)              malformed messages, tools or tool_choice; temperature <= 0; stream; stop
+    400 (param named)              malformed messages, tools, tool_choice, stop, seed; temperature <= 0
     400 context_length_exceeded    a prompt over the model's context, or no room left in rollout.max_response_tokens
     500 engine_error               the engine failed (the rollout then fails with the engine's error)
 
@@ -48,10 +65,22 @@ from rlbus.producers.capture import (
     parse_messages,
     parse_tools,
 )
-from rlbus.producers.engines.base import RolloutEngine, SamplingParams
+from rlbus.producers.engines.base import Generation, RolloutEngine, SamplingParams
 from rlbus.schemas.config import RolloutConfig
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Call:
+    """What one request asks of the engine and of the reply's form."""
+
+    sampling: SamplingParams
+    n: int
+    stops: tuple[str, ...]  # stop sequences: the reply ends where its text first holds one
+    stream: bool  # answer as server-sent events
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    logprobs: bool  # each sampled token's log-prob in the reply
 
 
 @dataclass
@@ -183,10 +212,6 @@ class Endpoint:
                 param="model",
                 code="model_not_found",
             )
-        if body.get("stream"):
-            raise RequestError(400, "stream is not supported", param="stream")
-        if body.get("stop"):
-            raise RequestError(400, "stop sequences are not supported (replies end at the model's eos)", param="stop")
         return body
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -195,7 +220,16 @@ class Endpoint:
             {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "rlbus"}]}
         )
 
-    def _params(self, body: dict, prepared: Prepared, session: Session) -> tuple[SamplingParams, int]:
+    def _stops(self, body: dict) -> tuple[str, ...]:
+        stop = body.get("stop")
+        if stop is None:
+            return ()
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not 1 <= len(stops) <= 4 or not all(isinstance(s, str) and s for s in stops):
+            raise RequestError(400, "stop must be a non-empty string or a list of 1 to 4 of them", param="stop")
+        return tuple(stops)
+
+    def _params(self, body: dict, prepared: Prepared, session: Session) -> Call:
         n = _number(body, "n", 1, lo=1, hi=self.cfg.openai.max_n, integer=True)
         temperature = _number(body, "temperature", self.cfg.temperature, lo=0.0)
         if temperature <= 0:
@@ -208,6 +242,9 @@ class Endpoint:
         top_p = _number(body, "top_p", self.cfg.top_p, lo=0.0, hi=1.0)
         if top_p <= 0:
             raise RequestError(400, "top_p must be > 0", param="top_p")
+        seed = body.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise RequestError(400, "seed must be an integer", param="seed")
         asked = body.get("max_completion_tokens", body.get("max_tokens"))
         max_tokens = _number({"max_tokens": asked}, "max_tokens", self.cfg.max_new_tokens, lo=1, integer=True)
         room = min(session.capture.budget(prepared), self.context_len - len(prepared.prompt_ids))
@@ -221,33 +258,68 @@ class Endpoint:
                 param="messages",
                 code="context_length_exceeded",
             )
-        params = SamplingParams(
+        stops = self._stops(body)
+        # A stop sequence that is one token ends the generation in the engine; longer ones are found in the text.
+        stop_ids = {self.stop_token_id}
+        for text in stops:
+            ids = session.capture.encode(text)
+            if len(ids) == 1:
+                stop_ids.add(ids[0])
+        stream = body.get("stream") or False
+        if not isinstance(stream, bool):
+            raise RequestError(400, "stream must be a boolean", param="stream")
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise RequestError(400, "stream_options must be an object", param="stream_options")
+        sampling = SamplingParams(
             temperature=float(temperature),
             top_p=float(top_p),
             top_k=self.cfg.top_k,
             max_new_tokens=min(int(max_tokens), room),
-            stop_token_ids=(self.stop_token_id,),
+            stop_token_ids=tuple(sorted(stop_ids, key=lambda i: i != self.stop_token_id)),
+            seed=seed,
         )
-        return params, int(n)
+        return Call(
+            sampling=sampling,
+            n=int(n),
+            stops=stops,
+            stream=stream,
+            include_usage=bool(options.get("include_usage")),
+            logprobs=bool(body.get("logprobs")),
+        )
+
+    def _cut(self, ids: list[int], stops: tuple[str, ...]) -> tuple[int, str] | None:
+        """(k, the text before the stop) for the fewest first k of `ids` whose text holds a stop sequence; None
+        when their whole text holds none."""
+        decode = self.tokenizer.decode
+        if not stops or not any(s in decode(ids, skip_special_tokens=False) for s in stops):
+            return None
+        for k in range(1, len(ids) + 1):
+            text = decode(ids[:k], skip_special_tokens=False)
+            found = [text.find(s) for s in stops if s in text]
+            if found:
+                return k, text[: min(found)]
+        return None
 
     async def _sample(
         self,
         session: Session,
         prepared: Prepared,
-        params: SamplingParams,
-        n: int,
+        call: Call,
         *,
         tools_allowed: bool,
         prompt_text: str | None = None,
-    ) -> tuple[list[tuple[Reply, Any]], str]:
+        function: str = "",
+    ) -> tuple[list[tuple[Reply, Generation]], str]:
         call_id = self._new_id()
         t0 = time.perf_counter()
         try:
-            gens = await self.engine.generate([prepared.prompt_ids] * n, params)
+            gens = await self.engine.generate([prepared.prompt_ids] * call.n, call.sampling)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the engine's failure: the client gets a 500, the rollout the engine's error
             session.capture.failure = session.capture.failure or e
+            log.error("the engine failed under a call: %s: %s", type(e).__name__, e)
             raise RequestError(
                 500, f"the engine failed: {type(e).__name__}: {e}", code="engine_error", kind="server_error"
             ) from e
@@ -255,12 +327,46 @@ class Endpoint:
         self.num_calls += 1
         self.engine_s += elapsed
         out = []
+        decode = self.tokenizer.decode
+        forced = (function, prepared.opening) if function else None
         for gen in gens:
             stopped = gen.finish_reason == "stop" and bool(gen.token_ids) and gen.token_ids[-1] == self.stop_token_id
             body_ids = gen.token_ids[:-1] if stopped else gen.token_ids
-            text = self.tokenizer.decode(body_ids, skip_special_tokens=False)
-            reply = make_reply(text, stopped, tools_allowed=tools_allowed, call_id=f"call_{call_id}")
-            session.capture.record(prepared, gen, reply, elapsed, self.stop_token_id, prompt_text=prompt_text)
+            cut = self._cut(body_ids, call.stops)
+            if cut is None:
+                text = prepared.opening + decode(body_ids, skip_special_tokens=False)
+                reply = make_reply(text, stopped, tools_allowed=tools_allowed, call_id=f"call_{call_id}", forced=forced)
+            else:
+                # A stop sequence ends the reply: the sequence keeps exactly the tokens sampled up to the one that
+                # completed it (what the engine sampled after that is dropped, never trained); the reply's text
+                # stops before the stop sequence, as OpenAI's does.
+                k, before = cut
+                versions = gen.token_versions[:k] if gen.token_versions else []
+                gen = Generation(
+                    token_ids=gen.token_ids[:k],
+                    log_probs=gen.log_probs[:k],
+                    finish_reason="stop",
+                    version=gen.version,
+                    token_versions=versions,
+                )
+                captured = prepared.opening + decode(gen.token_ids, skip_special_tokens=False)
+                reply = make_reply(
+                    prepared.opening + before,
+                    True,
+                    tools_allowed=tools_allowed,
+                    call_id=f"call_{call_id}",
+                    captured=captured,
+                    forced=forced,
+                )
+            session.capture.record(
+                prepared,
+                gen,
+                reply,
+                elapsed,
+                self.stop_token_id,
+                prompt_text=prompt_text,
+                stop_matched=cut is not None,
+            )
             out.append((reply, gen))
         session.capture.num_calls += 1
         return out, call_id
@@ -269,24 +375,25 @@ class Endpoint:
         self._num_ids += 1
         return f"{self._num_ids}{secrets.token_hex(4)}"
 
-    def _logprobs(self, gen: Any) -> dict:
-        return {
-            "content": [
-                {
-                    "token": self.tokenizer.decode([t], skip_special_tokens=False),
-                    "logprob": lp,
-                    "bytes": None,
-                    "top_logprobs": [],
-                }
-                for t, lp in zip(gen.token_ids, gen.log_probs)
-            ]
-        }
+    def _logprob_entries(self, gen: Generation) -> list[dict]:
+        return [
+            {
+                "token": self.tokenizer.decode([t], skip_special_tokens=False),
+                "logprob": lp,
+                "bytes": None,
+                "top_logprobs": [],
+            }
+            for t, lp in zip(gen.token_ids, gen.log_probs)
+        ]
+
+    @staticmethod
+    def _usage(prepared: Prepared, replies: list[tuple[Reply, Generation]]) -> dict:
+        prompt_len, completion = len(prepared.prompt_ids), sum(len(gen.token_ids) for _, gen in replies)
+        return {"prompt_tokens": prompt_len, "completion_tokens": completion, "total_tokens": prompt_len + completion}
 
     def _response(
         self, prefix: str, kind: str, call_id: str, choices: list[dict], prepared: Prepared, replies: list
     ) -> web.Response:
-        prompt_len, completion = len(prepared.prompt_ids), sum(len(gen.token_ids) for _, gen in replies)
-        usage = {"prompt_tokens": prompt_len, "completion_tokens": completion, "total_tokens": prompt_len + completion}
         return web.json_response(
             {
                 "id": f"{prefix}-{call_id}",
@@ -294,18 +401,126 @@ class Endpoint:
                 "created": int(time.time()),
                 "model": self.model,
                 "choices": choices,
-                "usage": usage,
+                "usage": self._usage(prepared, replies),
             }
         )
 
-    async def _chat(self, request: web.Request) -> web.Response:
+    # ---------------------------------------------------------------- streaming
+
+    def _pieces(self, text: str, opening: str, gen: Generation, logprobs: bool) -> list[tuple[str, list[dict]]]:
+        """`text` (a reply's content) as stream deltas, one per sampled token with that token's log-prob entry
+        (a forced opening comes first, alone); the entries of tokens past the text (the eos, a stop sequence) go
+        with the last piece. Where a token's text is not the difference of two prefixes' texts, one piece."""
+        entries = self._logprob_entries(gen) if logprobs else []
+        decode = self.tokenizer.decode
+        pieces: list[tuple[str, list[dict]]] = [(opening, [])] if opening else []
+        before = ""
+        for j in range(len(gen.token_ids)):
+            upto = decode(gen.token_ids[: j + 1], skip_special_tokens=False)
+            if not upto.startswith(before):
+                return [(text, entries)]
+            pieces.append((upto[len(before) :], entries[j : j + 1]))
+            before = upto
+        out: list[tuple[str, list[dict]]] = []
+        length = 0
+        for piece, lps in pieces:
+            if length >= len(text):
+                if out:
+                    out[-1][1].extend(lps)
+                continue
+            piece = piece[: len(text) - length]
+            out.append((piece, list(lps)))
+            length += len(piece)
+        if "".join(p for p, _ in out) != text:
+            return [(text, entries)]
+        return out
+
+    def _chat_chunks(
+        self, call_id: str, call: Call, prepared: Prepared, replies: list[tuple[Reply, Generation]]
+    ) -> list[dict]:
+        """The chat completion as OpenAI's stream of `chat.completion.chunk`s: per choice, the role, the content
+        deltas, each tool call (its id and name, then its arguments), and a last delta with the finish reason."""
+        head = {"id": f"chatcmpl-{call_id}", "object": "chat.completion.chunk", "created": int(time.time())}
+        head["model"] = self.model
+
+        def chunk(i: int, delta: dict, finish: str | None = None, entries: list[dict] | None = None) -> dict:
+            choice = {"index": i, "delta": delta, "logprobs": {"content": entries} if entries else None}
+            return {**head, "choices": [{**choice, "finish_reason": finish}]}
+
+        chunks = []
+        for i, (reply, gen) in enumerate(replies):
+            chunks.append(chunk(i, {"role": "assistant", "content": ""}))
+            if reply.tool_calls:
+                entries = self._logprob_entries(gen) if call.logprobs else []
+                if reply.content:
+                    chunks.append(chunk(i, {"content": reply.content}, entries=entries))
+                    entries = []
+                for j, tc in enumerate(reply.tool_calls):
+                    opening = {"name": tc["function"]["name"], "arguments": ""}
+                    chunks.append(
+                        chunk(
+                            i,
+                            {"tool_calls": [{"index": j, "id": tc["id"], "type": "function", "function": opening}]},
+                            entries=entries,
+                        )
+                    )
+                    entries = []
+                    arguments = {"arguments": tc["function"]["arguments"]}
+                    chunks.append(chunk(i, {"tool_calls": [{"index": j, "function": arguments}]}))
+            else:
+                opening = prepared.opening if (reply.content or "").startswith(prepared.opening) else ""
+                for piece, entries in self._pieces(reply.content or "", opening, gen, call.logprobs):
+                    chunks.append(chunk(i, {"content": piece}, entries=entries))
+            chunks.append(chunk(i, {}, reply.finish_reason))
+        if call.include_usage:
+            chunks.append({**head, "choices": [], "usage": self._usage(prepared, replies)})
+        return chunks
+
+    def _completion_chunks(
+        self, call_id: str, call: Call, prepared: Prepared, replies: list[tuple[Reply, Generation]]
+    ) -> list[dict]:
+        head = {"id": f"cmpl-{call_id}", "object": "text_completion", "created": int(time.time()), "model": self.model}
+        chunks = []
+        for i, (reply, gen) in enumerate(replies):
+            for piece, _ in self._pieces(reply.content or "", "", gen, False):
+                chunks.append(
+                    {**head, "choices": [{"index": i, "text": piece, "logprobs": None, "finish_reason": None}]}
+                )
+            chunks.append(
+                {**head, "choices": [{"index": i, "text": "", "logprobs": None, "finish_reason": reply.finish_reason}]}
+            )
+        if call.include_usage:
+            chunks.append({**head, "choices": [], "usage": self._usage(prepared, replies)})
+        return chunks
+
+    async def _stream(self, request: web.Request, chunks: list[dict]) -> web.StreamResponse:
+        """Server-sent events, as OpenAI streams them. The reply is sampled whole before the first event is sent
+        (the engine interface returns whole generations), so an engine failure is still an HTTP 500, never a
+        stream cut in the middle; a client sees the same chunks it would see from OpenAI, all at once."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        for chunk in chunks:
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    # ---------------------------------------------------------------- routes
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
         session = self._session(request)
         body = await self._body(request)
         messages = parse_messages(body.get("messages"))
-        tools, tools_allowed = parse_tools(body.get("tools"), body.get("tool_choice"))
-        prepared = session.capture.prepare(messages, tools)
-        params, n = self._params(body, prepared, session)
-        replies, call_id = await self._sample(session, prepared, params, n, tools_allowed=tools_allowed)
+        choice = parse_tools(body.get("tools"), body.get("tool_choice"))
+        prepared = session.capture.prepare(messages, choice.tools)
+        if choice.required:
+            session.capture.force(prepared, choice)
+        call = self._params(body, prepared, session)
+        replies, call_id = await self._sample(
+            session, prepared, call, tools_allowed=choice.allowed, function=choice.name if choice.required else ""
+        )
+        if call.stream:
+            return await self._stream(request, self._chat_chunks(call_id, call, prepared, replies))
         choices = []
         for i, (reply, gen) in enumerate(replies):
             message: dict[str, Any] = {"role": "assistant", "content": reply.content}
@@ -316,12 +531,12 @@ class Endpoint:
                     "index": i,
                     "message": message,
                     "finish_reason": reply.finish_reason,
-                    "logprobs": self._logprobs(gen) if body.get("logprobs") else None,
+                    "logprobs": {"content": self._logprob_entries(gen)} if call.logprobs else None,
                 }
             )
         return self._response("chatcmpl", "chat.completion", call_id, choices, prepared, replies)
 
-    async def _completions(self, request: web.Request) -> web.Response:
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
         session = self._session(request)
         body = await self._body(request)
         prompt = body.get("prompt")
@@ -333,11 +548,14 @@ class Endpoint:
         if not (isinstance(prompt, str) and prompt) and not ok_ids:
             raise RequestError(400, "prompt must be one non-empty text or list of token ids", param="prompt")
         prepared = session.capture.prepare_completion(prompt)
-        params, n = self._params(body, prepared, session)
+        call = self._params(body, prepared, session)
+        call.logprobs = False  # /v1/completions' logprobs is a number (top-k), not offered here
         text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt, skip_special_tokens=False)
-        replies, call_id = await self._sample(session, prepared, params, n, tools_allowed=False, prompt_text=text)
+        replies, call_id = await self._sample(session, prepared, call, tools_allowed=False, prompt_text=text)
+        if call.stream:
+            return await self._stream(request, self._completion_chunks(call_id, call, prepared, replies))
         choices = [
-            {"index": i, "text": reply.text, "finish_reason": reply.finish_reason, "logprobs": None}
+            {"index": i, "text": reply.content or "", "finish_reason": reply.finish_reason, "logprobs": None}
             for i, (reply, _) in enumerate(replies)
         ]
         return self._response("cmpl", "text_completion", call_id, choices, prepared, replies)

@@ -11,6 +11,7 @@ tokens; a bad request gets the error the client raises for it; a key works only 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 
 import openai
@@ -198,7 +199,8 @@ async def test_bad_requests_get_the_errors_the_client_expects(stack):
                 await create(model="policy", messages=messages, temperature=0)
             assert e.value.param == "temperature"
             with pytest.raises(openai.BadRequestError) as e:
-                await create(model="policy", messages=messages, stream=True)
+                await create(model="policy", messages=messages, stop=["a", "b", "c", "d", "e"])
+            assert e.value.param == "stop"
             ok = await create(model="policy", messages=messages, max_tokens=4)
             assert ok.choices[0].finish_reason in ("stop", "length", "tool_calls")
     # The key died with its rollout.
@@ -244,3 +246,183 @@ async def test_an_agents_own_reward_is_every_sequences_reward(model_dir, stack):
     finally:
         await loop.close()
     assert [t.reward for t in group] == [0.25] * 3 and all(math.isfinite(sum(t.log_probs)) for t in group)
+
+
+LOOKUP_TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+
+
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except json.JSONDecodeError:
+        return False
+
+
+async def _chat(endpoint, session, **kwargs):
+    async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=session.key, max_retries=0) as client:
+        return await client.chat.completions.create(model="policy", **kwargs)
+
+
+async def test_tool_choice_forces_a_call_of_the_right_function_and_none_forbids_one(stack, policy):
+    """The same seeded call (8 samples) under each tool_choice: "auto" lets the model answer without a call (it
+    calls about half the time), "required" and a named function make every reply a call of the right function,
+    "none" makes none a call. Forced tokens are context (never trained); the sampled rest is token-exact."""
+    _, _, loop = stack
+    endpoint, tok = loop.endpoint, loop.tokenizer
+    ask = {"messages": prompt_messages("What is 12*31?"), "n": 8, "seed": 3, "max_tokens": 40}
+    with endpoint.conversation() as auto_session:
+        auto = await _chat(endpoint, auto_session, tools=[CALCULATOR_TOOL], **ask)
+    calls = [bool(c.message.tool_calls) for c in auto.choices]
+    assert 0 < sum(calls) < 8, calls  # the model left to itself both calls and answers
+    for choice, tools, name in [
+        ("required", [CALCULATOR_TOOL], "calculator"),
+        ({"type": "function", "function": {"name": "lookup"}}, [CALCULATOR_TOOL, LOOKUP_TOOL], "lookup"),
+    ]:
+        with endpoint.conversation() as session:
+            out = await _chat(endpoint, session, tools=tools, tool_choice=choice, **ask)
+        for c in out.choices:
+            assert [t.function.name for t in c.message.tool_calls] == [name] and c.message.content is None
+            # A call cut by max_tokens says so (the unknown "lookup" sends the tiny model rambling).
+            assert c.finish_reason == "tool_calls" or (name == "lookup" and c.finish_reason == "length")
+        # The arguments are the model's own: valid JSON mostly for the function it learned, not always (OpenAI's
+        # contract too), and nothing it did not write.
+        valid = sum(_is_json_object(c.message.tool_calls[0].function.arguments) for c in out.choices)
+        assert valid >= (6 if name == "calculator" else 0), [c.message.tool_calls for c in out.choices]
+        opening = tok.encode(f'<tool_call>{{"name": "{name}", "arguments":', add_special_tokens=False)
+        for traj in session.capture.trajectories():
+            # The opening is the prompt's end (the model never sampled it); every response token was sampled.
+            assert traj.prompt_ids[-len(opening) :] == opening and all(traj.response_mask)
+            assert_token_exact(policy, traj)
+    with endpoint.conversation() as session:
+        none = await _chat(endpoint, session, tools=[CALCULATOR_TOOL], tool_choice="none", **ask)
+    assert all(c.message.tool_calls is None and c.finish_reason in ("stop", "length") for c in none.choices)
+    sampled = [t.response_ids for t in auto_session.capture.trajectories()]
+    assert [t.response_ids for t in session.capture.trajectories()] == sampled  # the same samples as "auto"'s
+    assert any("<tool_call>" in c.message.content for c in none.choices)  # a call the model wrote stays text
+
+
+async def test_a_forced_opening_inside_a_conversation_is_context(stack, policy):
+    """Turn 2 of a conversation under tool_choice "required": the opening lies in the middle of the sequence, mask 0
+    like the tool output before it, and the sequence stays one, token-exact."""
+    _, _, loop = stack
+    endpoint, tok = loop.endpoint, loop.tokenizer
+    messages = prompt_messages("What is 12*31?")
+    with endpoint.conversation() as session:
+        first = await _chat(endpoint, session, messages=messages, tools=[CALCULATOR_TOOL], tool_choice="required")
+        message = first.choices[0].message
+        messages += [
+            message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "372"},
+        ]
+        second = await _chat(endpoint, session, messages=messages, tools=[CALCULATOR_TOOL], tool_choice="required")
+    assert second.choices[0].message.tool_calls[0].function.name == "calculator"
+    [traj] = session.capture.trajectories()
+    assert traj.num_turns == 2
+    opening = tok.encode('<tool_call>{"name": "calculator", "arguments":', add_special_tokens=False)
+    inserted = [t for t, m in zip(traj.response_ids, traj.response_mask) if not m]
+    assert inserted[-len(opening) :] == opening and "<tool_response>372" in tok.decode(inserted)
+    assert_token_exact(policy, traj)
+
+
+async def _stream_chat(endpoint, session, **kwargs) -> tuple[list[dict], object]:
+    """A streamed chat call through the openai client, its chunks folded into one message per choice."""
+    async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=session.key, max_retries=0) as client:
+        stream = await client.chat.completions.create(
+            model="policy", stream=True, stream_options={"include_usage": True}, **kwargs
+        )
+        folded: dict[int, dict] = {}
+        usage = None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+            for c in chunk.choices:
+                m = folded.setdefault(c.index, {"content": "", "tool_calls": {}, "finish_reason": None, "lps": []})
+                m["content"] += c.delta.content or ""
+                for tc in c.delta.tool_calls or ():
+                    call = m["tool_calls"].setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+                    call["id"] = tc.id or call["id"]
+                    call["name"] += tc.function.name or ""
+                    call["arguments"] += tc.function.arguments or ""
+                if c.logprobs and c.logprobs.content:
+                    m["lps"] += [lp.logprob for lp in c.logprobs.content]
+                m["finish_reason"] = c.finish_reason or m["finish_reason"]
+    return [folded[i] for i in sorted(folded)], usage
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required"])
+async def test_a_streamed_call_is_the_same_reply_and_the_same_capture(stack, policy, tool_choice):
+    """stream=True through the openai client: the chunks fold into the message the same seeded call returns
+    unstreamed (content, tool_calls deltas, finish reason, log-probs, usage), and the captured sequences are equal."""
+    _, _, loop = stack
+    endpoint = loop.endpoint
+    ask = {
+        "messages": prompt_messages("What is 7*19?"),
+        "tools": [CALCULATOR_TOOL],
+        "tool_choice": tool_choice,
+        "n": 3,
+        "seed": 11,
+    }
+    with endpoint.conversation() as plain_session:
+        plain = await _chat(endpoint, plain_session, logprobs=True, **ask)
+    with endpoint.conversation() as stream_session:
+        streamed, usage = await _stream_chat(endpoint, stream_session, logprobs=True, **ask)
+    assert len(streamed) == 3 and usage.completion_tokens == plain.usage.completion_tokens
+    for choice, folded in zip(plain.choices, streamed):
+        calls = [(t.id, t.function.name, t.function.arguments) for t in choice.message.tool_calls or ()]
+        assert [(c["id"][-2:], c["name"], c["arguments"]) for c in folded["tool_calls"].values()] == [
+            (i[-2:], n, a) for i, n, a in calls
+        ]
+        assert folded["content"] == (choice.message.content or "")
+        assert folded["finish_reason"] == choice.finish_reason
+        assert folded["lps"] == [lp.logprob for lp in choice.logprobs.content]
+    if tool_choice == "required":
+        assert all(f["tool_calls"] for f in streamed)
+    for a, b in zip(plain_session.capture.trajectories(), stream_session.capture.trajectories(), strict=True):
+        assert (a.prompt_ids, a.response_ids, a.response_mask, a.log_probs) == (
+            b.prompt_ids,
+            b.response_ids,
+            b.response_mask,
+            b.log_probs,
+        )
+        assert_token_exact(policy, b)
+
+
+async def test_a_streamed_completion(stack):
+    _, _, loop = stack
+    endpoint = loop.endpoint
+    prompt = "<|im_start|>user\nWhat is 3+4?<|im_end|>\n<|im_start|>assistant\n"
+    with endpoint.conversation() as session:
+        async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=session.key, max_retries=0) as client:
+            plain = await client.completions.create(model="policy", prompt=prompt, max_tokens=12, seed=5)
+            stream = await client.completions.create(model="policy", prompt=prompt, max_tokens=12, seed=5, stream=True)
+            chunks = [c async for c in stream]
+    assert "".join(c.choices[0].text for c in chunks) == plain.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+
+
+async def test_a_stop_sequence_ends_the_reply_and_the_sequence_at_its_token(stack, policy):
+    """The same seeded call without and with a stop sequence taken from the middle of its reply: the reply stops
+    before it, the sequence holds exactly the tokens sampled up to the one that completed it (the same ids and
+    log-probs as the unstopped reply's first tokens), and a later call continues it with the eos inserted, mask 0."""
+    _, _, loop = stack
+    endpoint, tok = loop.endpoint, loop.tokenizer
+    messages = prompt_messages("What is 25+17?")
+    with endpoint.conversation() as session:
+        free = await _chat(endpoint, session, messages=messages, seed=7, max_tokens=30)
+    [whole] = session.capture.trajectories()
+    text = free.choices[0].message.content
+    assert len(text) >= 12, text
+    stop = text[6:9]
+    assert stop not in text[:8]  # its first occurrence is where we cut it from
+    with endpoint.conversation() as session:
+        out = await _chat(endpoint, session, messages=messages, seed=7, max_tokens=30, stop=[stop, "never-seen"])
+        assert out.choices[0].message.content == text[:6] and out.choices[0].finish_reason == "stop"
+        [traj] = session.capture.trajectories()
+        k = len(traj.response_ids)
+        assert traj.response_ids == whole.response_ids[:k] and traj.log_probs == whole.log_probs[:k]
+        assert stop in tok.decode(traj.response_ids) and stop not in tok.decode(traj.response_ids[:-1])
+        assert traj.finish_reason == "stop" and out.usage.completion_tokens == k
+        reply = out.choices[0].message.model_dump(exclude_none=True)
+        await _chat(endpoint, session, messages=messages + [reply, {"role": "user", "content": "and?"}], max_tokens=5)
+    [traj] = session.capture.trajectories()
+    assert traj.response_ids[k] == tok.eos_token_id and traj.response_mask[k] == 0  # the eos it never sampled
+    assert_token_exact(policy, traj)

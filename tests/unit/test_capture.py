@@ -174,3 +174,33 @@ def test_a_malformed_tool_call_in_a_reply_stays_text(tok):
     )
     assert reply.tool_calls == [] and reply.finish_reason == "stop" and reply.content.startswith("<tool_call>")
     assert make_reply(CALL, True, tools_allowed=False, call_id="c").tool_calls == []  # tool_choice "none"
+
+
+def test_a_forced_call_whose_arguments_do_not_parse_is_still_that_call(tok):
+    """tool_choice "required" / a named function: the reply is a call of that function; its arguments are what the
+    model wrote after the forced opening, valid JSON or not (OpenAI's contract: the agent validates them)."""
+    conv = Conversation(tok, max_response_tokens=400)
+    choice = parse_tools(TOOLS, {"type": "function", "function": {"name": "calculator"}})
+    ids, opening = conv.opening_ids(choice)
+    assert opening.startswith('<tool_call>{"name": "calculator", "arguments"') and ids == tok.encode(
+        opening, add_special_tokens=False
+    )
+    bad = make_reply(
+        opening + ' {"expression": " "6+90"}}</tool_call>',
+        True,
+        tools_allowed=True,
+        call_id="c",
+        forced=("calculator", opening),
+    )
+    assert bad.finish_reason == "tool_calls" and bad.content is None
+    assert bad.tool_calls[0]["function"] == {"name": "calculator", "arguments": '{"expression": " "6+90"}'}
+    good = make_reply(
+        opening + ' {"expression": "6+90"}}</tool_call>',
+        True,
+        tools_allowed=True,
+        call_id="c",
+        forced=("calculator", opening),
+    )
+    assert json.loads(good.tool_calls[0]["function"]["arguments"]) == {"expression": "6+90"}
+    assert not parse_tools(TOOLS, "none").allowed and not parse_tools(TOOLS, "auto").required
+    assert parse_tools(TOOLS, "required").name == "calculator"  # one tool: its name is forced too

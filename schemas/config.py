@@ -182,6 +182,9 @@ class OpenAIAgentConfig(_Section):
     """`rollout.agent_loop: openai`: an agent written against the OpenAI API, served by the producer's endpoint."""
 
     function: str = ""  # "pkg.module:fn", `async def fn(client: openai.AsyncOpenAI, task) -> float | None`
+    # Or an agent in its own process: argv run once per rollout with OPENAI_BASE_URL / OPENAI_API_KEY (its own key) /
+    # RLBUS_MODEL set and the task as JSON on stdin; its last stdout line is the reward (a number, or null)
+    command: list[str] = msgspec.field(default_factory=list)
     model: str = "policy"  # the model name the endpoint answers to (any other is a 404 model_not_found)
     host: str = "127.0.0.1"  # where the endpoint listens; loopback unless you mean otherwise
     port: int = 0  # 0 = a free port
@@ -190,6 +193,7 @@ class OpenAIAgentConfig(_Section):
 
     def __post_init__(self) -> None:
         _need(not self.function or ":" in self.function, "function", "must be an import path 'pkg.module:fn'")
+        _need(not (self.function and self.command), "command", "give function or command, not both")
         _need(bool(self.model), "model", "must be non-empty")
         _need(0 <= self.port < 65536, "port", "must be in [0, 65535] (0 = a free port)")
         _need(self.timeout_s > 0, "timeout_s", "must be > 0")
@@ -236,8 +240,8 @@ class RolloutConfig(_Section):
         _need(self.tool_timeout_s > 0, "tool_timeout_s", "must be > 0")
         _need(self.torch_threads >= 0, "torch_threads", "must be >= 0 (0 = auto)")
         _need(0 <= self.nice <= 19, "nice", "must be in [0, 19] (a role may lower its own priority, not raise it)")
-        _need(self.agent_loop != "openai" or bool(self.openai.function), "openai.function",
-              "agent_loop: openai needs the agent, 'pkg.module:fn'")
+        _need(self.agent_loop != "openai" or bool(self.openai.function or self.openai.command), "openai.function",
+              "agent_loop: openai needs the agent, 'pkg.module:fn' (or openai.command, a program)")
 
 
 # grpo (group z-score), rloo (leave-one-out), reinforce_plus_plus (discounted returns, batch-whitened),

@@ -1,7 +1,8 @@
 """The weight store survives the loss of its node mid-publish: two Ray nodes on loopback (127.0.0.2 head,
 127.0.0.3 node), the store placed on the second, that node SIGKILLed while versions are being put. Ray restarts the
-store (empty) on the head; the put that met the restart is retried (bus/ray_store.py `retried`), so the publisher
-sees no error, and every later version is stored and read back with its checksum.
+store (empty) on the head; the put that meets the restart is retried (bus/ray_store.py `retried`) or held by Ray
+until the store is back, so the publisher sees no error, and every later version is stored and read back with its
+checksum.
 
     .venv/bin/python -m pytest -q tests/system/test_weight_store_failover.py
 
@@ -66,9 +67,15 @@ def test_the_node_holding_the_weight_store_killed_mid_publish(two_ray_nodes, tmp
     puts = [ln for ln in lines if "put" in ln]
     assert [p["put"] for p in puts] == list(range(1, len(puts) + 1))  # no version failed, none skipped
     assert done["versions"][-1] == puts[-1]["put"]
-    # The put met the restart (Ray raised ActorUnavailableError into it) and was retried, not raised.
-    assert "weight store rlbus-" in err_path.read_text() and "actor unavailable" in err_path.read_text()
-    print(f"{len(puts)} versions; the put that met the node's loss took {max(p['s'] for p in puts):.1f}s")
+    # A put after the kill met the store's loss in one of two ways, by timing: sent while the store was
+    # unreachable, Ray raised ActorUnavailableError into it and `retried` sent it again (a warning names the store);
+    # sent once Ray had marked the store RESTARTING, Ray held it until the store was up on the head. Either way it
+    # waited out the restart (a new worker process on the head) and did not fail.
+    met = max(puts[3:], key=lambda p: p["s"])
+    log_text = err_path.read_text()
+    retried = "weight store rlbus-" in log_text and "actor unavailable" in log_text
+    assert retried or met["s"] >= 0.5, (puts, log_text[-2000:])
+    print(f"{len(puts)} versions; put {met['put']} met the node's loss and took {met['s']:.1f}s; retried: {retried}")
 
 
 def _tail(proc: subprocess.Popen, err_path) -> str:  # type: ignore[no-untyped-def]

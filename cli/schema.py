@@ -304,28 +304,55 @@ def _endpoint() -> list[str]:
         "## The OpenAI-compatible endpoint",
         "",
         ("With `rollout.agent_loop: openai` each producer serves an HTTP endpoint for the rollouts it runs, on "
-         "`rollout.openai.host` (default `127.0.0.1`) and `rollout.openai.port` (default 0: a free port). The agent "
-         "function gets an `openai.AsyncOpenAI` client whose `base_url` (`http://127.0.0.1:<port>/v1`) and "
-         "`api_key` belong to its rollout; a program in another process or language is handed the same two (for "
-         "example as `OPENAI_BASE_URL` and `OPENAI_API_KEY` in its environment) and must finish before the agent "
-         "function returns: a key is valid only while its rollout runs."),
+         "`rollout.openai.host` (default `127.0.0.1`) and `rollout.openai.port` (default 0: a free port). Each "
+         "rollout has its own API key, valid only while the rollout runs; `http://127.0.0.1:<port>/v1` and the key "
+         "reach the agent in one of two ways:"),
+        "",
+        ("- `rollout.openai.function: pkg.module:fn`: `async def fn(client, task) -> float | None` runs in the "
+         "producer, once per sample, with an `openai.AsyncOpenAI` client holding the rollout's `base_url` and "
+         "`api_key`."),
+        ("- `rollout.openai.command: [argv, ...]`: a program in its own process, any language, run once per sample "
+         "with `OPENAI_BASE_URL` (`http://127.0.0.1:<port>/v1`), `OPENAI_API_KEY` (the rollout's key) and "
+         "`RLBUS_MODEL` (the model name) in its environment (the variables `openai` clients read by themselves), and "
+         "the task on stdin as one JSON object with [PromptTask](#prompttask)'s fields (`prompt` as a list of "
+         "`{role, content}`). The last non-empty line of its stdout is the reward: a JSON number, or `null` (or "
+         "nothing) for `rollout.reward` to score the sequence's text. A non-zero exit fails the rollout (the tail "
+         "of its stderr is in the error); past `rollout.openai.timeout_s`, or when the rollout is cancelled, the "
+         "process is killed. Its key dies when it exits."),
         "",
         "| route | body | answer |",
         "|---|---|---|",
         ("| `POST /v1/chat/completions` | `model`, `messages` (system, developer, user, assistant with `tool_calls`, "
-        "tool; text content), `tools` (function tools), `tool_choice`, `temperature` (> 0), `top_p`, `max_tokens` "
-        "or `max_completion_tokens`, `n`, `logprobs` | OpenAI's `chat.completion`; a reply holding tool calls the "
-        "model wrote in its template's form comes back as `tool_calls` with `finish_reason: \"tool_calls\"` |"),
-        ("| `POST /v1/completions` | `model`, `prompt` (a text or a list of token ids), the same sampling fields | "
-        "`text_completion` |"),
+         "tool; text content), `tools` (function tools), `tool_choice`, `temperature` (> 0), `top_p`, `max_tokens` "
+         "or `max_completion_tokens`, `n`, `seed`, `stop`, `stream`, `stream_options.include_usage`, `logprobs` | "
+         "OpenAI's `chat.completion`, or with `stream: true` its `chat.completion.chunk` server-sent events ending "
+         "in `data: [DONE]`; a reply holding tool calls the model wrote in its template's form comes back as "
+         "`tool_calls` with `finish_reason: \"tool_calls\"` |"),
+        ("| `POST /v1/completions` | `model`, `prompt` (a text or a list of token ids), the same sampling fields, "
+         "`stop`, `stream` | `text_completion` (chunks of it when streamed) |"),
         f"| `GET /v1/models` | | the one model, `{model}` unless `rollout.openai.model` says otherwise |",
+        "",
+        ("- `tool_choice`: `\"none\"` gives no `tool_calls` (a call the model writes stays text); `\"required\"` "
+         "or `{\"type\": \"function\", \"function\": {\"name\": ...}}` makes every reply a call: the endpoint "
+         "writes the tool-call opening (`<tool_call>{\"name\": \"<fn>\", \"arguments\":`, up to the name when "
+         "\"required\" leaves several tools) after the prompt, as context the model did not sample (prompt, or "
+         "`response_mask` 0), and the model samples the rest with its own log-probs (no token is constrained). The "
+         "call's arguments are what the model wrote, valid JSON or not, as OpenAI's (\"required\" over several "
+         "tools: a reply whose call does not parse comes back as text)."),
+        ("- `stop` (a string or up to 4): the reply ends before the first stop sequence its text holds, "
+         "`finish_reason: \"stop\"`; the training sequence keeps exactly the tokens sampled up to the one that "
+         "completed it, and a later call that continues it inserts the eos with `response_mask` 0."),
+        ("- `stream: true`: sent once the whole reply is sampled (the engine returns whole generations): the "
+         "same reply and the same capture as unstreamed, no earlier first token; an engine failure is still an "
+         "HTTP 500."),
         "",
         ("Every request needs `Authorization: Bearer <key>`. Refusals are OpenAI's error JSON, `{\"error\": "
          "{\"message\", \"type\", \"param\", \"code\"}}`: 401 `invalid_api_key` (no key, or a key of no rollout "
-         "in flight); 404 `model_not_found`; 400 naming the field for malformed messages, tools or tool_choice, "
-         "`temperature` 0, `stream` or `stop`; 400 `context_length_exceeded` when the prompt leaves no room in the "
-         "model's context or in the rollout's `rollout.max_response_tokens`; 500 `engine_error`. `stream` and `stop` "
-         "are not supported; `tool_choice` `required` or a named function is accepted but not enforced."),
+         "in flight); 404 `model_not_found`; 400 naming the field for malformed messages, tools, tool_choice, stop "
+         "or seed, and `temperature` 0; 400 `context_length_exceeded` when the prompt leaves no room in the model's "
+         "context or in the rollout's `rollout.max_response_tokens`; 500 `engine_error` (`type: server_error`) when "
+         "the engine fails under the call (its process died, say): the rollout then fails with the engine's error, "
+         "its task goes back to the queue and a producer whose engine is gone stops (`rlbus up` restarts it)."),
         "",
         ("What is trained is what was sampled: each call's prompt and reply are recorded as token ids with their "
          "log-probs and weight versions. A call whose messages repeat an earlier reply of the same rollout (its text "

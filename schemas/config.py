@@ -182,9 +182,8 @@ class OpenAIAgentConfig(_Section):
     """`rollout.agent_loop: openai`: an agent written against the OpenAI API, served by the producer's endpoint."""
 
     function: str = ""  # "pkg.module:fn", `async def fn(client: openai.AsyncOpenAI, task) -> float | None`
-    # Or an agent in its own process: argv run once per rollout with OPENAI_BASE_URL / OPENAI_API_KEY (its own key) /
-    # RLBUS_MODEL set and the task as JSON on stdin; its last stdout line is the reward (a number, or null)
-    command: list[str] = msgspec.field(default_factory=list)
+    # Or a program in its own process, any language (docs/wire.md, "The OpenAI-compatible endpoint").
+    command: list[str] = msgspec.field(default_factory=list)  # argv run per rollout, key in OPENAI_API_KEY; or function
     model: str = "policy"  # the model name the endpoint answers to (any other is a 404 model_not_found)
     host: str = "127.0.0.1"  # where the endpoint listens; loopback unless you mean otherwise
     port: int = 0  # 0 = a free port

@@ -16,6 +16,17 @@ task, which the producer gives back or dead-letters as any failed task; the engi
 itself. Partial rollout does not restart samples here (the agent owns the conversation); the producer's check of
 the whole group before publishing still applies.
 
+An agent in another process (any language): `rollout.openai.command: [argv...]` instead of `function`. Each rollout
+runs the command once, with the rollout's own key and the endpoint in the variables the `openai` clients read:
+
+    OPENAI_BASE_URL=http://127.0.0.1:<port>/v1   OPENAI_API_KEY=rlbus-<this rollout's key>   RLBUS_MODEL=policy
+
+and the task on stdin as one JSON object (PromptTask's fields: task_id, prompt [{role, content}], ground_truth,
+data_source, extra_info, n, index, epoch, attempt, released_version, created_at). The last non-empty line of its
+stdout is the reward: a JSON number, or `null` (or no output) for the task's reward function. A non-zero exit fails
+the rollout (stderr's tail is in the error); past `rollout.openai.timeout_s`, or when the rollout is cancelled, the
+process is killed. The key dies when the command's rollout ends.
+
     .venv/bin/python -m pytest -q tests/integration/test_endpoint.py
 """
 
@@ -23,9 +34,13 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
+import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
+
+import msgspec
 
 from rlbus.producers.agent_loops.base import AgentLoop, Trajectory
 from rlbus.producers.endpoint import Endpoint, model_context
@@ -50,10 +65,50 @@ def load_agent(path: str) -> AgentFn:
     return fn
 
 
+def command_agent(argv: list[str], model: str) -> AgentFn:
+    """The agent function that runs `argv` as its own process for one rollout (the module docstring's contract)."""
+
+    async def rollout(client: Any, task: PromptTask) -> float | None:
+        env = dict(
+            os.environ,
+            OPENAI_BASE_URL=str(client.base_url).rstrip("/"),
+            OPENAI_API_KEY=client.api_key,
+            RLBUS_MODEL=model,
+        )
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+        )
+        try:
+            out, err = await proc.communicate(msgspec.json.encode(task))
+        except BaseException:  # cancelled or timed out: the process ends with its rollout
+            if proc.returncode is None:
+                proc.kill()
+                await asyncio.shield(proc.wait())
+            raise
+        if proc.returncode != 0:
+            tail = err.decode(errors="replace").strip().splitlines()[-5:]
+            raise RuntimeError(f"{argv[0]} exited with code {proc.returncode}: " + " | ".join(tail))
+        lines = [line for line in out.decode(errors="replace").splitlines() if line.strip()]
+        if not lines:
+            return None
+        try:
+            reward = json.loads(lines[-1])
+        except json.JSONDecodeError:
+            raise RuntimeError(f"{argv[0]}'s last line {lines[-1][:80]!r} is not a reward (a number or null)") from None
+        return reward
+
+    return rollout
+
+
 class OpenAIAgentLoop(AgentLoop):
     """Runs the configured agent function once per sample against the endpoint; captures what the engine sampled."""
 
     agent: AgentFn
+    agent_name: str  # the function's import path, or the command line
     endpoint: Endpoint
     _http: Any  # one httpx.AsyncClient under every rollout's openai client (making one costs ~30 ms of CPU)
     _started: asyncio.Lock
@@ -69,7 +124,12 @@ class OpenAIAgentLoop(AgentLoop):
         seed: int | None = None,
     ):
         super().__init__(cfg, engine, tokenizer, tools, reward_fn, seed=seed)
-        self.agent = load_agent(cfg.openai.function)
+        if cfg.openai.command:
+            self.agent = command_agent(list(cfg.openai.command), cfg.openai.model)
+            self.agent_name = " ".join(cfg.openai.command)
+        else:
+            self.agent = load_agent(cfg.openai.function)
+            self.agent_name = cfg.openai.function
         # An engine may take less than the model's positions (vLLM's max_model_len): the smaller is the context.
         engine_len = getattr(cfg.engine, "max_model_len", 0) or 0
         context = min(model_context(tokenizer), engine_len) if engine_len > 0 else 0
@@ -117,11 +177,11 @@ class OpenAIAgentLoop(AgentLoop):
                 if session.capture.failure is not None:  # the engine failed under the agent: that is the error
                     raise session.capture.failure from e
                 raise AgentFailed(
-                    f"task {task.task_id}: the agent {self.cfg.openai.function} raised {type(e).__name__}: {e}"
+                    f"task {task.task_id}: the agent {self.agent_name} raised {type(e).__name__}: {e}"
                 ) from e
         trajs = session.capture.trajectories()
         if not trajs:
-            raise AgentFailed(f"task {task.task_id}: the agent {self.cfg.openai.function} made no model call")
+            raise AgentFailed(f"task {task.task_id}: the agent {self.agent_name} made no model call")
         if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
             raise AgentFailed(f"task {task.task_id}: the agent returned {reward!r}, not a number or None")
         for traj in trajs:

@@ -13,6 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
+import sys
+from pathlib import Path
 
 import openai
 import pytest
@@ -426,3 +429,47 @@ async def test_a_stop_sequence_ends_the_reply_and_the_sequence_at_its_token(stac
     [traj] = session.capture.trajectories()
     assert traj.response_ids[k] == tok.eos_token_id and traj.response_mask[k] == 0  # the eos it never sampled
     assert_token_exact(policy, traj)
+
+
+EXTERNAL_AGENT = Path(__file__).resolve().parents[1] / "fixtures" / "external_agent.py"
+
+
+def command_loop(model_dir, engine, tokenizer, **openai_cfg):
+    cfg = run_config(model_dir, openai={"command": [sys.executable, str(EXTERNAL_AGENT)], **openai_cfg})
+    return cfg, make_agent_loop(cfg, engine, tokenizer, {}, load_reward(cfg.rollout))
+
+
+async def test_an_agent_in_another_process_drives_its_rollouts(model_dir, stack, policy, monkeypatch):
+    """rollout.openai.command: a plain openai-client program (tests/fixtures/external_agent.py, no rlbus import) runs
+    once per rollout with its own key and base URL in the environment; its calls are captured token-exact."""
+    _, engine, base = stack
+    cfg, loop = command_loop(model_dir, engine, base.tokenizer)
+    try:
+        groups = await loop.rollout_many(tasks(cfg, 2), 2)
+    finally:
+        await loop.close()
+    trajs = [t for g in groups for t in g]
+    assert [len(g) for g in groups] == [2, 2]
+    assert any(t.num_tool_calls >= 1 and t.num_turns == 2 for t in trajs)
+    for traj in trajs:
+        assert_token_exact(policy, traj)
+    assert loop.endpoint._sessions == {}  # every key died with its rollout
+
+
+@pytest.mark.parametrize("mode,expect", [("bad_model", "exited with code 1.*NotFoundError"), ("hang", "TimeoutError")])
+async def test_a_failing_or_hanging_agent_process_fails_its_rollout(
+    model_dir, stack, tmp_path, monkeypatch, mode, expect
+):
+    _, engine, base = stack
+    monkeypatch.setenv("AGENT_MODE", mode)
+    monkeypatch.setenv("AGENT_PID_FILE", str(tmp_path / "pid"))
+    cfg, loop = command_loop(model_dir, engine, base.tokenizer, timeout_s=4.0)
+    try:
+        with pytest.raises(AgentFailed, match=expect):
+            await loop.rollout_group(tasks(cfg, 1)[0], 1)
+    finally:
+        await loop.close()
+    if mode == "hang":  # the rollout's timeout killed the process
+        pid = int((tmp_path / "pid").read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

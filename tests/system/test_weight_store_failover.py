@@ -108,11 +108,20 @@ def _publish(address: str, run: str) -> None:
     try:
         second = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == NODE_IP)
         # The store as WeightStore.connect makes it, but placed on the second node (softly: Ray may restart it
-        # elsewhere); connect() then attaches to it by name.
-        _WeightStoreActor.options(
-            name=name, namespace=cfg.namespace, lifetime="detached",
-            scheduling_strategy=NodeAffinitySchedulingStrategy(second, soft=True),
-        ).remote(cfg.weight_versions_kept, name)  # fmt: skip
+        # elsewhere); connect() then attaches to it by name. Soft affinity may also place it on the head from the
+        # start (a node still settling on a busy machine): then it is made again, for the test to mean anything.
+        for _attempt in range(5):
+            actor = _WeightStoreActor.options(
+                name=name, namespace=cfg.namespace, lifetime="detached",
+                scheduling_strategy=NodeAffinitySchedulingStrategy(second, soft=True),
+            ).remote(cfg.weight_versions_kept, name)  # fmt: skip
+            ray.get(actor.list_versions.remote())
+            if store_node() == NODE_IP:
+                break
+            ray.kill(actor, no_restart=True)
+            while _named(name, cfg.namespace):  # its name is free once Ray has it dead
+                time.sleep(0.2)
+        assert store_node() == NODE_IP, f"the weight store was placed on {store_node()}, not on {NODE_IP}, 5 times"
         store = WeightStore.connect(run, cfg)
         version, on_head, checksum = 0, 0, ""
         while on_head < AFTER_RESTART:
@@ -131,6 +140,16 @@ def _publish(address: str, run: str) -> None:
         print(json.dumps({"done": True, "node": store_node(), "versions": store.versions_sync()}), flush=True)
     finally:
         teardown(run, cfg)
+
+
+def _named(name: str, namespace: str) -> bool:
+    import ray
+
+    try:
+        ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return False
+    return True
 
 
 if __name__ == "__main__":

@@ -38,9 +38,11 @@ run: $(STAMP)
 run-vllm: $(VLLM_STAMP)
 	$(VENV)/bin/rlbus up configs/quickstart_vllm.yaml
 
-# The vLLM engine's tests run on CPU: RLBUS_REQUIRE_VLLM makes a missing vllm a failure, not a skip.
+# The vLLM engine's tests run on CPU: RLBUS_REQUIRE_VLLM makes a missing vllm a failure, not a skip. The suite runs
+# as two pytest processes at once (tests/shards.py: the system tests, mostly waiting, beside the rest); each shard's
+# whole output is in .pytest-shards/.
 test: $(VLLM_STAMP)
-	RLBUS_REQUIRE_VLLM=1 $(PY) -m pytest -q -ra --durations=30
+	RLBUS_REQUIRE_VLLM=1 $(PY) tests/shards.py -q -ra --durations=30
 
 test-fast: $(VLLM_STAMP)
 	RLBUS_REQUIRE_VLLM=1 $(PY) -m pytest -q -ra -m "not slow"

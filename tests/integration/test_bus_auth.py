@@ -187,6 +187,7 @@ async def test_observer_cannot_publish_anything(server):
         await raw.close()
 
 
+@pytest.mark.slow
 async def test_trainer_cannot_delete_streams_or_touch_another_run(server):
     beta = await Bus.connect(cfg(server, "trainer", "beta"), "beta", name="trainer-beta")
     await beta.ensure_streams()

@@ -162,8 +162,10 @@ CORRECTIONS = {
 }  # fmt: skip
 
 
+# make test-fast keeps the two aggregations; each correction is one more two-rank spawn (make test runs them).
 @pytest.mark.parametrize(("agg_mode", "correction"), [("token-mean", None), ("seq-mean-token-mean", None),
-                                                      *[("seq-mean-token-mean", c) for c in CORRECTIONS]])
+                                                      *[pytest.param("seq-mean-token-mean", c, marks=pytest.mark.slow)
+                                                        for c in CORRECTIONS]])
 def test_two_ranks_equal_one_process(tiny_model: Path, agg_mode: str, correction: str | None) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -311,6 +313,7 @@ def _pg_loss_worker(model_dir: str, algo_cfg: AlgorithmConfig) -> float:
     return loss
 
 
+@pytest.mark.slow
 def test_seq_mean_token_sum_norm_takes_a_constant_scale(tiny_model: Path) -> None:
     from rlbus.trainer.dist import spawn_local
 
@@ -365,7 +368,8 @@ def _same_numbers(a: dict, b: dict, *, rel: float, atol: float = 1e-8) -> None:
         torch.testing.assert_close(w, b["weights"][name], rtol=rel, atol=atol, msg=name)
 
 
-@pytest.mark.parametrize("off_policy", ["decoupled", "none", "seq_icepop"])
+@pytest.mark.parametrize("off_policy", [pytest.param("decoupled", marks=pytest.mark.slow),
+                                        pytest.param("none", marks=pytest.mark.slow), "seq_icepop"])
 def test_proximal_from_the_update_forward_changes_no_number(tiny_model: Path, off_policy: str) -> None:
     """One update per step: the proximal pass is skipped and the step's loss, grad norm, metrics and weights are
     those of the separate pass, over two ranks with several (uneven) micro-batches each."""
@@ -387,7 +391,7 @@ def test_proximal_from_the_update_forward_changes_no_number(tiny_model: Path, of
     _same_numbers(fused, separate, rel=1e-6)
 
 
-@pytest.mark.parametrize("mini_batches", [1, 2])
+@pytest.mark.parametrize("mini_batches", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_shared_prefix_packing_changes_no_number(tiny_model: Path, mini_batches: int) -> None:
     """Groups whose samples share their prompt, run once per micro-batch (trainer/packing.py): loss, grad norm,
     metrics and weights are those of the plain rows, over two ranks with micro-batches that split groups, from

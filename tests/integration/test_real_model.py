@@ -18,6 +18,7 @@ from rlbus.common.model.gguf import GGUFImportError, package_gguf, resolve_gguf
 from tests.support.real_model import ROOT, require_smollm2_extra
 
 
+@pytest.mark.slow
 def test_imported_directory_is_a_plain_model_with_the_gguf_weights_and_template(smollm2_dir) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -39,6 +40,7 @@ def test_imported_directory_is_a_plain_model_with_the_gguf_weights_and_template(
         assert torch.equal(model(ids).logits, direct(ids).logits)
 
 
+@pytest.mark.slow
 def test_init_model_cli_refuses_a_full_directory_and_a_missing_file(tmp_path) -> None:
     require_smollm2_extra()
     (tmp_path / "x").mkdir()
@@ -54,6 +56,7 @@ def test_init_model_cli_refuses_a_full_directory_and_a_missing_file(tmp_path) ->
         resolve_gguf("pkg:no-such-package-here")
 
 
+@pytest.mark.slow
 def test_tool_agent_loop_on_the_real_model(smollm2_dir) -> None:
     """Greedy, on the smollm2_calculator prompts: every sample is a well-formed trajectory, the calls the model
     makes go through the calculator, and the tool output is context (mask 0)."""

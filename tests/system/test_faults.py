@@ -64,8 +64,9 @@ def test_trainer_sigkilled_under_rlbus_up_is_restarted_and_the_run_finishes(tmp_
 
 def test_producers_killed_again_and_again_do_not_stop_the_run(tmp_path, tiny_model_dir, run_name, fault_rng):
     # More kills than the launcher's start-failure budget: each producer dies after it got going, so every death
-    # is a fault to ride out, not a role that cannot start. The moments are random (seed printed: fault_rng).
-    run_dir, cfg, cfg_path = _up(tmp_path, tiny_model_dir, run_name, 400, rollout={"num_producers": 2})
+    # is a fault to ride out, not a role that cannot start. The moments are random (seed printed: fault_rng). The
+    # seventh kill has come by step 120 or so on 2 cores; the run is long enough for twice that.
+    run_dir, cfg, cfg_path = _up(tmp_path, tiny_model_dir, run_name, 250, rollout={"num_producers": 2})
     up = start_role("up", cfg_path, tmp_path / "logs", name="up")
     kills = 0
     try:

@@ -348,28 +348,39 @@ class AlgorithmConfig(_Section):
 
 
 class CriticConfig(_Section):
-    """The value model trained beside the policy when algorithm.adv_estimator is gae (verl's critic.* names).
+    """The value function trained beside the policy when algorithm.adv_estimator is gae (verl's critic.* names).
 
-    A separate transformer initialised from `path` with a fresh scalar head (verl's AutoModelForTokenClassification
-    critic), sharded with FSDP2 like the policy, with its own AdamW and LR schedule; the policy's other
-    trainer.* settings (micro-batches, mini-batches, precision) apply to it too.
+    `backbone: separate` (verl's critic): a second transformer initialised from `path` with a fresh scalar head
+    (AutoModelForTokenClassification), sharded with FSDP2 like the policy, with its own AdamW and LR schedule.
+    `backbone: shared`: a scalar head on the policy's own transformer (its last hidden state); one forward gives the
+    log-probs and the values, `vf_coef` x the value loss joins the policy loss, and the head is a parameter group
+    of the policy's AdamW with this section's lr, weight_decay, warmup_steps and grad_clip (trainer/critic.py).
+    The policy's other trainer.* settings (micro-batches, mini-batches, precision) apply to either.
     """
 
-    path: str = ""  # initial weights of the critic's transformer; "" = model.path (a fresh value head on top)
-    lr: float = 1e-5  # the critic's AdamW learning rate
+    backbone: Literal["separate", "shared"] = "separate"  # the value head's transformer: its own, or the policy's
+    path: str = ""  # separate: initial weights of the critic's transformer; "" = model.path (a fresh value head on top)
+    vf_coef: float = 0.1  # shared: weight of the value loss in the one loss the shared transformer trains on
+    lr: float = 1e-5  # the critic's AdamW learning rate (shared: the head's parameter group)
     warmup_steps: int = 0  # linear warmup of the critic's LR, in steps
     weight_decay: float = 0.0  # the critic's AdamW weight decay
-    grad_clip: float = 1.0  # max gradient norm of the critic
+    grad_clip: float = 1.0  # max gradient norm of the critic (shared: of the head, clipped apart from the policy)
     cliprange_value: float = 0.5  # values may move at most this far from those the advantages used (clipped loss)
     loss_agg_mode: LossAggMode = "token-mean"  # how token value losses become the step's value loss
     critic_warmup: int = 0  # the actor first updates at step N; steps before it train the critic alone (verl's)
 
     def __post_init__(self) -> None:
         _need(self.lr > 0 and math.isfinite(self.lr), "lr", "must be a finite number > 0")
+        _need(self.vf_coef > 0 and math.isfinite(self.vf_coef), "vf_coef", "must be a finite number > 0")
         _need(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
         _need(self.grad_clip > 0, "grad_clip", "must be > 0")
         _need(self.cliprange_value > 0, "cliprange_value", "must be > 0")
         _need(self.critic_warmup >= 0, "critic_warmup", "must be >= 0")
+        _need(
+            self.backbone == "separate" or not self.path,
+            "path",
+            "must be empty with backbone: shared (the value head sits on the policy's own transformer)",
+        )
 
 
 class TrainerConfig(_Section):

@@ -8,7 +8,8 @@ Layout under a checkpoint root (`<run_dir>/checkpoints`):
         extra.json            the service's blob (step, version, feeder position, trained group ids, ...)
         rng/rank_00000.pt     each rank's RNG states
         hf/config.json        the model's Hugging Face config, for export_hf
-        critic_hf/config.json the value model's (adv_estimator: gae; its state is under "critic" in the shards)
+        critic_hf/config.json the value model's (adv_estimator: gae; its state is under "critic" in the shards, or,
+                              with critic.backbone: shared, the head's under "model" as value_head.*)
     latest                    the name of the newest complete checkpoint (replaced atomically)
 
     python -c "from rlbus.trainer.checkpoint import export_hf; export_hf('runs/x/checkpoints/step_00000010', 'out', 'model')"
@@ -50,6 +51,7 @@ from torch.distributed.checkpoint.metadata import (
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 from rlbus.schemas.errors import RlbusError
+from rlbus.trainer.critic import BACKBONE_KEY, VALUE_HEAD
 from rlbus.trainer.dist import all_reduce, barrier, rank
 
 if TYPE_CHECKING:  # the engine imports FSDP and transformers' models; checkpoints need only its attributes
@@ -313,8 +315,9 @@ def save_checkpoint(engine: TrainEngine, root: str | os.PathLike, step: int, ext
     if rank() == 0:
         (tmp / "extra.json").write_bytes(msgspec.json.encode(extra))
         AutoConfig.from_pretrained(engine.model_path).save_pretrained(tmp / "hf")
-        if getattr(engine, "critic", None) is not None:
-            engine.critic.model.config.save_pretrained(tmp / CRITIC_HF)
+        critic = getattr(engine, "critic", None) or getattr(engine, "value_head", None)
+        if critic is not None:
+            critic.save_config(tmp / CRITIC_HF)
     barrier()
     if rank() == 0:
         if final.exists():  # the same step saved again (a resumed run): the new one wins
@@ -385,9 +388,10 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, tokenizer
     """Write a Hugging Face model directory (config, safetensors weights, tokenizer) from a trainer checkpoint.
 
     Runs in one process without a process group (DCP reads every shard). The result loads with
-    `AutoModelForCausalLM.from_pretrained(out_dir)`. A checkpoint of a run with a critic (gae) also gets the value
-    model next to the policy, in `out_dir/critic` (`AutoModelForTokenClassification`, one label: V_t is its output
-    at position t - 1).
+    `AutoModelForCausalLM.from_pretrained(out_dir)` (and vLLM): the policy's weights alone. A checkpoint of a run
+    with a critic (gae) also gets the value model next to the policy, in `out_dir/critic`
+    (`AutoModelForTokenClassification`, one label: V_t is its output at position t - 1); with critic.backbone:
+    shared, that is the policy's transformer (a copy) under the value head, which computes the very same values.
     """
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     if not (ckpt_dir / ".metadata").is_file() or not (ckpt_dir / "hf" / "config.json").is_file():
@@ -401,9 +405,19 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, tokenizer
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(tokenizer_src).save_pretrained(out_dir)
     if (ckpt_dir / CRITIC_HF / "config.json").is_file():
-        critic = AutoModelForTokenClassification.from_config(AutoConfig.from_pretrained(ckpt_dir / CRITIC_HF))
-        state = {"critic": {"model": critic.state_dict()}}
-        _dcp_load(state, ckpt_dir)
-        critic.load_state_dict(state["critic"]["model"])
+        critic_config = AutoConfig.from_pretrained(ckpt_dir / CRITIC_HF)
+        critic = AutoModelForTokenClassification.from_config(critic_config)
+        if getattr(critic_config, BACKBONE_KEY, "separate") == "shared":
+            # The policy's transformer (model.*, the same names in both classes) under the value head (its score).
+            head = "score" if hasattr(critic, "score") else "classifier"
+            name = {k: f"{VALUE_HEAD}.{k[len(head) + 1 :]}" if k.startswith(f"{head}.") else k
+                    for k in critic.state_dict()}  # fmt: skip
+            state = {"model": {name[k]: v for k, v in critic.state_dict().items()}}
+            _dcp_load(state, ckpt_dir)
+            critic.load_state_dict({k: state["model"][name[k]] for k in name})
+        else:
+            state = {"critic": {"model": critic.state_dict()}}
+            _dcp_load(state, ckpt_dir)
+            critic.load_state_dict(state["critic"]["model"])
         critic.save_pretrained(out_dir / "critic")
     return out_dir

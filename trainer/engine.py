@@ -7,7 +7,9 @@ The trainer service (`trainer/service.py`) owns the loop; this module owns the m
     weights = engine.full_state_dict()       # rank 0: HF-named full tensors on CPU; others: {}
 
 With `algorithm.adv_estimator: gae` the engine also holds the critic (`trainer/critic.py`), whose values, GAE and
-update run inside `train_step`; its state is part of `state_dict`.
+update run inside `train_step`; its state is part of `state_dict`. With `critic.backbone: shared` the critic is a
+value head on the policy itself (`value_head`): one no-grad pass gives the values and the proximal log-probs, and
+each update's forward gives log-probs and values, the value loss joining the policy loss.
 
 Every rank must call `train_step`, `compute_log_probs` and `full_state_dict` together (they run collectives);
 ranks may hold different numbers of sequences: the number of forward/backward passes is agreed by all-reduce and a
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -31,7 +33,15 @@ from transformers import AutoModelForCausalLM
 from rlbus.schemas.config import AlgorithmConfig, CriticConfig, RunConfig, TrainerConfig
 from rlbus.trainer import algorithms as algo
 from rlbus.trainer import logprobs, packing
-from rlbus.trainer.critic import Critic
+from rlbus.trainer.critic import (
+    VALUE_HEAD,
+    Critic,
+    SharedValueHead,
+    attach_value_head,
+    global_normaliser,
+    micro_value_loss,
+    value_loss_scale,
+)
 from rlbus.trainer.dist import DistInfo, all_reduce, init_distributed, world_size
 from rlbus.trainer.memory import peak_rss_bytes, reset_peak_rss
 from rlbus.trainer.optim import (  # noqa: F401 - lr_factor, make_optimizer: this module's names for their users
@@ -71,7 +81,9 @@ class TrainEngine:
     fuse_proximal: bool  # take proximal log-probs from the update's forward when that is the same computation
     correction: algo.CorrectionSpec  # IS weights and rejection between behaviour and proximal (rollout_* fields)
     hidden_size: int  # the model's, for packing's cost model
-    critic: Critic | None  # the value model of adv_estimator: gae (trainer/critic.py)
+    critic: Critic | None  # the value model of adv_estimator: gae, critic.backbone: separate (trainer/critic.py)
+    value_head: SharedValueHead | None  # the value head on the policy of critic.backbone: shared
+    critic_cfg: CriticConfig
     forward_positions: int  # token-positions run by this step's forwards so far
 
     def __init__(
@@ -93,23 +105,29 @@ class TrainEngine:
         self.fuse_proximal = True
         self.correction = algo.CorrectionSpec.from_config(algo_cfg)
         self.info = init_distributed(trainer_cfg.device)
+        self.critic_cfg = critic_cfg or CriticConfig()
+        shared = algo_cfg.adv_estimator == "gae" and self.critic_cfg.backbone == "shared"
         torch.manual_seed(trainer_cfg.seed)
-        self.model = self._load(model_path, dtype, gradient_checkpointing)
+        self.model = self._load(model_path, dtype, gradient_checkpointing, value_head=shared)
         self.hidden_size = int(self.model.config.hidden_size)
         self.forward_positions = 0  # token-positions the forwards of this step ran (the metric perf/forward_positions)
         self.ref_model = None
         if algo_cfg.kl_coef > 0:
             self.ref_model = self._load(model_path, dtype, False)
             self.ref_model.requires_grad_(False)
-        self.optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], trainer_cfg)
-        # The schedule counts optimizer updates; a step makes `mini_batches` of them.
-        self.scheduler = make_scheduler(self.optimizer, trainer_cfg, warmup_steps=trainer_cfg.warmup_steps)
+        self.value_head = SharedValueHead(self.model, self.critic_cfg, trainer_cfg) if shared else None
+        if self.value_head is not None:  # one AdamW, the head its second group (trainer/critic.py says why)
+            self.optimizer = make_optimizer(self.value_head.param_groups(), trainer_cfg)
+            self.scheduler = self.value_head.make_scheduler(self.optimizer)
+        else:
+            self.optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], trainer_cfg)
+            # The schedule counts optimizer updates; a step makes `mini_batches` of them.
+            self.scheduler = make_scheduler(self.optimizer, trainer_cfg, warmup_steps=trainer_cfg.warmup_steps)
         self.num_updates = 0
         self.critic = None
-        if algo_cfg.adv_estimator == "gae":
-            critic_cfg = critic_cfg or CriticConfig()
-            self.critic = Critic(critic_cfg.path or model_path, critic_cfg, trainer_cfg, device=self.info.device,
-                                 world_size=self.info.world_size, dtype=_DTYPES[dtype],
+        if algo_cfg.adv_estimator == "gae" and not shared:
+            self.critic = Critic(self.critic_cfg.path or model_path, self.critic_cfg, trainer_cfg,
+                                 device=self.info.device, world_size=self.info.world_size, dtype=_DTYPES[dtype],
                                  gradient_checkpointing=gradient_checkpointing)  # fmt: skip
 
     @classmethod
@@ -122,10 +140,12 @@ class TrainEngine:
                    dtype=cfg.model.dtype, gradient_checkpointing=cfg.model.gradient_checkpointing,
                    critic_cfg=cfg.critic)  # fmt: skip
 
-    def _load(self, path: str, dtype: str, gradient_checkpointing: bool) -> nn.Module:
+    def _load(self, path: str, dtype: str, gradient_checkpointing: bool, *, value_head: bool = False) -> nn.Module:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype])
         model.config.use_cache = False
         logprobs.install(model)
+        if value_head:  # critic.backbone: shared; before sharding, so that the root unit holds it
+            attach_value_head(model)
         return parallelize(
             model,
             device=self.info.device,
@@ -137,42 +157,56 @@ class TrainEngine:
     # forward passes
 
     def _forward(
-        self, model: nn.Module, mb: dict[str, torch.Tensor] | None, *, with_entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """(log-probs [b, T], entropy [b, T] or None, a zero scalar tied to the graph). `mb=None` is an empty pass.
+        self,
+        model: nn.Module,
+        mb: dict[str, torch.Tensor] | None,
+        *,
+        with_entropy: bool,
+        values: bool = False,
+        value_grad: bool = True,
+    ) -> _Scores:
+        """Log-probs [b, T], entropy [b, T] (`with_entropy`), values [b, T] (`values`: the shared value head's V_t)
+        and a zero scalar tied to the graph. `mb=None` is an empty pass.
 
-        Both are scored at the micro-batch's response positions only (0 elsewhere). The forward runs over the rows
+        All are scored at the micro-batch's response positions only (0 elsewhere). The forward runs over the rows
         trimmed to the longest sequence, each group's shared prompt once where that is cheaper (trainer/packing.py).
         The output head runs in chunks inside the model's forward, so no [b, T, V] float32 logits exist
-        (trainer/logprobs.py).
+        (trainer/logprobs.py). `value_grad=False`: the values' gradient stops at the hidden states (the zero too).
         """
-        if mb is None:  # this rank ran out of sequences; FSDP still needs its all-gathers and reduce-scatters
-            ids = torch.zeros(1, 1, dtype=torch.long, device=self.info.device)
-            ones, zeros = torch.ones_like(ids), torch.zeros_like(ids)
-            with compute_precision(self.info.device, self.cfg.mixed_precision):
-                logits = model(input_ids=ids, attention_mask=ones, position_ids=zeros).logits
-            return ids.float(), None, logits.sum() * 0.0
-        b, T = mb["input_ids"].shape
         device = self.info.device
-        pack = packing.plan(mb["input_ids"].cpu(), mb["attention_mask"].sum(dim=-1).cpu(), mb["group_index"].cpu(),
-                            mb["response_mask"].cpu(), hidden_size=self.hidden_size, share=self.cfg.share_prefix)
-        self.forward_positions += pack.num_positions
-        sel = pack.select
+        if mb is None:  # this rank ran out of sequences; FSDP still needs its all-gathers and reduce-scatters
+            # One token, scored as a real pass is, so that its zero reaches the very parameters a real pass's loss
+            # does (FSDP reduce-scatters the gradients that exist, and every rank must reduce the same ones).
+            ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+            inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": ids}
+            src_N = targets_N = ids[0]
+            at = None
+        else:
+            b, T = mb["input_ids"].shape
+            pack = packing.plan(mb["input_ids"].cpu(), mb["attention_mask"].sum(dim=-1).cpu(),
+                                mb["group_index"].cpu(), mb["response_mask"].cpu(), hidden_size=self.hidden_size,
+                                share=self.cfg.share_prefix)  # fmt: skip
+            self.forward_positions += pack.num_positions
+            sel = pack.select
+            inputs = {"input_ids": pack.input_ids.to(device), "attention_mask": pack.attention_mask.to(device),
+                      "position_ids": pack.position_ids.to(device)}  # fmt: skip
+            src_N, targets_N = sel.src_N.to(device), sel.targets_N.to(device)
+            at = (sel.dst_rows_N.to(device), sel.dst_pos_N.to(device))
         # Entropy of the distribution that produced token t (logits at t - 1, as for the log-probs); it carries a
         # gradient only when the loss has an entropy bonus.
         grad = with_entropy and self.algo.entropy_coeff > 0 and torch.is_grad_enabled()
+        head = getattr(model, VALUE_HEAD) if values else None
         with logprobs.scoring(model, None, self.temperature, with_entropy=with_entropy, entropy_grad=grad,
-                              chunk_bytes=self.logits_chunk_bytes,
-                              select=(sel.src_N.to(device), sel.targets_N.to(device))), \
+                              chunk_bytes=self.logits_chunk_bytes, select=(src_N, targets_N), value_head=head,
+                              value_grad=value_grad), \
                 compute_precision(device, self.cfg.mixed_precision):  # fmt: skip
-            scores_N2 = model(
-                input_ids=pack.input_ids.to(device), attention_mask=pack.attention_mask.to(device),
-                position_ids=pack.position_ids.to(device),
-            ).logits[0]  # [N, 2]: (log-prob, entropy) of the scored positions only (trainer/logprobs.py)
-        at = (sel.dst_rows_N.to(device), sel.dst_pos_N.to(device))
-        logp_bT = scores_N2.new_zeros(b, T).index_put(at, scores_N2[:, 0])
-        entropy_bT = scores_N2.new_zeros(b, T).index_put(at, scores_N2[:, 1]) if with_entropy else None
-        return logp_bT, entropy_bT, scores_N2.sum() * 0.0
+            # [N, 2 or 3]: (log-prob, entropy[, value]) of the scored positions only (trainer/logprobs.py)
+            scores_N = model(**inputs).logits[0]
+        zero = (scores_N if value_grad else scores_N[:, 2:]).sum() * 0.0
+        if at is None:
+            return _Scores(ids.float(), None, ids.float() if values else None, zero)
+        put = lambda col: scores_N.new_zeros(b, T).index_put(at, scores_N[:, col])
+        return _Scores(put(0), put(1) if with_entropy else None, put(2) if values else None, zero)
 
     def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor | None]:
         """Split row indices into micro-batches; pad with None to the largest count over all ranks."""
@@ -183,14 +217,23 @@ class TrainEngine:
     @torch.no_grad()
     def compute_log_probs(self, batch: TensorDict, *, model: nn.Module | None = None) -> torch.Tensor:
         """Log-probs [B, T] of `batch`'s tokens under the current policy (or `model`), micro-batched, no grad."""
-        model = model if model is not None else self.model
-        data = self._tensors(batch)
-        out_BT = torch.zeros(data["input_ids"].shape, dtype=torch.float32, device=self.info.device)
+        return self._no_grad_scores(self._tensors(batch), model if model is not None else self.model)[0]
+
+    @torch.no_grad()
+    def _no_grad_scores(
+        self, data: dict[str, torch.Tensor], model: nn.Module, *, values: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log-probs [B, T], the shared head's values [B, T] or None) of `data` under `model`, micro-batched."""
+        logp_BT = torch.zeros(data["input_ids"].shape, dtype=torch.float32, device=self.info.device)
+        values_BT = torch.zeros_like(logp_BT) if values else None
         for idx in self._micro_batches(torch.arange(data["input_ids"].shape[0], device=self.info.device)):
-            logp, _, _ = self._forward(model, None if idx is None else self._rows(data, idx), with_entropy=False)
+            out = self._forward(model, None if idx is None else self._rows(data, idx), with_entropy=False,
+                                values=values)  # fmt: skip
             if idx is not None:
-                out_BT[idx] = logp
-        return out_BT
+                logp_BT[idx] = out.logp_bT
+                if values_BT is not None:
+                    values_BT[idx] = out.values_bT
+        return logp_BT, values_BT
 
     def _tensors(self, batch: TensorDict) -> dict[str, torch.Tensor]:
         missing = [k for k in BATCH_KEYS if k not in batch.keys()]
@@ -232,8 +275,15 @@ class TrainEngine:
         # (detached, filled in per micro-batch below) and the separate pass would recompute the same tensors.
         # Not when something needs all of them before the first forward: the KL penalty in the reward (advantages).
         fused = self._proximal_from_update()
-        proximal_BT = None
-        if fused:
+        proximal_BT = values_BT = None
+        if self.value_head is not None:
+            # The shared critic: one no-grad pass of the policy gives the values for GAE and, being a pass of the
+            # current weights, the proximal log-probs.
+            t = time.perf_counter()
+            logp_BT, values_BT = self._no_grad_scores(data, self.model, values=True)
+            proximal_BT = logp_BT if algo.needs_proximal(self.algo.off_policy) else None
+            timing["timing/values_s"] = time.perf_counter() - t
+        elif fused:
             proximal_BT = torch.zeros_like(behaviour_BT)
         elif algo.needs_proximal(self.algo.off_policy):
             t = time.perf_counter()
@@ -251,19 +301,21 @@ class TrainEngine:
         # (reinforce_plus_plus*, gae) whiten over the whole batch: their sums are all-reduced over ranks.
         acc = _Accumulator()
         reduce = lambda xs: all_reduce(xs, "sum")
-        if self.critic is not None:
-            # GAE: the critic's values of this batch, advantages and returns, then the critic's update (verl's order:
-            # the critic trains on the values the advantages used, before the actor).
-            t = time.perf_counter()
-            values_BT = self.critic.values(data, self._micro_batches)
-            timing["timing/values_s"] = time.perf_counter() - t
+        if self.algo.adv_estimator == "gae":
+            # GAE: the critic's values of this batch (the shared head's came with the proximal pass), advantages and
+            # returns, then the separate critic's update (verl's order: the critic trains on the values the
+            # advantages used, before the actor); the shared head's update is the actor's below.
+            if self.critic is not None:
+                t = time.perf_counter()
+                values_BT = self.critic.values(data, self._micro_batches)
+                timing["timing/values_s"] = time.perf_counter() - t
             adv_BT, returns_BT = algo.gae_advantages_returns(rewards_BT, values_BT, mask_BT, gamma=self.algo.gamma,
                                                              lam=self.algo.lam, reduce=reduce)  # fmt: skip
-            # verl's trainer.critic_warmup: the actor waits while critic_warmup > this step (steps count from 1)
-            actor_waits = self.critic.cfg.critic_warmup > self.critic.steps_done + 1
-            t = time.perf_counter()
-            self.critic.update(data, self._micro_batches, values_BT, returns_BT, mask_BT, acc)
-            timing["timing/critic_update_s"] = time.perf_counter() - t
+            actor_waits = self._actor_waits()
+            if self.critic is not None:
+                t = time.perf_counter()
+                self.critic.update(data, self._micro_batches, values_BT, returns_BT, mask_BT, acc)
+                timing["timing/critic_update_s"] = time.perf_counter() - t
             sums = algo.ValueSums.of(values_BT, returns_BT, mask_BT).as_list()
             metrics_values = algo.ValueSums(*all_reduce(sums, "sum")).metrics()
         else:
@@ -271,7 +323,7 @@ class TrainEngine:
                 rewards_BT, mask_BT, data["group_index"], estimator=self.algo.adv_estimator,
                 norm_by_std=self.algo.norm_adv_by_std, gamma=self.algo.gamma, reduce=reduce,
             )  # fmt: skip
-            actor_waits, metrics_values = False, {}
+            returns_BT, actor_waits, metrics_values = None, False, {}
         # The rollout correction between behaviour and proximal log-probs: IS weights and the response mask less
         # rejected tokens (`loss_mask_BT`, which also sets the loss normaliser). Fused: the weights are filled per
         # micro-batch like proximal_BT (they are per row). Bypass has no proximal policy: rejection and the
@@ -293,32 +345,46 @@ class TrainEngine:
 
         t_update = time.perf_counter()
         B = data["input_ids"].shape[0]
+        vh = self.value_head
         # During the critic's warm-up the actor waits: no update, no step of its LR schedule (verl's critic_warmup).
-        parts = [] if actor_waits else torch.arange(B, device=self.info.device).tensor_split(self.cfg.mini_batches)
+        # The shared head trains then on the value loss alone, the transformer under it untouched (trainer/critic.py).
+        waits_alone = actor_waits and vh is None
+        parts = [] if waits_alone else torch.arange(B, device=self.info.device).tensor_split(self.cfg.mini_batches)
+        vscale = value_loss_scale(self.critic_cfg, mask_BT) if vh is not None else 1.0
         for part in parts:
-            num_tokens, num_seqs = all_reduce(list(algo.LossNormaliser.local_counts(loss_mask_BT[part])), "sum")
-            norm = algo.LossNormaliser(num_tokens=num_tokens, num_seqs=num_seqs, scale=max(scale, 1.0))
+            norm = global_normaliser(loss_mask_BT[part], scale)
+            vnorm = global_normaliser(mask_BT[part], vscale) if vh is not None else None
             self.optimizer.zero_grad(set_to_none=True)
-            update_loss = 0.0
+            update_loss = vf_loss = 0.0
             for idx in self._micro_batches(part):
                 mb = None if idx is None else self._rows(data, idx)
-                logp_bT, entropy_bT, zero = self._forward(self.model, mb, with_entropy=True)
-                if idx is None:
-                    loss = zero
-                else:
+                out = self._forward(self.model, mb, with_entropy=not actor_waits, values=vh is not None,
+                                    value_grad=not actor_waits)  # fmt: skip
+                loss = out.zero
+                if idx is not None and not actor_waits:
                     mask_bT = loss_mask_BT[idx]
                     if fused:
-                        self._fill_proximal(idx, logp_bT.detach(), proximal_BT, weights_BT, behaviour_BT, mask_BT)
+                        self._fill_proximal(idx, out.logp_bT.detach(), proximal_BT, weights_BT, behaviour_BT, mask_BT)
                     elif proximal_BT is None:  # bypass
-                        c = algo.correct(logp_bT.detach(), behaviour_BT[idx], mask_BT[idx], self.correction)
+                        c = algo.correct(out.logp_bT.detach(), behaviour_BT[idx], mask_BT[idx], self.correction)
                         bypass_sums, mask_bT = bypass_sums + c.sums, c.mask_BT
-                    loss, pg_loss = self._micro_loss(idx, logp_bT, entropy_bT, old_BT, adv_BT, mask_bT, weights_BT,
-                                                     ref_BT, norm, acc)  # fmt: skip
+                    loss, pg_loss = self._micro_loss(idx, out.logp_bT, out.entropy_bT, old_BT, adv_BT, mask_bT,
+                                                     weights_BT, ref_BT, norm, acc)  # fmt: skip
                     update_loss += pg_loss
+                if idx is not None and vh is not None:
+                    v_loss = micro_value_loss(self.critic_cfg, out.values_bT, returns_BT[idx], values_BT[idx],
+                                              mask_BT[idx], vnorm, acc)  # fmt: skip
+                    vf_loss += float(v_loss.detach())
+                    loss = loss + self.critic_cfg.vf_coef * v_loss  # waiting: `loss` is the zero of the values
                 # FSDP averages gradients over ranks; the normaliser is already global, so undo the average.
                 (loss * self.info.world_size).backward()
-            acc.add("actor/pg_loss", update_loss, 1.0)
-            acc.add_update("actor", *clipped_step(self.model, self.optimizer, self.scheduler, self.cfg.grad_clip))
+            if not actor_waits:
+                acc.add("actor/pg_loss", update_loss, 1.0)
+            if vh is not None:
+                acc.add("critic/vf_loss", vf_loss, 1.0)
+                vh.step(self.optimizer, self.scheduler, acc, actor_waits=actor_waits)
+            else:
+                acc.add_update("actor", *clipped_step(self.model, self.optimizer, self.scheduler, self.cfg.grad_clip))
             self.num_updates += 1
         self.optimizer.zero_grad(set_to_none=True)
         timing["timing/update_s"] = time.perf_counter() - t_update
@@ -344,10 +410,18 @@ class TrainEngine:
         return metrics
 
     def _proximal_from_update(self) -> bool:
-        """Whether this step takes its proximal log-probs from the update's forward instead of a separate pass."""
+        """Whether this step takes its proximal log-probs from the update's forward instead of a separate pass (not
+        with the shared critic: its values pass, which every step needs before the update, yields them)."""
         kl_in_reward = self.ref_model is not None and not self.algo.use_kl_loss
         return (self.fuse_proximal and algo.needs_proximal(self.algo.off_policy) and self.cfg.mini_batches == 1
-                and not kl_in_reward and not self.correction.needs_whole_batch)  # fmt: skip
+                and not kl_in_reward and not self.correction.needs_whole_batch
+                and self.value_head is None)  # fmt: skip
+
+    def _actor_waits(self) -> bool:
+        """verl's critic_warmup: the actor first updates at step critic.critic_warmup (steps count from 1)."""
+        if self.value_head is not None:
+            return self.value_head.actor_waits(self.num_updates)
+        return self.critic_cfg.critic_warmup > self.critic.steps_done + 1
 
     def _correct(self, proximal_BT: torch.Tensor, behaviour_BT: torch.Tensor, mask_BT: torch.Tensor) -> algo.Correction:
         """The rollout correction of this rank's rows, with batch normalisation by the mean over all ranks."""
@@ -430,15 +504,40 @@ class TrainEngine:
     # weights and state
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full (unsharded) parameters and buffers on CPU with Hugging Face names on rank 0; {} on other ranks.
+        """Full (unsharded) policy parameters and buffers on CPU with Hugging Face names on rank 0; {} on other
+        ranks. What producers load: the shared critic's value head is left out (`critic_full_state_dict()`).
 
         A collective: every rank must call it.
         """
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.value_head is None:
+            return full
+        return {k: v for k, v in full.items() if not k.startswith(f"{VALUE_HEAD}.")}
+
+    def critic_full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The critic's full weights on CPU on rank 0 ({} elsewhere): the separate value model's (Hugging Face names),
+        or the shared head's (value_head.weight, value_head.bias). A collective."""
+        if self.value_head is not None:
+            return self.value_head.full_state_dict()
+        if self.critic is None:
+            raise ValueError("critic_full_state_dict: this engine has no critic (algorithm.adv_estimator is not gae)")
+        return self.critic.full_state_dict()
+
+    @torch.no_grad()
+    def compute_values(self, batch: TensorDict) -> torch.Tensor:
+        """V_t [B, T] of `batch`'s response tokens (0 elsewhere) under the current critic, as a step's GAE reads
+        them. A collective."""
+        data = self._tensors(batch)
+        if self.value_head is not None:
+            return self._no_grad_scores(data, self.model, values=True)[1]
+        if self.critic is None:
+            raise ValueError("compute_values: this engine has no critic (algorithm.adv_estimator is not gae)")
+        return self.critic.values(data, self._micro_batches)
 
     def state_dict(self) -> dict[str, Any]:
         """Sharded trainer state for torch.distributed.checkpoint: model, optimizer, LR schedule, update count, and
-        the same four of the critic under "critic" (gae)."""
+        the same four of the separate critic under "critic" (gae; the shared head is part of the model's and the
+        optimizer's)."""
         state = train_state(self.model, self.optimizer, self.scheduler, self.num_updates)
         if self.critic is not None:
             state["critic"] = self.critic.state_dict()
@@ -448,6 +547,15 @@ class TrainEngine:
         self.num_updates = load_train_state(self.model, self.optimizer, self.scheduler, state)
         if self.critic is not None:
             self.critic.load_state_dict(state["critic"])
+
+
+class _Scores(NamedTuple):
+    """What one forward of `TrainEngine._forward` scores, each [b, T] at the response positions (0 elsewhere)."""
+
+    logp_bT: torch.Tensor
+    entropy_bT: torch.Tensor | None  # with_entropy
+    values_bT: torch.Tensor | None  # values: the shared head's V_t
+    zero: torch.Tensor  # 0, tied to the graph: an empty pass's loss
 
 
 class _Accumulator:

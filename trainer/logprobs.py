@@ -11,7 +11,8 @@ The trainer needs this inside the model's own forward: under FSDP2 the head's we
 module runs (it is the root unit, tied to the embedding), and the root's hooks must see the backward. So
 `install(model)` replaces the output head's `forward` (not the module: parameter names stay as Hugging Face has
 them), and `scoring(model, ids, ...)` makes that head return `[b, L, 2]` (log-prob, entropy) instead of logits for
-the calls inside the block.
+the calls inside the block. With `value_head=` (the shared critic, trainer/critic.py) a third column is the value
+head's output on the same hidden state: V_t beside the log-prob of token t, from one forward.
 
     .venv/bin/python -m pytest -q tests/unit/test_logprobs.py tests/integration/test_fsdp.py
 """
@@ -120,6 +121,19 @@ def head_scores(
     return F.pad(scores.view(b, L - 1, 2), (0, 0, 1, 0))
 
 
+def selected_values(hidden_xH: torch.Tensor, value_head: nn.Linear, src_N: torch.Tensor, *, grad: bool) -> torch.Tensor:
+    """[N, 1]: the scalar value head on hidden state src_N[i] of the flattened hidden states (float32).
+
+    As the output head, outside any autocast in the weight's dtype. `grad=False` detaches the hidden states: the
+    value loss then trains the head alone, not the transformer under it (the shared critic's warm-up).
+    """
+    flat_NH = hidden_xH.reshape(-1, hidden_xH.shape[-1])[src_N]
+    if not grad:
+        flat_NH = flat_NH.detach()
+    with torch.autocast(hidden_xH.device.type, enabled=False):
+        return F.linear(flat_NH.to(value_head.weight.dtype), value_head.weight, value_head.bias).float()
+
+
 @dataclass
 class _Request:
     src_N: torch.Tensor | None  # flattened hidden-state positions to score; None: every position of input_ids_bL
@@ -128,6 +142,8 @@ class _Request:
     with_entropy: bool
     entropy_grad: bool
     chunk_bytes: int
+    value_head: nn.Linear | None = None  # a third column: this head's value of the same hidden state
+    value_grad: bool = True  # False: the value column's gradient stops at the hidden state
 
 
 def _head_forward(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -137,10 +153,20 @@ def _head_forward(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     kw = dict(with_entropy=request.with_entropy, entropy_grad=request.entropy_grad, chunk_bytes=request.chunk_bytes)
     bias = getattr(self, "bias", None)
     if request.src_N is None:
-        return head_scores(hidden, self.weight, bias, request.targets, request.temperature, **kw)
-    # [1, N, 2], a tensor of its own: FSDP2 warns of (and in-place ops would break) a root output that is a view.
-    return selected_scores(hidden, self.weight, bias, request.src_N, request.targets, request.temperature,
-                           **kw).unsqueeze(0).clone()  # fmt: skip
+        scores_bL2 = head_scores(hidden, self.weight, bias, request.targets, request.temperature, **kw)
+        if request.value_head is None:
+            return scores_bL2
+        b, L, _ = hidden.shape
+        src_N = torch.arange(b * L, device=hidden.device).view(b, L)[:, :-1].reshape(-1)
+        values_bL1 = F.pad(selected_values(hidden, request.value_head, src_N, grad=request.value_grad)
+                           .view(b, L - 1, 1), (0, 0, 1, 0))  # fmt: skip
+        return torch.cat([scores_bL2, values_bL1], dim=-1)
+    scores_N2 = selected_scores(hidden, self.weight, bias, request.src_N, request.targets, request.temperature, **kw)
+    if request.value_head is not None:
+        values_N1 = selected_values(hidden, request.value_head, request.src_N, grad=request.value_grad)
+        scores_N2 = torch.cat([scores_N2, values_N1], dim=-1)  # [N, 3]
+    # [1, N, 2 or 3], a tensor of its own: FSDP2 warns of (and in-place ops would break) a root output that is a view.
+    return scores_N2.unsqueeze(0).clone()
 
 
 def install(model: nn.Module) -> nn.Module:
@@ -168,18 +194,24 @@ def scoring(
     entropy_grad: bool = False,
     chunk_bytes: int = CHUNK_BYTES,
     select: tuple[torch.Tensor, torch.Tensor] | None = None,
+    value_head: nn.Linear | None = None,
+    value_grad: bool = True,
 ) -> Iterator[None]:
     """Within the block, `model(input_ids=input_ids_bL, ...).logits` is [b, L, 2] (log-prob, entropy), not logits;
     with `select=(src_N, targets_N)` it is [1, N, 2]: the scores of those flattened positions only
-    (`selected_scores`; trainer/packing.py makes them).
+    (`selected_scores`; trainer/packing.py makes them). With `value_head`, a third column holds its value of the
+    hidden state each log-prob came from (`selected_values`; it must be a module the forward has gathered, e.g. a
+    child of the FSDP root).
 
-    `model` must have been through `install`. Entropy carries a gradient only when `entropy_grad`.
+    `model` must have been through `install`. Entropy carries a gradient only when `entropy_grad`; the values, into
+    the transformer, only when `value_grad`.
     """
     head = model.get_output_embeddings()
     if not hasattr(head, "_rlbus_scoring"):
         raise RuntimeError("logprobs.scoring: call logprobs.install(model) first")
     src_N, targets = select if select is not None else (None, input_ids_bL)
-    head._rlbus_scoring = _Request(src_N, targets, float(temperature), with_entropy, entropy_grad, chunk_bytes)
+    head._rlbus_scoring = _Request(src_N, targets, float(temperature), with_entropy, entropy_grad, chunk_bytes,
+                                   value_head, value_grad)  # fmt: skip
     try:
         yield
     finally:

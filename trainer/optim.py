@@ -60,17 +60,19 @@ def clipped_step(
     return grad_norm, lr
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
-    """Clip the gradients of an FSDP2 model to `max_norm` (global over shards); returns the norm before clipping."""
-    params = [p for p in model.parameters() if p.grad is not None]
+def clip_grad_norm(model: nn.Module | list[nn.Parameter], max_norm: float) -> float:
+    """Clip the gradients of an FSDP2 model (or of some of its parameters) to `max_norm` (global over shards);
+    returns the norm before clipping."""
+    params = [p for p in (model.parameters() if isinstance(model, nn.Module) else model) if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     return float(norm)
 
 
-def make_optimizer(params: list[nn.Parameter], cfg: TrainerConfig) -> torch.optim.AdamW:
-    """AdamW over `params` with the config's hyper-parameters; its fused kernel with `trainer.fused_optimizer`.
+def make_optimizer(params: list[nn.Parameter] | list[dict[str, Any]], cfg: TrainerConfig) -> torch.optim.AdamW:
+    """AdamW over `params` (or param groups) with the config's hyper-parameters; its fused kernel with
+    `trainer.fused_optimizer`.
 
     The fused kernel does the whole update in one pass per tensor (CPU and CUDA, float parameters, DTensors
     included): 5.9x faster than the foreach one at SmolLM2's size on CPU (bench/bf16.py), equal within float

@@ -146,12 +146,15 @@ def _apply_optimizer_overrides(engine: TrainEngine, cfg: RunConfig) -> None:
     """
     t = cfg.trainer
     sched = engine.scheduler
+    # (lr, weight decay) of each param group: the policy's; the shared critic's value head (its second) the critic's
+    settings = [(t.lr, t.weight_decay), (cfg.critic.lr, cfg.critic.weight_decay)]
     for i, group in enumerate(engine.optimizer.param_groups):
-        if sched.base_lrs[i] != t.lr:  # keep the schedule's position: scale the current LR by the same factor
-            group["lr"] = t.lr * (group["lr"] / sched.base_lrs[i])
-            group["initial_lr"] = sched.base_lrs[i] = t.lr
-        if group["weight_decay"] != t.weight_decay:
-            group["weight_decay"] = t.weight_decay
+        lr, weight_decay = settings[i]
+        if sched.base_lrs[i] != lr:  # keep the schedule's position: scale the current LR by the same factor
+            group["lr"] = lr * (group["lr"] / sched.base_lrs[i])
+            group["initial_lr"] = sched.base_lrs[i] = lr
+        if group["weight_decay"] != weight_decay:
+            group["weight_decay"] = weight_decay
         if tuple(group["betas"]) != tuple(t.betas):
             group["betas"] = tuple(t.betas)
 

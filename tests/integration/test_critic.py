@@ -31,7 +31,9 @@ def _same(a: dict, b: dict) -> bool:
     }
 
 
-def _gae_worker(model_dir: str, root: str | None) -> dict:
+def _gae_worker(model_dir: str, root: str | None, critic: CriticConfig = CRITIC) -> dict:
+    """Three steps (the first the critic's warm-up), a checkpoint after the second and step 3 again from it.
+    Either critic (`critic.backbone`): tests/integration/test_shared_critic.py runs it with the shared head."""
     from rlbus.trainer.checkpoint import load_checkpoint, save_checkpoint
     from rlbus.trainer.dist import destroy_distributed, init_distributed
     from rlbus.trainer.engine import TrainEngine
@@ -39,27 +41,28 @@ def _gae_worker(model_dir: str, root: str | None) -> dict:
     torch.set_num_threads(1)
     info = init_distributed("cpu")
     share = lambda s: rank_share(make_batch(seed=s), info.rank, info.world_size)
-    make = lambda: TrainEngine(model_dir, TRAINER, ALGO, temperature=0.9, critic_cfg=CRITIC)
+    make = lambda: TrainEngine(model_dir, TRAINER, ALGO, temperature=0.9, critic_cfg=critic)
     engine = make()
-    policy_0, critic_0 = engine.full_state_dict(), engine.critic.full_state_dict()
+    # copies: at world size 1 the full state dicts are the live parameters
+    policy_0 = {k: v.clone() for k, v in engine.full_state_dict().items()}
+    critic_0 = {k: v.clone() for k, v in engine.critic_full_state_dict().items()}
     metrics = [engine.train_step(share(1))]  # the critic's warm-up: the actor waits
     out = {
         "policy_still": all(torch.equal(w, policy_0[k]) for k, w in engine.full_state_dict().items()),
-        "critic_moved": any(not torch.equal(w, critic_0[k]) for k, w in engine.critic.full_state_dict().items()),
+        "critic_moved": any(not torch.equal(w, critic_0[k]) for k, w in engine.critic_full_state_dict().items()),
     }
     metrics.append(engine.train_step(share(2)))
     if root is not None:
         save_checkpoint(engine, root, 2, {"step": 2}, keep=1)
-        probe = make_batch(seed=7)
-        out["probe_values"] = engine.critic.values(engine._tensors(probe), engine._micro_batches)
-        out["critic_2"] = engine.critic.full_state_dict()
+        out["probe_values"] = engine.compute_values(make_batch(seed=7))
+        out["policy_2"], out["critic_2"] = engine.full_state_dict(), engine.critic_full_state_dict()
     metrics.append(engine.train_step(share(3)))
-    out["weights_3"] = (engine.full_state_dict(), engine.critic.full_state_dict())
+    out["weights_3"] = (engine.full_state_dict(), engine.critic_full_state_dict())
     if root is not None:
         fresh = make()
         load_checkpoint(fresh, root)
         out["resumed"] = fresh.train_step(share(3))
-        out["resumed_weights_3"] = (fresh.full_state_dict(), fresh.critic.full_state_dict())
+        out["resumed_weights_3"] = (fresh.full_state_dict(), fresh.critic_full_state_dict())
     destroy_distributed()
     out["metrics"] = metrics
     return out

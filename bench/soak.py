@@ -4,8 +4,11 @@ and the resources that must stay flat sampled all along: every process's RSS, th
 
     .venv/bin/python bench/soak.py                       # ~12 minutes here: 8 producers, 16000 groups
     .venv/bin/python bench/soak.py --steps 60 --docs ""  # a quick look, nothing written to the docs
+    .venv/bin/python bench/soak.py --nemesis --steps 600 --faults 14 --producers 6   # faults of every kind
 
-Writes bench/results/soak.json and the "Soak" section of docs/reliability.md. The bench starts the nats-server and
+Writes bench/results/soak.json and the "Soak" section of docs/reliability.md. With `--nemesis`, faults of every kind
+(bench/nemesis.py) are drawn from the seed instead of producer kills alone, the Ray head is on 127.0.0.2 with a
+second node on 127.0.0.3, and the results go to bench/results/nemesis.json and the "Nemesis" section. The bench starts the nats-server and
 the Ray head itself (so it can read the TransferQueue and the streams while the run goes on) and signals only
 processes it started, by pid. Ends with the ledger check (`rlbus events RUN_DIR --ledger`).
 """
@@ -22,14 +25,17 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # so that `bench.common` imports
 
-from bench.common import machine, machine_line, write_section  # noqa: E402
-from rlbus.bus.proc import command_line, descendants  # noqa: E402
+from bench.common import machine, machine_line, write_section
+from bench.nats_nemesis import Steps
+from bench.nemesis import FAULT_KINDS, HEAD_IP, Nemesis, forged_outcome, schedule
+from rlbus.bus.proc import command_line, descendants
 
 ROOT = Path(__file__).resolve().parents[1]
 RELIABILITY = ROOT / "docs" / "reliability.md"
@@ -71,14 +77,15 @@ def _config(args: argparse.Namespace, run_dir: Path, model: Path) -> dict[str, A
                     "lr": 1e-4, "checkpoint_interval": 10},
         "bus": {"ack_wait_s": 10.0, "max_age_s": args.max_age_s},
         "ray": {"num_storage_actors": 2, "capacity_bytes": 512 * 1024**2},
-        "logging": {"run_dir": str(run_dir), "tensorboard": False, "plot": False, "record": "off"},
+        # The event log (no payloads) is what the ledger check reads: with "off" it checks nothing and passes.
+        "logging": {"run_dir": str(run_dir), "tensorboard": False, "plot": False, "record": "metadata"},
     }
 
 
 async def _bus_sizes(bus_cfg: Any, run: str) -> dict[str, int]:
     from rlbus.bus.client import Bus
 
-    async with await Bus.connect(bus_cfg, run, name="soak") as bus:
+    async with asyncio.timeout(15), await Bus.connect(bus_cfg, run, name="soak") as bus:
         s = bus.subjects
         return {name: await bus.stream_msgs(stream) for name, stream in
                 (("prompts", s.prompts_stream), ("traj", s.traj_stream), ("weights", s.weights_stream),
@@ -92,16 +99,30 @@ def main() -> int:
     ap.add_argument("--kill-every-s", type=float, default=25.0, help="mean seconds between producer SIGKILLs")
     ap.add_argument("--sample-every-s", type=float, default=5.0)
     ap.add_argument("--max-age-s", type=float, default=300.0, help="bus.max_age_s of the run's streams (>= 300)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
+    ap.add_argument("--seed", type=int, default=None, help="seed of the kill / fault schedule (default: drawn)")
+    ap.add_argument("--nemesis", action="store_true", help="faults of every kind (bench/nemesis.py), not only kills")
+    ap.add_argument("--faults", type=int, default=14, help="--nemesis: how many faults")
+    ap.add_argument("--kinds", default=",".join(FAULT_KINDS), help="--nemesis: the fault kinds drawn from")
+    ap.add_argument("--stuck-s", type=float, default=600.0, help="give up after this long without a new step")
     ap.add_argument("--name", default="soak")
-    ap.add_argument("--results", default=str(ROOT / "bench" / "results" / "soak.json"))
+    ap.add_argument("--results", default="", help="default: bench/results/soak.json (nemesis.json with --nemesis)")
     ap.add_argument("--docs", default=str(RELIABILITY), help='page to write the "Soak" section to ("" = none)')
     ap.add_argument("--render", default="", help="only rewrite the docs section from a results file")
     args = ap.parse_args()
+    args.results = args.results or str(ROOT / "bench" / "results" / ("nemesis.json" if args.nemesis else "soak.json"))
+    heading = "## Nemesis" if args.nemesis else "## Soak"
     if args.render:
         result = json.loads(Path(args.render).read_text())
-        write_section("## Soak", _section(result, args), Path(args.docs))
+        write_section(heading, _section(result, args), Path(args.docs))
         return 0
+    args.seed = args.seed if args.seed is not None else random.randrange(1 << 30)
+    print(f"seed {args.seed} (--seed {args.seed} replays this schedule)", flush=True)
+    faults = []
+    if args.nemesis:
+        faults = schedule(args.seed, steps=args.steps, num_faults=args.faults, kinds=args.kinds.split(","),
+                          ack_wait_s=_config(args, Path(), Path())["bus"]["ack_wait_s"])
+        for f in faults:
+            print(f"  fault {f.index}: {f.kind} at step {f.at_step} (pick {f.pick}, hold {f.hold_s} s)", flush=True)
 
     import msgspec
 
@@ -118,7 +139,11 @@ def main() -> int:
                        stdout=subprocess.DEVNULL)
     run_dir = root / "run"
     server = EmbeddedServer(root / "bus", runs=[args.name]).start()
-    head = start_ray_head(object_store_memory=1_000_000_000)
+    if args.nemesis:  # a head that a second node may join (loopback addresses of their own, as machines)
+        os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+        head = start_ray_head(object_store_memory=1_000_000_000, node_ip=HEAD_IP)
+    else:
+        head = start_ray_head(object_store_memory=1_000_000_000)
     os.environ.update(head.env)
     ray_cfg = RayConfig(address=head.address, num_storage_actors=2, capacity_bytes=512 * 1024**2)
     ensure_ray(ray_cfg)
@@ -131,8 +156,22 @@ def main() -> int:
     rng = random.Random(args.seed)
     samples: list[dict[str, Any]] = []
     kills: list[dict[str, Any]] = []
-    log = open(root / "up.log", "wb")
+    steps = Steps(run_dir)
+    nemesis = None
+    if args.nemesis:
+        producer_bus = msgspec.structs.replace(admin, creds_file=str(server.creds_file("producer", args.name)),
+                                               connect_timeout_s=5.0)
+        nemesis = Nemesis(faults, run=args.name, run_dir=run_dir, steps=steps, server=server, head=head, node=None,
+                          ray_cfg=ray_cfg, producer_bus=producer_bus, t0=time.monotonic())
+        nemesis.node = nemesis.start_node()  # before the run: the trainer spreads the shards over both nodes
+    polling = threading.Event()
+    poller = threading.Thread(target=_poll_steps, args=(steps, polling), daemon=True)
+    poller.start()
+    log = open(root / "up.log", "wb")  # noqa: SIM115 -- closed in the finally below, after the launcher stopped
     t0 = time.monotonic()
+    if nemesis is not None:
+        nemesis.t0 = t0
+    stuck = False
     up = subprocess.Popen([*RLBUS, "up", str(cfg_path)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                           env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
     tq = None
@@ -147,16 +186,29 @@ def main() -> int:
                 next_sample = now + args.sample_every_s
                 if tq is None:
                     tq = TransferQueue.connect(args.name, ray_cfg)  # the run's shards, by name
-                stats = tq.stats_sync() if tq is not None else {"items": 0, "bytes": 0}
-                sample = {"t": round(now - t0, 1), "step": rows[-1]["step"] if rows else 0,
-                          "rss_mb": {r: _rss_mb(p) for r, p in roles.items()} | {"nats-server": _rss_mb(server.pid)},
-                          "tq_items": stats["items"], "tq_bytes": stats["bytes"],
-                          "streams": asyncio.run(_bus_sizes(admin, args.name))}
+                stats, streams = {"items": None, "bytes": None}, {}
+                try:  # a fault (the bus down, a shard restarting) may fail one sample; the next one is taken
+                    stats = tq.stats_sync() if tq is not None else {"items": 0, "bytes": 0}
+                    streams = asyncio.run(_bus_sizes(admin, args.name)) if server.is_running() else {}
+                except Exception as e:  # noqa: BLE001 -- a sample is left incomplete, said so
+                    print(f"t={now - t0:6.1f}s sample incomplete: {e!r}"[:300], flush=True)
+                rss = {r: _rss_mb(p) for r, p in roles.items()}
+                if server.pid is not None:
+                    rss["nats-server"] = _rss_mb(server.pid)
+                sample = {"t": round(now - t0, 1), "step": rows[-1]["step"] if rows else 0, "rss_mb": rss,
+                          "tq_items": stats["items"], "tq_bytes": stats["bytes"], "streams": streams}
                 samples.append(sample)
-                print(f"t={sample['t']:6.1f}s step {sample['step']:4d} tq {sample['tq_items']:4d} items "
+                print(f"t={sample['t']:6.1f}s step {sample['step']:4d} tq {sample['tq_items']} items "
                       f"streams {sample['streams']} trainer {sample['rss_mb'].get('trainer') or 0:.0f} MB", flush=True)
+            last_step_at = steps.seen[-1][1] if steps.seen else t0
+            if now - last_step_at > args.stuck_s:
+                stuck = True
+                print(f"t={now - t0:6.1f}s no step for {args.stuck_s:.0f} s: giving up", flush=True)
+                break
             producers = [r for r in roles if r.startswith("producer")]
-            if now >= next_kill and producers:
+            if nemesis is not None:
+                nemesis.tick(roles)
+            elif now >= next_kill and producers:
                 victim = rng.choice(sorted(producers))
                 os.kill(roles[victim], signal.SIGKILL)  # a child of the launcher this bench started, by pid
                 kills.append({"t": round(now - t0, 1), "producer": victim})
@@ -166,6 +218,8 @@ def main() -> int:
         wall = time.monotonic() - t0
         code = up.returncode
     finally:
+        if nemesis is not None:
+            nemesis.finish()
         try:
             if up.poll() is None:
                 up.send_signal(signal.SIGTERM)
@@ -176,9 +230,12 @@ def main() -> int:
         finally:
             log.close()
     try:
-        ledger = subprocess.run([*RLBUS, "events", str(run_dir), "--ledger", "--json"], capture_output=True,
+        ledger = subprocess.run([*RLBUS, "events", str(run_dir), "--ledger", "--json"], check=False, capture_output=True,
                                 text=True)
     finally:
+        polling.set()
+        if nemesis is not None and nemesis.node is not None:
+            stop_ray_head(nemesis.node)
         stop_ray_head(head)
         server.stop()
     rows = read_metrics(run_dir)
@@ -186,14 +243,69 @@ def main() -> int:
     result = {"machine": machine(), "config": cfg, "exit_code": code, "wall_s": round(wall, 1),
               "steps": rows[-1]["step"] if rows else 0, "groups_trained": len(rows) * 8, "groups_counted": groups,
               "kills": kills, "samples": samples, "ledger_exit": ledger.returncode,
-              "ledger": json.loads(ledger.stdout) if ledger.stdout.strip().startswith("{") else ledger.stdout[-2000:]}
+              "ledger": json.loads(ledger.stdout) if ledger.stdout.strip().startswith("{") else ledger.stdout[-2000:],
+              "seed": args.seed, "stuck": stuck, "memory": _memory(samples)}
+    # The ledger must have seen the whole run (an empty event log would pass the check vacuously).
+    trained = result["ledger"].get("trained") if isinstance(result["ledger"], dict) else None
+    result["ledger_complete"] = trained == args.steps * cfg["trainer"]["groups_per_step"]
+    if nemesis is not None:
+        result["faults"] = nemesis.report()
+        try:
+            result["forged"] = forged_outcome(run_dir, nemesis.records)
+        except Exception as e:  # noqa: BLE001 -- the results are written whatever this reads
+            result["forged"] = {"error": repr(e)[:500]}
     Path(args.results).parent.mkdir(parents=True, exist_ok=True)
     Path(args.results).write_text(json.dumps(result, indent=1) + "\n")
     print(f"exit {code}, {result['steps']} steps in {wall:.0f}s, {len(kills)} producer kills, "
-          f"ledger exit {ledger.returncode}; {args.results}")
+          f"{len(result.get('faults', []))} faults, ledger exit {ledger.returncode} (complete: "
+          f"{result['ledger_complete']}), memory flat: "
+          f"{all(m['flat'] for m in result['memory'].values())}; {args.results}")
+    for f in result.get("faults", []):
+        print(f"  {f}")
     if args.docs:
-        write_section("## Soak", _section(result, args), Path(args.docs))
-    return 0 if code == 0 and ledger.returncode == 0 else 1
+        write_section(heading, _section(result, args), Path(args.docs))
+    flat = all(m["flat"] for m in result["memory"].values())
+    ok = code == 0 and ledger.returncode == 0 and result["ledger_complete"] and flat and not stuck
+    return 0 if ok else 1
+
+
+def _poll_steps(steps: Steps, done: threading.Event) -> None:
+    """metrics.jsonl read every 0.1 s on a thread of its own: the time a step is first seen is its time, however
+    long the main loop's sample or fault takes."""
+    while not done.wait(0.1):
+        steps.poll()
+
+
+#: Memory is flat when the median of the run's last quarter is within this of the first quarter's (MB, fraction).
+FLAT_MB, FLAT_FRACTION = 25.0, 0.10
+
+
+def _quarters(values: list[float | None]) -> list[float] | None:
+    values = [v for v in values if v is not None]
+    if len(values) < 4:
+        return None
+    q = len(values) / 4
+    return [statistics.median(values[round(i * q):round((i + 1) * q)]) for i in range(4)]
+
+
+def _memory(samples: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """First- and last-quarter medians of each process's RSS (producers: the mean over the live ones) and of the
+    TransferQueue's items; flat when the last is within FLAT_MB or FLAT_FRACTION of the first."""
+    series = {role: [x["rss_mb"].get(role) for x in samples]
+              for role in sorted({k for x in samples for k in x["rss_mb"] if not k.startswith("producer")})}
+    series["producer (mean)"] = [
+        statistics.mean(v) if (v := [r for k, r in x["rss_mb"].items() if k.startswith("producer") and r]) else None
+        for x in samples]
+    series["tq_items"] = [x["tq_items"] for x in samples]
+    out = {}
+    for name, values in series.items():
+        q = _quarters(values)
+        if q is None:
+            continue
+        grew = q[3] - q[0]
+        out[name] = {"first_quarter": round(q[0], 1), "last_quarter": round(q[3], 1), "grew": round(grew, 1),
+                     "flat": grew <= max(FLAT_MB, FLAT_FRACTION * q[0])}
+    return out
 
 
 def _flat(values: list[float]) -> str:
@@ -207,21 +319,47 @@ def _flat(values: list[float]) -> str:
 
 
 def _section(r: dict[str, Any], args: argparse.Namespace) -> str:
+    if "faults" in r:
+        return _nemesis_section(r, args)
     s = r["samples"]
-    # Memory after warm-up: the first quarter starts once every process has loaded what it keeps.
-    roles = sorted({k for x in s for k in x["rss_mb"]}, key=lambda k: (not k.startswith("trainer"), k))
     lines = [
         "## Soak",
         "",
-        f"`python bench/soak.py --steps {args.steps} --producers {args.producers} --kill-every-s "
-        f"{args.kill_every_s:g} --max-age-s {args.max_age_s:g} --seed {args.seed}`: the simulated engine, "
-        f"{args.producers} producers, {r['steps']} steps x 8 groups of 4 ({r['groups_trained']} groups) in "
-        f"{r['wall_s']:.0f} s, {len(r['kills'])} producer SIGKILLs at random moments; exit code {r['exit_code']}, "
-        f"ledger check exit {r['ledger_exit']}. Sampled every {args.sample_every_s:g} s ({len(s)} samples).",
+        (f"`python bench/soak.py --steps {args.steps} --producers {args.producers} --kill-every-s "
+         f"{args.kill_every_s:g} --max-age-s {args.max_age_s:g} --seed {args.seed}`: the simulated engine, "
+         f"{args.producers} producers, {r['steps']} steps x 8 groups of 4 ({r['groups_trained']} groups) in "
+         f"{r['wall_s']:.0f} s, {len(r['kills'])} producer SIGKILLs at random moments; exit code {r['exit_code']}, "
+         f"ledger check exit {r['ledger_exit']}. Sampled every {args.sample_every_s:g} s ({len(s)} samples)."),
         "",
-        "| what | median of each quarter of the run (peak) |",
-        "|---|---|",
+        *_resource_table(s),
     ]
+    trainer = [x["rss_mb"].get("trainer") for x in s if x["rss_mb"].get("trainer")]
+    if len(trainer) >= 8:
+        q = len(trainer) // 4
+        grew = statistics.median(trainer[-q:]) - statistics.median(trainer[:q])
+        lines += ["", (f"The trainer's RSS moved {grew:+.0f} MB from the first quarter to the last, "
+                       f"{1024 * grew / max(1, r['steps']):+.0f} KB per step over the run's {r['steps']} steps "
+                       "(not yet traced to a cause).")]
+    lines += ["", machine_line(r["machine"]), "",
+              ("The TransferQueue holds the groups in flight and those trained since the last checkpoint: a task's keys "
+               "(a killed producer's unpublished ones too) are freed once the checkpoint that makes its step durable "
+               "is written. The `traj`, `weights` and `events` streams grow until their oldest messages reach "
+               f"`bus.max_age_s` ({args.max_age_s:g} s) and stay flat from there; the `prompts` work queue holds only "
+               "what admission released and no producer took yet.")]
+    return "\n".join(lines)
+
+
+def _counts(ledger: Any) -> str:
+    if not isinstance(ledger, dict):
+        return "an unreadable ledger"
+    return ", ".join(f"{v} {k}" for k, v in ledger.items() if isinstance(v, int))
+
+
+def _resource_table(s: list[dict[str, Any]]) -> list[str]:
+    """Median of each quarter of the run (and the peak) of every process's RSS, the TransferQueue, the streams."""
+    # Memory after warm-up: the first quarter starts once every process has loaded what it keeps.
+    roles = sorted({k for x in s for k in x["rss_mb"]}, key=lambda k: (not k.startswith("trainer"), k))
+    lines = ["| what | median of each quarter of the run (peak) |", "|---|---|"]
     for role in roles:
         if role.startswith("producer"):
             continue
@@ -231,20 +369,74 @@ def _section(r: dict[str, Any], args: argparse.Namespace) -> str:
     lines.append(f"| RSS of a producer (mean over the live ones), MB | {_flat(prod)} |")
     lines.append(f"| TransferQueue items stored | {_flat([x['tq_items'] for x in s])} |")
     for stream in ("prompts", "traj", "weights", "events"):
-        lines.append(f"| `{stream}` stream messages | {_flat([x['streams'][stream] for x in s])} |")
-    trainer = [x["rss_mb"].get("trainer") for x in s if x["rss_mb"].get("trainer")]
-    if len(trainer) >= 8:
-        q = len(trainer) // 4
-        grew = statistics.median(trainer[-q:]) - statistics.median(trainer[:q])
-        lines += ["", f"The trainer's RSS moved {grew:+.0f} MB from the first quarter to the last, "
-                      f"{1024 * grew / max(1, r['steps']):+.0f} KB per step over the run's {r['steps']} steps "
-                      "(not yet traced to a cause)."]
-    lines += ["", machine_line(r["machine"]), "",
-              "The TransferQueue holds the groups in flight and those trained since the last checkpoint: a task's keys "
-              "(a killed producer's unpublished ones too) are freed once the checkpoint that makes its step durable "
-              "is written. The `traj`, `weights` and `events` streams grow until their oldest messages reach "
-              f"`bus.max_age_s` ({args.max_age_s:g} s) and stay flat from there; the `prompts` work queue holds only "
-              "what admission released and no producer took yet."]
+        lines.append(f"| `{stream}` stream messages | {_flat([x['streams'].get(stream) for x in s])} |")
+    return lines
+
+
+def _nemesis_section(r: dict[str, Any], args: argparse.Namespace) -> str:
+    faults = [f for f in r["faults"] if f.get("fired", True)]
+    stalls = [f["stall_s"] for f in faults if f.get("stall_s") is not None]
+    kinds = sorted({f["kind"] for f in faults})
+    by_kind = ", ".join(f"{sum(f['kind'] == k for f in faults)} {k}" for k in kinds)
+    mem = r["memory"]
+    lines = [
+        "## Nemesis",
+        "",
+        f"`python bench/soak.py --nemesis --steps {args.steps} --faults {args.faults} --producers {args.producers} "
+        f"--seed {r['seed']}` (the seed replays the schedule: `bench/nemesis.py`): the simulated engine, "
+        f"{args.producers} producers, a Ray head on {HEAD_IP} and a second node on 127.0.0.3, "
+        f"{r['steps']} steps x 8 groups of 4 in {r['wall_s']:.0f} s; {len(faults)} faults ({by_kind}) at steps drawn "
+        f"from the seed; exit code {r['exit_code']}, ledger check (`rlbus events RUN_DIR --ledger`) exit "
+        f"{r['ledger_exit']} over {_counts(r['ledger'])}" + (", problems: " + "; ".join(r["ledger"].get("problems", [])) if isinstance(
+            r["ledger"], dict) and r["ledger"].get("problems") else "") + ".",
+        "",
+        ("A stall is the time from the fault to the first step written after it (metrics.jsonl read every 0.1 s); "
+         "the longest gap is the longest time without a new step from the fault until the tenth step line after it "
+         "(a fault may let one step through, then stop the run); a hold is how long the fault lasted (a producer "
+         "stopped, the nats-server or the node down)."),
+        "",
+        "| # | kind | step | target | hold, s | stall, s | longest gap, s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for f in r["faults"]:
+        if not f.get("fired", True):
+            lines.append(f"| {f['index']} | {f['kind']} | (planned {f['planned_step']}: the run ended first) | | | | |")
+            continue
+        target = f.get("target", "")
+        if f.get("actors_lost") is not None:
+            target += f"; held {', '.join(a.split('-', 2)[-1] for a in f['actors_lost']) or 'no actor of the run'}"
+        if f.get("note"):
+            target += f"; {f['note']}"
+        if f.get("undo_failed"):
+            target += f"; NOT UNDONE: {'; '.join(f['undo_failed'])}"
+        stall = f"{f['stall_s']:.1f}" if f.get("stall_s") is not None else "no step after it"
+        gap = f"{f['gap_s']:.1f}" if f.get("gap_s") is not None else ""
+        lines.append(f"| {f['index']} | {f['kind']} | {f['at_step']} | {target} | {f['hold_s'] or ''} | {stall} | {gap} |")
+    gaps = [f["gap_s"] for f in faults if f.get("gap_s") is not None]
+    if stalls:
+        lines += ["", (f"Stalls: median {statistics.median(stalls):.1f} s, max {max(stalls):.1f} s; longest gaps: median "
+                      f"{statistics.median(gaps):.1f} s, max {max(gaps):.1f} s.")]
+    fo = r.get("forged", {})
+    if "error" in fo:
+        lines += ["", f"Forged messages: their outcome could not be read: {fo['error']}"]
+    elif fo:
+        lines += ["", f"Forged messages (producer credential): {fo['garbage_on_traj_dead_lettered']} garbage messages on "
+                      f"`traj` dead-lettered; forged groups: "
+                      + "; ".join(f"`{t}`: {why}" for t, why in fo["forged_groups_dead_lettered"].items())
+                      + ". Real prompts a forged group named, still trained or re-issued: "
+                      + (", ".join(f"`{t}` {'yes' if ok else 'NO'}" for t, ok in
+                                   fo["named_real_prompts_trained_or_reissued"].items()) or "none") + "."]
+    if r.get("stuck"):
+        last = max((f["at_step"] for f in faults), default=0)
+        lines += ["", (f"**The run did not finish**: no step for {args.stuck_s:.0f} s after step {r['steps']} (last fault at "
+                      f"step {last}); the bench stopped it and checked the ledger of what was done.")]
+    if r.get("findings"):  # written into the results file by whoever read the logs of the run
+        lines += ["", "What the run found:", "", *[f"- {x}" for x in r["findings"]]]
+    lines += ["", f"Memory (median of the first quarter of the samples -> the last; flat when it grew by at most "
+                  f"{FLAT_MB:g} MB or {FLAT_FRACTION:.0%}): "
+              + "; ".join(f"{k} {m['first_quarter']:g} -> {m['last_quarter']:g}{'' if m['flat'] else ' (NOT flat)'}"
+                          for k, m in mem.items()) + ".", "", *_resource_table(r["samples"]),
+              "", machine_line(r["machine"])]
     return "\n".join(lines)
 
 

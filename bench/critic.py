@@ -3,12 +3,13 @@
     .venv/bin/python bench/critic.py [--model .rlbus/models/tiny-calculator] [--steps 6] [--docs docs/benchmarks.md]
     .venv/bin/python bench/critic.py --layers 4 --hidden 256 --vocab 4096     # a random, larger Qwen2 instead
 
-Each estimator runs in its own fresh process (one FSDP rank, one thread) on the same quickstart-shaped batch: 4
+Each variant runs in its own fresh process (one FSDP rank, one thread) on the same quickstart-shaped batch: 4
 groups of 8 sequences, prompts of 32-40 tokens, responses up to 120, two optimizer updates per step in micro-batches
-of 16, as configs/quickstart.yaml. The first step is warm-up; the medians of the others are reported: step time, its
-parts (values, critic update, actor update), the step's peak RSS (`perf/peak_rss_gb`, the high-water mark reset at
-each step) and the parameters the process holds. Writes bench/results/critic.json (--results) and, with --docs,
-the `## Critic cost` section.
+of 16, as configs/quickstart.yaml. The variants: grpo, gae with a separate critic (`critic.backbone: separate`) and
+gae with the value head on the policy (`critic.backbone: shared`). The first step is warm-up; the medians of the
+others are reported: step time, its parts (values, critic update, actor update), the step's peak RSS
+(`perf/peak_rss_gb`, the high-water mark reset at each step) and the parameters the process holds. Writes
+bench/results/critic.json (--results) and, with --docs, the `## Critic cost` section.
 """
 
 from __future__ import annotations
@@ -56,20 +57,61 @@ def make_batch(vocab: int, seed: int) -> TensorDict:
     }, batch_size=[B])  # fmt: skip
 
 
-def _run(model_dir: str, estimator: str, steps: int, vocab: int) -> dict:
+#: variant -> (algorithm.adv_estimator, critic.backbone)
+VARIANTS = {"grpo": ("grpo", "separate"), "gae": ("gae", "separate"), "gae_shared": ("gae", "shared")}
+
+
+def _run(model_dir: str, variant: str, steps: int, vocab: int) -> dict:
     from rlbus.trainer.dist import destroy_distributed, init_distributed
     from rlbus.trainer.engine import TrainEngine
 
     torch.set_num_threads(1)
     init_distributed("cpu")
     trainer = TrainerConfig(micro_batch_size=16, mini_batches=2, lr=5e-4, total_steps=steps + 1)
+    estimator, backbone = VARIANTS[variant]
     algo = AlgorithmConfig(adv_estimator=estimator, clip_ratio_high=0.28)
-    engine = TrainEngine(model_dir, trainer, algo, temperature=1.0, critic_cfg=CriticConfig(lr=1e-3))
+    critic = CriticConfig(backbone=backbone, lr=1e-3)
+    engine = TrainEngine(model_dir, trainer, algo, temperature=1.0, critic_cfg=critic)
     rows = [engine.train_step(make_batch(vocab, s)) for s in range(steps + 1)][1:]
     models = [engine.model] + ([engine.critic.model] if engine.critic is not None else [])
     params = sum(p.numel() for m in models for p in m.parameters())
     destroy_distributed()
-    return {"params": params, **{k: statistics.median(r.get(k, 0.0) for r in rows) for k in PARTS}}
+    return {"params": params, **{k: statistics.median(r[k] for r in rows) for k in PARTS if k in rows[0]}}
+
+
+def table(result: dict, command: str) -> list[str]:
+    """The results as Markdown lines: each variant's figure, and its ratio to GRPO's where GRPO has one."""
+    out = {v: result[v] for v in VARIANTS}
+    g = out["grpo"]
+
+    def cell(v: str, k: str) -> str:
+        if k not in out[v]:
+            return "-"
+        if v == "grpo" or k not in g:
+            return f"{out[v][k]:.3f}"
+        return f"{out[v][k]:.3f} ({out[v][k] / max(g[k], 1e-9):.2f}x)"
+
+    def row(label: str, key: str) -> str:
+        return f"| {label} | " + " | ".join(cell(v, key) for v in VARIANTS) + " |"
+
+    return [
+        (
+            f"Model: {result['model']}; batch: 4 groups x 8 sequences (quickstart-shaped), 2 updates per step, "
+            f"micro-batch 16, one rank, one thread; median of {result['steps']} steps after one warm-up. "
+            f"Command: {command}.  "
+        ),
+        machine_line(result["machine"]),
+        "",
+        "| | grpo | gae, separate critic | gae, shared head |",
+        "|---|---:|---:|---:|",
+        "| parameters held | " + " | ".join(f"{out[v]['params']:,}" for v in VARIANTS) + " |",
+        row("step s", "timing/step_s"),
+        row("of which values s (shared: with the proximal log-probs)", "timing/values_s"),
+        row("of which proximal s", "timing/proximal_s"),
+        row("of which critic update s", "timing/critic_update_s"),
+        row("of which actor update s (shared: with the head's)", "timing/update_s"),
+        row("step peak RSS GB", "perf/peak_rss_gb"),
+    ]
 
 
 def main() -> None:
@@ -90,32 +132,12 @@ def main() -> None:
         if args.layers:
             model_dir = str(tiny_qwen2(Path(tmp) / "m", layers=args.layers, hidden=args.hidden, vocab=args.vocab))
         vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
-        out = {e: spawn_local(1, _run, model_dir, e, args.steps, vocab)[0] for e in ("grpo", "gae")}
+        out = {v: spawn_local(1, _run, model_dir, v, args.steps, vocab)[0] for v in VARIANTS}
     result = {"model": model_dir if not args.layers else f"random Qwen2 {args.layers}x{args.hidden}, vocab "
               f"{args.vocab}", "steps": args.steps, "machine": machine(), **out}  # fmt: skip
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(result, indent=2))
-    g, c = out["grpo"], out["gae"]
-    lines = [
-        (
-            f"Model: {result['model']}; batch: 4 groups x 8 sequences (quickstart-shaped), 2 updates per step, "
-            f"micro-batch 16, one rank, one thread; median of {args.steps} steps after one warm-up. Command: "
-            f"`.venv/bin/python bench/critic.py {' '.join(sys.argv[1:])}`.  "
-        ),
-        machine_line(result["machine"]),
-        "",
-        "| | grpo | gae (critic) | ratio |",
-        "|---|---:|---:|---:|",
-        f"| parameters held | {g['params']:,} | {c['params']:,} | {c['params'] / g['params']:.2f} |",
-        f"| step s | {g['timing/step_s']:.3f} | {c['timing/step_s']:.3f} | {c['timing/step_s'] / g['timing/step_s']:.2f} |",
-        f"| of which values s | - | {c['timing/values_s']:.3f} | |",
-        f"| of which critic update s | - | {c['timing/critic_update_s']:.3f} | |",
-        f"| of which actor update s | {g['timing/update_s']:.3f} | {c['timing/update_s']:.3f} | |",
-        (
-            f"| step peak RSS GB | {g['perf/peak_rss_gb']:.3f} | {c['perf/peak_rss_gb']:.3f} | "
-            f"{c['perf/peak_rss_gb'] / g['perf/peak_rss_gb']:.2f} |"
-        ),
-    ]
+    lines = table(result, f"`.venv/bin/python bench/critic.py {' '.join(sys.argv[1:])}`")
     print("\n".join(lines))
     if args.docs:
         write_section(HEADING, "\n".join(lines) + "\n", args.docs)

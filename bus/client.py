@@ -125,6 +125,7 @@ class Bus:
         self._kv = None
         self._fetch_subs = {}
         self._fetch_failing_since = {}
+        self._aside: set[asyncio.Task] = set()  # dead letters a watch publishes beside its reading
         self._stop_budget: float | None = None  # set by stopping()
         self._stop_deadline: float | None = None  # loop time after which a stopping role's calls stop retrying
         s = self.subjects
@@ -320,7 +321,9 @@ class Bus:
     # -- publishing --------------------------------------------------------------------------------------------------
 
     async def publish(self, subject: str, msg: Any, msg_id: str | None = None) -> PubAck:
-        """Publish a wire struct and wait for JetStream to store it. `PubAck.duplicate` is True if de-duplicated."""
+        """Publish a wire struct and wait for JetStream to store it. `PubAck.duplicate` is True if an earlier publish
+        of `msg_id` is on the bus, None if the publish was retried and the server dropped a copy that may have been
+        this call's own first attempt (stored, its ack lost), False otherwise."""
         return await self.publish_raw(subject, encode(msg), msg_id)
 
     async def publish_raw(self, subject: str, payload: bytes, msg_id: str | None = None) -> PubAck:
@@ -337,14 +340,24 @@ class Bus:
 
         # A lost ack, a reconnect or a leader election: publish again. With a msg_id the server drops the copy if the
         # first one was stored; without one a retry may store the message twice (at-least-once).
+        attempts = 0
+
+        def attempt() -> Any:
+            nonlocal attempts
+            attempts += 1
+            return self.js.publish(subject, payload, timeout=PUBLISH_TIMEOUT_S, headers=headers)
+
         try:
-            return await self._retry(
-                f"publish on {subject!r}",
-                lambda: self.js.publish(subject, payload, timeout=PUBLISH_TIMEOUT_S, headers=headers),
-                describe,
-            )
+            ack = await self._retry(f"publish on {subject!r}", attempt, describe)
         except nats.js.errors.APIError as e:
             raise BusError(f"JetStream refused a publish on {subject!r}: {e}") from e
+        if ack.duplicate and attempts > 1:
+            # The copy the server kept may be this call's own first attempt (stored, its ack lost in an outage), not
+            # an earlier publish of the id: whether another publisher holds it is unknown, and None says so.
+            log.info("bus %s: publish on %r took %d attempts and the last was a duplicate (of an attempt of its own, "
+                     "or of an earlier publish of %r)", self.name, subject, attempts, msg_id)
+            ack.duplicate = None
+        return ack
 
     async def publish_event(self, event: Any) -> PubAck:
         """Publish an Event on `events.<kind>`."""
@@ -448,11 +461,23 @@ class Bus:
                 try:
                     yield decoder.decode(m.data)
                 except SchemaError as e:
-                    # Nothing to terminate on an ordered consumer; record it so the bad message is seen, and go on.
-                    await self.publish(self.subjects.dead_letter, dead_letter_of(m, str(e), consumer=f"watch:{self.name}"))
+                    # Nothing to terminate on an ordered consumer; record it so the bad message is seen, and go on at
+                    # once: the dead letter is published beside the watch, not in its way (an observer's credential
+                    # may not publish it at all, and a refused publish is retried for bus.retry_s).
+                    log.warning("bus %s: undecodable message on %s: %s", self.name, m.subject, e)
+                    letter = dead_letter_of(m, str(e), consumer=f"watch:{self.name}")
+                    task = asyncio.create_task(self._dead_letter_aside(letter))
+                    self._aside.add(task)
+                    task.add_done_callback(self._aside.discard)
         finally:
             if not self.nc.is_closed:
                 await sub.unsubscribe()
+
+    async def _dead_letter_aside(self, letter: DeadLetter) -> None:
+        try:
+            await self.publish(self.subjects.dead_letter, letter)
+        except Exception as e:  # noqa: BLE001 -- a record of a bad message; the warning above has its reason
+            log.warning("bus %s: could not dead-letter an undecodable message (%s)", self.name, describe_error(e))
 
     async def _ordered(self, subject: str, deliver: DeliverFrom, since_s: float | None = None) -> Any:
         # An ordered consumer re-creates itself after a failover (nats-py resets it on missed heartbeats).

@@ -238,6 +238,8 @@ class Producer:
             unpublished = []
             if ack.duplicate:  # an earlier delivery's group is already on the bus: this redo is surplus
                 await self.tq.delete(list(items))
+            # (None: a retried publish whose kept copy may be this one's own first attempt; its tensors stay. If they
+            # are surplus after all, the batcher frees them with the task: it deletes every key under the task id.)
             await delivery.ack()
             self.groups_done += 1
             generated = sum(int(sum(t.response_mask)) for t in trajectories)

@@ -244,3 +244,31 @@ async def test_restarted_server_keeps_every_role_credential(tmp_path):
         srv.stop()
     conf = (srv.store_dir / "nats-server.conf").read_text()
     assert not any(p in conf for p in before.values())
+
+
+async def test_an_observer_watching_past_a_bad_message_is_not_held_up_by_its_dead_letter(server):
+    # A malformed heartbeat (the nemesis publishes one with a producer credential): the observer may not publish the
+    # dead letter its watch records, and a refused publish is retried for bus.retry_s (30 s). The watch must go on to
+    # the next heartbeat at once, not after that budget.
+    producer = await Bus.connect(cfg(server, "producer"), "alpha", name="producer")
+    observer = await Bus.connect(cfg(server, "observer"), "alpha", name="observer")
+    beat = ProducerHeartbeat(producer_id="p9", version=1, host="h", pid=1, status="running", groups_done=1,
+                             tokens_generated=2, groups_per_min=1.0, inflight=0)  # fmt: skip
+    try:
+        await observer.await_streams(timeout=10)
+        subject = observer.subjects.event("heartbeat.p9")
+        seen = []
+        started = asyncio.get_running_loop().time()
+        async with asyncio.timeout(15):
+            watch = observer.watch(observer.subjects.event("heartbeat.*"), ProducerHeartbeat, deliver="new")
+            reading = asyncio.ensure_future(anext(watch))
+            await asyncio.sleep(1.0)  # the ordered consumer is up
+            await producer.publish_raw(subject, b"\x00 not a heartbeat")
+            await producer.publish(subject, beat)
+            seen.append(await reading)
+            await watch.aclose()
+        took = asyncio.get_running_loop().time() - started
+        assert seen[0].producer_id == "p9" and took < 10, took
+    finally:
+        for b in (producer, observer):
+            await b.close()

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import nats.errors
 
 from rlbus.bus.client import Bus
 from rlbus.bus.server import EmbeddedServer
@@ -105,3 +106,40 @@ def test_a_request_in_flight_when_the_connection_drops_is_asked_again_at_once(tm
         server.stop()
     print(f"publish took {took:.2f}s")
     assert took < 4.0, f"the publish took {took:.1f}s: it waited out its ack timeout"
+
+
+def test_a_retry_deduplicated_against_its_own_first_attempt_is_no_duplicate(tmp_path: Path) -> None:
+    # The outage the nemesis met (bench/nemesis.py, a nats-server SIGKILLed while six producers published): the
+    # first attempt is stored but its ack is lost, the retry is dropped as a duplicate -- of the call's own first
+    # attempt. A producer that read that as "an earlier delivery's group is on the bus" deleted the tensors the
+    # stored group names. Here the first attempt goes to the real server and its ack is dropped, as the outage did.
+    server = EmbeddedServer(tmp_path / "nats", port=0, host="127.0.0.1", runs=["outage"]).start()
+    cfg = BusConfig(url=server.url, creds_file=str(server.creds_file("admin", "outage")), retry_s=20.0)
+    task = PromptTask(task_id="e0-i1-a0", prompt=[ChatMessage(role="user", content="1+1")], index=1, n=2)
+
+    async def main() -> None:
+        async with await Bus.connect(cfg, run="outage", name="t") as bus:
+            await bus.ensure_streams()
+            real_publish, calls = bus.js.publish, []
+
+            async def ack_lost_once(*args, **kwargs):  # type: ignore[no-untyped-def]
+                ack = await real_publish(*args, **kwargs)
+                calls.append(ack.duplicate)  # as the server said it
+                if len(calls) == 1:
+                    raise nats.errors.TimeoutError  # stored, but the ack never came back
+                return ack
+
+            bus.js.publish = ack_lost_once  # type: ignore[method-assign]
+            ack = await bus.publish(bus.subjects.prompts, task, msg_id=task.task_id)
+            assert calls == [None, True]  # the server stored the first attempt and dropped the retry as a duplicate
+            assert ack.duplicate is None  # but not known to be another publisher's
+            assert await bus.stream_msgs(bus.subjects.prompts_stream) == 1
+            # A later publish of the same id, in one attempt, is an earlier publisher's duplicate for sure.
+            bus.js.publish = real_publish  # type: ignore[method-assign]
+            again = await bus.publish(bus.subjects.prompts, task, msg_id=task.task_id)
+            assert again.duplicate is True and again.seq == ack.seq
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.stop()

@@ -22,11 +22,8 @@ import time
 
 import pytest
 
-from rlbus.bus.proc import command_line, descendants
-from rlbus.common.model.init_model import init_model
-from rlbus.common.model.tiny import TinyModelSpec
 from tests.support.runs import check_ledger, log_tail, small_run_config, start_role, stop, write_config
-from tests.support.vllm import require_vllm
+from tests.support.vllm import engine_core, require_vllm, vllm_model_dir  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -57,28 +54,6 @@ async def rollout(client, task):
 """
 
 
-@pytest.fixture(scope="module")
-def vllm_model_dir(tmp_path_factory):
-    # The tests' tiny model (tests/support/runs.py) with heads 32 wide, which vLLM's CPU attention accepts.
-    spec = TinyModelSpec(
-        hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2
-    )
-    return init_model(
-        tmp_path_factory.mktemp("models") / "tiny-vllm", steps=30, num_threads=1, spec=spec, log=lambda *_: None
-    )
-
-
-def _engine_core(launcher_pid: int, timeout: float = 240.0) -> int:
-    """The pid of vLLM's engine core process under the launcher (vLLM titles it `VLLM::EngineCore`)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for pid in descendants(launcher_pid):
-            if "EngineCore" in " ".join(command_line(pid)):
-                return pid
-        time.sleep(0.5)
-    pytest.fail(f"no vLLM engine core under the launcher within {timeout}s")
-
-
 def _notes(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
@@ -89,7 +64,7 @@ def _open_calls(notes: list[dict]) -> int:
 
 
 def test_the_engine_dying_under_the_endpoint_is_a_500_and_the_run_goes_on(
-    tmp_path, vllm_model_dir, run_name, monkeypatch
+    tmp_path, vllm_model_dir, run_name, monkeypatch  # noqa: F811
 ):
     (tmp_path / "engine_agent.py").write_text(AGENT)
     agent_log = tmp_path / "agent.jsonl"
@@ -117,7 +92,7 @@ def test_the_engine_dying_under_the_endpoint_is_a_500_and_the_run_goes_on(
     )
     up = start_role("up", write_config(tmp_path / "run.yaml", cfg), tmp_path / "logs", name="up")
     try:
-        core = _engine_core(up.pid)
+        core = engine_core(up.pid)
         # Wait for agents calling the engine (a call begun and not answered), then kill the engine under them.
         deadline = time.monotonic() + 300
         while _open_calls(_notes(agent_log)) == 0:

@@ -21,39 +21,16 @@ import time
 
 import pytest
 
-from rlbus.bus.proc import command_line, descendants
-from rlbus.common.model.init_model import init_model
-from rlbus.common.model.tiny import TinyModelSpec
 from rlbus.trainer.metrics import read_metrics
 from tests.support.runs import check_ledger, small_run_config, start_role, stop, wait_for_steps, write_config
-from tests.support.vllm import require_vllm
+from tests.support.vllm import engine_core, require_vllm, vllm_model_dir  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.slow
 
 require_vllm()
 
 
-@pytest.fixture(scope="module")
-def vllm_model_dir(tmp_path_factory):
-    # The tests' tiny model (tests/support/runs.py) with heads 32 wide, which vLLM's CPU attention accepts.
-    spec = TinyModelSpec(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2)
-    return init_model(tmp_path_factory.mktemp("models") / "tiny-vllm", steps=30, num_threads=1, spec=spec,
-                      log=lambda *_: None)
-
-
-def _engine_core(launcher_pid: int, timeout: float = 180.0) -> int:
-    """The pid of vLLM's engine core process under the launcher (vLLM titles it `VLLM::EngineCore`)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for pid in descendants(launcher_pid):
-            if "EngineCore" in " ".join(command_line(pid)):
-                return pid
-        time.sleep(0.5)
-    pytest.fail(f"no vLLM engine core under the launcher within {timeout}s")
-
-
-def test_rlbus_up_on_vllm_trains_and_rides_out_its_engine_core_sigkilled(tmp_path, vllm_model_dir, run_name):
+def test_rlbus_up_on_vllm_trains_and_rides_out_its_engine_core_sigkilled(tmp_path, vllm_model_dir, run_name):  # noqa: F811
     run_dir = tmp_path / "run"
     cfg = small_run_config(run_name, run_dir, vllm_model_dir, "", "", "",
                            rollout={"engine": {"type": "vllm", "max_model_len": 512, "max_num_seqs": 32},
@@ -62,7 +39,7 @@ def test_rlbus_up_on_vllm_trains_and_rides_out_its_engine_core_sigkilled(tmp_pat
     cfg_path = write_config(tmp_path / "run.yaml", cfg)
     up = start_role("up", cfg_path, tmp_path / "logs", name="up")
     try:
-        core = _engine_core(up.pid)
+        core = engine_core(up.pid)
         wait_for_steps(run_dir, 4, [up], timeout=400)
         killed_at = time.monotonic()
         os.kill(core, signal.SIGKILL)  # a process our launcher's producer started, by pid

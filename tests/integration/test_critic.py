@@ -112,12 +112,7 @@ def test_gae_two_ranks_warmup_resume_and_export(tmp_path: Path) -> None:
     critic = AutoModelForTokenClassification.from_pretrained(out / "critic")
     for k, w in r0["critic_2"].items():
         assert torch.equal(critic.state_dict()[k], w), k
-    probe = make_batch(seed=7)
-    with torch.no_grad():
-        v = critic(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"],
-                   position_ids=probe["position_ids"]).logits[..., 0]  # fmt: skip
-    expected = torch.nn.functional.pad(v[:, :-1], (1, 0)) * probe["response_mask"]
-    torch.testing.assert_close(r0["probe_values"], expected, rtol=1e-5, atol=1e-6)
+    assert_exported_critic_gives_the_trainers_values(critic, r0["probe_values"])
 
 
 @pytest.mark.slow
@@ -136,3 +131,14 @@ def test_gae_replays_bit_for_bit(tmp_path: Path) -> None:
     assert {"critic/vf_loss", "critic/values_mean", "critic/vf_explained_var"} <= {d.name for d in result.diffs}
     live, replayed = recorded["engine"].critic.full_state_dict(), engine.critic.full_state_dict()
     assert all(torch.equal(live[k], replayed[k]) for k in live)
+
+
+def assert_exported_critic_gives_the_trainers_values(critic, probe_values: torch.Tensor) -> None:
+    """The exported critic (an AutoModelForTokenClassification) on the probe batch gives the values the trainer
+    computed for it: V_t from position t - 1, zero off the response."""
+    probe = make_batch(seed=7)
+    with torch.no_grad():
+        v = critic(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"],
+                   position_ids=probe["position_ids"]).logits[..., 0]  # fmt: skip
+    expected = torch.nn.functional.pad(v[:, :-1], (1, 0)) * probe["response_mask"]
+    torch.testing.assert_close(probe_values, expected, rtol=1e-5, atol=1e-6)

@@ -16,7 +16,12 @@ import pytest
 import torch
 
 from rlbus.schemas.config import AlgorithmConfig, CriticConfig, TrainerConfig
-from tests.integration.test_critic import ALGO, TRAINER, _gae_worker
+from tests.integration.test_critic import (
+    ALGO,
+    TRAINER,
+    _gae_worker,
+    assert_exported_critic_gives_the_trainers_values,
+)
 from tests.integration.test_fsdp import build_tiny_qwen2, make_batch
 
 # test_critic.py's run (one update per step, lam 0.95, the actor first updates at step 2) with the head on the policy
@@ -142,12 +147,7 @@ def test_two_ranks_resume_and_export(tmp_path: Path) -> None:
     critic = AutoModelForTokenClassification.from_pretrained(out / "critic")
     assert torch.equal(critic.score.weight, head_2["value_head.weight"])
     assert torch.equal(critic.score.bias, head_2["value_head.bias"])
-    probe = make_batch(seed=7)
-    with torch.no_grad():
-        v = critic(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"],
-                   position_ids=probe["position_ids"]).logits[..., 0]  # fmt: skip
-    expected = torch.nn.functional.pad(v[:, :-1], (1, 0)) * probe["response_mask"]
-    torch.testing.assert_close(r0["probe_values"], expected, rtol=1e-5, atol=1e-6)
+    assert_exported_critic_gives_the_trainers_values(critic, r0["probe_values"])
 
 
 def test_shared_critic_replays_bit_for_bit(tmp_path: Path) -> None:

@@ -25,7 +25,8 @@ and the task on stdin as one JSON object (PromptTask's fields: task_id, prompt [
 data_source, extra_info, n, index, epoch, attempt, released_version, created_at). The last non-empty line of its
 stdout is the reward: a JSON number, or `null` (or no output) for the task's reward function. A non-zero exit fails
 the rollout (stderr's tail is in the error); past `rollout.openai.timeout_s`, or when the rollout is cancelled, the
-process is killed. The key dies when the command's rollout ends.
+process is killed. The key dies when the command's rollout ends, and the process dies with its producer: the kernel
+SIGTERMs it when the producer ends without killing it (a SIGKILLed producer; bus/proc.py's die_with_parent).
 
     .venv/bin/python -m pytest -q tests/integration/test_endpoint.py
 """
@@ -42,6 +43,7 @@ from typing import Any
 
 import msgspec
 
+from rlbus.bus.proc import die_with_parent
 from rlbus.producers.agent_loops.base import AgentLoop, Trajectory
 from rlbus.producers.endpoint import Endpoint, model_context
 from rlbus.producers.engines.base import RolloutEngine
@@ -81,6 +83,7 @@ def command_agent(argv: list[str], model: str) -> AgentFn:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             env=env,
+            preexec_fn=die_with_parent,  # the event loop runs on the producer's main thread: tied to its life
         )
         try:
             out, err = await proc.communicate(msgspec.json.encode(task))

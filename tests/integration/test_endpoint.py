@@ -14,7 +14,9 @@ import asyncio
 import json
 import math
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import openai
@@ -476,3 +478,44 @@ async def test_a_failing_or_hanging_agent_process_fails_its_rollout(
         pid = int((tmp_path / "pid").read_text())
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+AGENT_HOST = """
+import sys, types
+from rlbus.bus.loop import run
+from rlbus.producers.agent_loops.openai_agent import command_agent
+from rlbus.schemas.wire import PromptTask
+client = types.SimpleNamespace(base_url="http://127.0.0.1:9/v1", api_key="rlbus-k")
+task = PromptTask(task_id="t", prompt=[{"role": "user", "content": "1+1"}], ground_truth="2", n=1)
+run(command_agent(sys.argv[1:], "policy")(client, task))
+"""
+
+
+def test_an_agent_process_dies_with_its_producer(tmp_path, monkeypatch):
+    """A producer SIGKILLed mid-rollout leaves no agent program behind: the kernel ends the command's process (the
+    agent loop's own code, on the event loop the producer runs, in a process of its own that the test kills)."""
+    pid_file = tmp_path / "pid"
+    monkeypatch.setenv("AGENT_MODE", "hang")
+    monkeypatch.setenv("AGENT_PID_FILE", str(pid_file))
+    host = subprocess.Popen([sys.executable, "-c", AGENT_HOST, sys.executable, str(EXTERNAL_AGENT)])
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text().strip()):
+            assert host.poll() is None and time.monotonic() < deadline, "the agent program never started"
+            time.sleep(0.1)
+        agent = int(pid_file.read_text())
+        os.kill(agent, 0)  # running, under the host
+    finally:
+        host.kill()
+        host.wait()
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            os.kill(agent, 0)
+        except ProcessLookupError:
+            break
+        # a zombie until its new parent reaps it counts as ended
+        if Path(f"/proc/{agent}/stat").read_text().split(") ")[1].startswith("Z"):
+            break
+        assert time.monotonic() < deadline, f"agent {agent} outlived its producer"
+        time.sleep(0.1)

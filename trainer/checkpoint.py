@@ -369,6 +369,7 @@ def load_checkpoint(engine: TrainEngine, path: str | os.PathLike, extra_type: ty
             refused = e
     if all_reduce([1.0 if refused else 0.0], "max")[0] > 0:  # every rank stops, none waits in dcp.load for it
         raise refused or CheckpointError(path, "another rank refused its RNG state file (see that rank's error)")
+    _check_critic_layout(engine, path)
     state = engine.state_dict()
     _dcp_load(state, path)
     engine.load_state_dict(state)
@@ -382,6 +383,28 @@ def load_checkpoint(engine: TrainEngine, path: str | os.PathLike, extra_type: ty
         return msgspec.json.decode(raw, type=extra_type) if extra_type is not None else msgspec.json.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise CheckpointError(path / "extra.json", f"cannot decode: {e}") from None
+
+
+_CRITIC_LAYOUTS = {
+    "none": "no critic (algorithm.adv_estimator is not gae)",
+    "separate": "a critic model of its own (algorithm.adv_estimator: gae, critic.backbone: separate)",
+    "shared": "a value head on the policy (algorithm.adv_estimator: gae, critic.backbone: shared)",
+}
+
+
+def _check_critic_layout(engine: TrainEngine, ckpt: Path) -> None:
+    """Refuse, naming the settings, a checkpoint whose critic does not fit the run's: a separate critic's state, a
+    head in the policy's state and its optimizer group cannot come from a checkpoint that has none (DCP would say
+    only which keys are missing). A saved separate critic the run does without is left unread."""
+    keys = _read_metadata(ckpt).state_dict_metadata
+    saved = ("separate" if any(k.startswith("critic.") for k in keys)
+             else "shared" if any(k.startswith("model.value_head.") for k in keys) else "none")  # fmt: skip
+    run = ("separate" if getattr(engine, "critic", None) is not None
+           else "shared" if getattr(engine, "value_head", None) is not None else "none")  # fmt: skip
+    if saved != run and not (saved == "separate" and run == "none"):
+        raise CheckpointError(
+            ckpt, f"it was saved with {_CRITIC_LAYOUTS[saved]}, and this run's config has {_CRITIC_LAYOUTS[run]}; "
+            "resume under the settings it was saved with, or start a new run (another logging.run_dir)")
 
 
 def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, tokenizer_src: str | os.PathLike) -> Path:

@@ -186,6 +186,53 @@ def test_shared_critic_config_errors_name_the_field() -> None:
     assert cfg.critic.backbone == "shared" and cfg.critic.vf_coef == 0.25
 
 
+def _switch_worker(model_dir: str, root: str) -> dict:
+    """A checkpoint saved under each critic layout, resumed under each other one: what load_checkpoint says."""
+    from rlbus.trainer.checkpoint import load_checkpoint, save_checkpoint
+    from rlbus.trainer.dist import destroy_distributed, init_distributed
+    from rlbus.trainer.engine import TrainEngine
+
+    torch.set_num_threads(1)
+    init_distributed("cpu")
+    layouts = {"none": (AlgorithmConfig(adv_estimator="grpo"), CriticConfig()),
+               "separate": (ALGO, CriticConfig(critic_warmup=0)),
+               "shared": (ALGO, CriticConfig(backbone="shared", critic_warmup=0))}  # fmt: skip
+    make = lambda layout: TrainEngine(model_dir, TRAINER, layouts[layout][0], temperature=1.0,
+                                      critic_cfg=layouts[layout][1])  # fmt: skip
+    out = {}
+    for saved in layouts:
+        engine = make(saved)
+        engine.train_step(make_batch(seed=1))
+        save_checkpoint(engine, Path(root) / saved, 1, {"step": 1}, keep=1)
+        for run in layouts:
+            try:
+                load_checkpoint(make(run), Path(root) / saved)
+                out[saved, run] = "resumed"
+            except Exception as e:  # noqa: BLE001 - the message is what the test reads
+                out[saved, run] = f"{type(e).__name__}: {e}"
+    destroy_distributed()
+    return out
+
+
+def test_resuming_under_another_critic_layout_names_the_settings(tmp_path: Path) -> None:
+    """A checkpoint resumed with the critic switched (none / separate / shared) is refused with the settings it was
+    saved under and the run's, not DCP's list of missing keys; a saved separate critic a GRPO run drops is fine."""
+    from rlbus.trainer.dist import spawn_local
+
+    model_dir = build_tiny_qwen2(tmp_path / "model")
+    out = spawn_local(1, _switch_worker, str(model_dir), str(tmp_path / "ckpt"))[0]
+    for (saved, run), said in out.items():
+        if saved == run or (saved, run) == ("separate", "none"):
+            assert said == "resumed", (saved, run, said)
+            continue
+        assert said.startswith("CheckpointError"), (saved, run, said)
+        before, after = said.split("this run's config has")
+        assert _LAYOUT_WORDS[saved] in before and _LAYOUT_WORDS[run] in after, said
+
+
+_LAYOUT_WORDS = {"none": "no critic", "separate": "critic.backbone: separate", "shared": "critic.backbone: shared"}
+
+
 def _export_worker(model_dir: str, root: str) -> None:
     from rlbus.trainer.checkpoint import save_checkpoint
     from rlbus.trainer.dist import destroy_distributed, init_distributed

@@ -275,6 +275,10 @@ class SharedValueHead:
         optimizer updates (`num_updates`, a step making `mini_batches`) trained the head alone."""
         return self.cfg.critic_warmup > num_updates // self.trainer_cfg.mini_batches + 1
 
+    def actor_updates(self, num_updates: int) -> int:
+        """How many of `num_updates` moved the policy: those after the warm-up's head-only ones."""
+        return max(0, num_updates - max(0, self.cfg.critic_warmup - 1) * self.trainer_cfg.mini_batches)
+
     def step(self, optimizer: torch.optim.Optimizer, scheduler: Any, acc: _Accumulator, *, actor_waits: bool) -> None:
         """One update: the head's and the policy's gradients clipped each to its own max norm; the step is skipped
         when either norm is NaN/inf (as `clipped_step`); the schedule steps either way. While the actor waits its

@@ -406,7 +406,8 @@ class TrainEngine:
         names = list(timing)
         metrics.update(zip(names, all_reduce([timing[n] for n in names], "max")))
         metrics["perf/tokens_per_s"] = metrics["perf/num_tokens"] / max(metrics["timing/step_s"], 1e-9)
-        metrics["actor/num_updates"] = float(self.num_updates)
+        # the policy's updates (the shared head's warm-up updates moved the head alone)
+        metrics["actor/num_updates"] = float(vh.actor_updates(self.num_updates) if vh is not None else self.num_updates)
         return metrics
 
     def _proximal_from_update(self) -> bool:

@@ -88,6 +88,8 @@ def test_head_learns_alone_in_warmup_then_with_the_policy(tmp_path: Path) -> Non
     assert all(m["actor/waiting"] == 1.0 and "actor/pg_loss" not in m and "actor/grad_norm" not in m for m in warm)
     # then the actor trains: pg loss and value loss from one forward, the policy moves
     assert "actor/waiting" not in first and first["actor/grad_norm"] > 0 and first["critic/grad_norm"] > 0
+    # actor/num_updates counts the policy's updates: none in the warm-up, then one
+    assert [m["actor/num_updates"] for m in warm] == [0.0] * 8 and first["actor/num_updates"] == 1.0
     assert out["policy_moved"]
     # producers are sent the policy's weights only: exactly a plain causal LM's names, no value head
     assert out["published"] == out["plain"] and not any(k.startswith("value_head") for k in out["published"])

@@ -277,14 +277,16 @@ def forged_outcome(run_dir: Path, records: list[dict[str, Any]]) -> dict[str, An
     from rlbus.schemas.wire import TrajectoryGroup, TypedDecoder
 
     groups, reasons = TypedDecoder(TrajectoryGroup), {}
-    garbage = 0
+    garbage: dict[int, list[str]] = {}  # stream sequence of each garbage message -> the consumers that dead-lettered it
     for e in read_entries(run_dir, "dead-letter"):
         if not e.msg.original_subject.endswith(".traj"):
             continue
         try:
             g = groups.decode(e.msg.payload)
         except SchemaError:
-            garbage += 1
+            # One message may be dead-lettered more than once: a consumer that published the letter and was killed
+            # before its +TERM landed gets the message again (a letter at least once, as any publish).
+            garbage.setdefault(e.msg.stream_seq, []).append(e.msg.consumer)
             continue
         if g.producer_id == FORGER:
             reasons[g.task_id] = e.msg.reason[:160]
@@ -292,7 +294,8 @@ def forged_outcome(run_dir: Path, records: list[dict[str, Any]]) -> dict[str, An
     trained, reissued = set(ledger.trained), ledger.reissued
     named = [r["forged_in_flight"] for r in records if r.get("forged_in_flight")]
     never = [r["forged_never_released"] for r in records if r.get("forged_never_released")]
-    return {"garbage_on_traj_dead_lettered": garbage,
+    return {"garbage_on_traj_dead_lettered": len(garbage),
+            "garbage_dead_letters_by_stream_seq": {str(k): v for k, v in sorted(garbage.items())},
             "forged_groups_dead_lettered": {t: reasons.get(t, "NOT dead-lettered") for t in [*never, *named]},
             "named_real_prompts_trained_or_reissued": {t: t in trained or t in reissued for t in named}}  # fmt: skip
 

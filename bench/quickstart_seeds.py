@@ -94,15 +94,20 @@ def run_seed(seed: int, overrides: list[str], work: Path, timeout: float, config
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
     wall = time.monotonic() - t0
     metrics = run_dir / "metrics.jsonl"
-    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.is_file() else []
+    every = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.is_file() else []
+    rows = [r for r in every if "reward/mean" in r]  # the training steps; an evaluation is a row of its own
     out = {"seed": seed, "rc": proc.returncode, "wall_s": wall, "rewards": [r["reward/mean"] for r in rows],
-           "series": {k: [r.get(k) for r in rows] for k in SERIES}}
+           "series": {k: [r.get(k) for r in rows] for k in SERIES},
+           "evals": [{k: v for k, v in r.items() if k in ("step", "version") or k.startswith("eval/")}
+                     for r in every if "eval/accuracy" in r]}
     if proc.returncode != 0 or not rows:
         out["error"] = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
         return out
     dropped = run_dir / "metrics.discarded.jsonl"
     discarded = [json.loads(x) for x in dropped.read_text().splitlines() if x.strip()] if dropped.is_file() else []
     out.update(summarise(rows, discarded))
+    if discarded:  # the steps a guard rollback dropped: what it caught
+        out["discarded"] = {k: [r.get(k) for r in discarded] for k in ("step", *SERIES)}
     out["collapsed"] = collapsed(out)
     if keep is not None and out["last10"] < GOAL:  # its event log, checkpoints and metrics, for `rlbus replay`
         dest = keep / f"{run_dir.name}-{int(time.time())}"
@@ -118,7 +123,7 @@ def report(d: dict) -> str:
     lines = [
         HEADING, "",
         (f"`rlbus up configs/{Path(d.get('config', CONFIG)).name}` once per seed ({', '.join(str(r['seed']) for r in d['runs'])}), each "
-        "from scratch with the cached quickstart model; a seed sets `trainer.seed`, `feeder.seed` and `data.seed` "
+        "from scratch with the config's model (cached); a seed sets `trainer.seed`, `feeder.seed` and `data.seed` "
         "(producers' sampling is not seeded). A run collapses when its last-10 reward is under "
         f"{BAR} (low entropy alone is not a collapse: a policy right every time may be certain)."),
         "",
@@ -144,6 +149,17 @@ def report(d: dict) -> str:
                      f"{r['entropy_last10']:.3f} | {r.get('entropy_min_unconverged', float('nan')):.3f} | "
                      f"{r['clipfrac_mean']:.4f} | {fired} | {r['wall_s']:.0f} | "
                      f"{'**yes**' if r['collapsed'] else 'no'} |")
+    evals = [r for r in ok if r.get("evals")]
+    if evals:  # held-out evaluation (eval.interval): greedy accuracy per scored version
+        versions = sorted({e["version"] for r in evals for e in r["evals"]})
+        lines += ["", "Held-out `eval/accuracy` (and `eval/tool_call_rate`) by weight version:", "",
+                  "| seed | " + " | ".join(f"v{v}" for v in versions) + " |",
+                  "|---:|" + "---:|" * len(versions)]
+        for r in evals:
+            at = {e["version"]: e for e in r["evals"]}
+            cells = [f"{at[v]['eval/accuracy']:.2f} ({at[v].get('eval/tool_call_rate', float('nan')):.2f})"
+                     if v in at else "" for v in versions]
+            lines.append(f"| {r['seed']} | " + " | ".join(cells) + " |")
     if ok:
         last = [r["last10"] for r in ok]
         early = [r for r in ok if r.get("entropy_min_unconverged", 1.0) < LOW_ENTROPY]

@@ -420,8 +420,11 @@ def _nemesis_section(r: dict[str, Any], args: argparse.Namespace) -> str:
     if "error" in fo:
         lines += ["", f"Forged messages: their outcome could not be read: {fo['error']}"]
     elif fo:
+        by_seq = fo.get("garbage_dead_letters_by_stream_seq", {})
+        twice = {seq: who for seq, who in by_seq.items() if len(who) > 1}
         lines += ["", f"Forged messages (producer credential): {fo['garbage_on_traj_dead_lettered']} garbage messages on "
-                      f"`traj` dead-lettered; forged groups: "
+                      f"`traj` dead-lettered"
+                      + ("".join(f" (seq {seq} by {', '.join(who)})" for seq, who in twice.items())) + "; forged groups: "
                       + "; ".join(f"`{t}`: {why}" for t, why in fo["forged_groups_dead_lettered"].items())
                       + ". Real prompts a forged group named, still trained or re-issued: "
                       + (", ".join(f"`{t}` {'yes' if ok else 'NO'}" for t, ok in

@@ -33,6 +33,8 @@ log = logging.getLogger("rlbus.batcher")
 #: Beyond bus.retry_s (how long a producer's publish may take after its put), how much earlier than a group was
 #: stored its TransferQueue shards must have started for its missing payload to count as never put (clock skew).
 NEVER_PUT_SLACK_S = 10.0
+#: In the dead letter of such a group: trainer/feeder.py re-issues its release if no group of it comes after all.
+NEVER_PUT = "its payloads were never put"
 
 
 class Releases(Protocol):
@@ -204,7 +206,8 @@ class Batcher:
         Unless they were never there: a producer puts a group's tensors before it publishes the group, and its
         publish takes at most bus.retry_s, so tensors missing from shards that ran without a restart since well
         before the group was stored (JetStream's clock, which no publisher sets) were never put. Such a group is
-        dead-lettered, naming that, and its prompt stays with the release in flight (no re-issue).
+        dead-lettered, naming that, and its prompt stays with the release in flight: the feeder re-issues it only if
+        no group of it comes within feeder.orphan_grace_s (trainer/feeder.py).
         """
         for gid in group_ids:
             held = self._held.pop(gid)
@@ -213,7 +216,7 @@ class Batcher:
             if up_since < held.delivery.stored_at - self.cfg.bus.retry_s - NEVER_PUT_SLACK_S:
                 self.counts.dead_lettered += 1
                 await held.delivery.dead_letter(
-                    f"group {g.group_id} from {g.producer_id!r}: its payloads were never put (the TransferQueue "
+                    f"group {g.group_id} from {g.producer_id!r}: {NEVER_PUT} (the TransferQueue "
                     f"shards of {g.keys[:3]} have run without a restart since {held.delivery.stored_at - up_since:.0f}"
                     " s before the group was published, and do not hold them)")
                 continue
@@ -268,6 +271,10 @@ class Batcher:
         if keys:
             await self._tq.delete(keys, owners=owners)
         return len(done)
+
+    def has_group(self, task_id: str) -> bool:
+        """Whether a group of `task_id` is held (in a batch or waiting to be acked) or trained (group id = task id)."""
+        return task_id in self._held or task_id in self.trained
 
     def trained_ids(self) -> set[str]:
         """Groups trained so far: durable ones plus those of steps not yet checkpointed (what a checkpoint saves)."""

@@ -8,6 +8,12 @@ It runs inside the trainer's controller (rank 0), because admission depends on t
 sampling, payload lost, dead-lettered), so they do not hold admission slots forever. Groups whose data was lost are
 re-issued (a new release of the same example with attempt + 1) up to `feeder.max_attempts` releases.
 
+A release whose group was dead-lettered because its payloads were never put (consumers/batcher.py: a forged group,
+or one whose tensors a producer's bug deleted) is not re-issued at once: its real group may still come. If none is
+held or trained `feeder.orphan_grace_s` after the dead letter, and the release is still the example's latest, it is
+re-issued, so no prompt stays in flight for good (holding an admission slot). Found from the dead letters (read from
+the stream's start), so a restarted trainer finds the same ones.
+
 Task ids are deterministic (`e<epoch>-i<index>-a<attempt>`) and sent as Nats-Msg-Id, so a feeder that restarts and
 re-releases a task within JetStream's duplicate window is de-duplicated. The feeder's position is written to
 `<run_dir>/feeder.json` after every release batch, so a restart continues where it stopped, not at the last
@@ -22,6 +28,7 @@ import logging
 import os
 import random
 import re
+import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -29,10 +36,11 @@ import msgspec
 
 from rlbus.bus.client import Bus
 from rlbus.common.data import PromptDataset, example_to_task
+from rlbus.consumers.batcher import NEVER_PUT
 from rlbus.schemas import staleness
 from rlbus.schemas.config import RunConfig
 from rlbus.schemas.errors import SchemaError
-from rlbus.schemas.wire import DeadLetter, PromptTask, TypedDecoder
+from rlbus.schemas.wire import DeadLetter, PromptTask, TrajectoryGroup, TypedDecoder
 
 log = logging.getLogger("rlbus.feeder")
 _TASK_ID = re.compile(r"e(\d+)-i(\d+)-a(\d+)")
@@ -53,6 +61,7 @@ class FeederState(msgspec.Struct, kw_only=True):
     given_up: int = 0  # examples dropped after max_attempts releases
     gave_up: list[str] = []  # their last task ids, so that the ledger accounts for each by name
     dead_lettered: list[str] = []  # task ids whose dead letter was handled (re-issued once)
+    orphans_handled: list[str] = []  # task ids whose never-put group's dead letter was judged after the grace
     exhausted: bool = False  # all epochs released
     attempts: dict[str, int] = {}  # "e<epoch>-i<index>" -> its latest re-issue (scheduled or released); absent: 0
 
@@ -92,12 +101,16 @@ class Feeder:
     _on_release: Callable[[PromptTask, str], None] | None  # the event recorder (the work queue allows no 2nd reader)
     _forget: Callable[[list[str]], Awaitable[Any]] | None  # frees whatever tasks stored in the TransferQueue
     _bound: Callable[[], int] | None  # the staleness bound in force (the stability guard's); None = the configured
+    _settled: Callable[[str], bool] | None  # whether a group of a task is held or trained (the batcher's)
+    _orphans: dict[str, tuple[int, int, int, float]]  # never-put task -> (index, epoch, attempt, when to judge it)
 
     def __init__(self, cfg: RunConfig, dataset: PromptDataset, bus: Bus, version_fn: Callable[[], int], state: FeederState | None = None,
                  on_release: Callable[[PromptTask, str], None] | None = None,
                  forget: Callable[[list[str]], Awaitable[Any]] | None = None,
-                 max_staleness: Callable[[], int] | None = None):
+                 max_staleness: Callable[[], int] | None = None, settled: Callable[[str], bool] | None = None):
         self.cfg = cfg
+        self._settled = settled
+        self._orphans = {}
         self._bound = max_staleness
         self._forget = forget
         self._on_release = on_release
@@ -164,6 +177,7 @@ class Feeder:
     async def run(self) -> None:
         while True:
             self._wake.clear()  # before reading the allowance: a notify() after this line is not missed
+            self.reissue_orphans()
             n = self.allowance()
             if n > 0 and await self._release(n) == 0 and self.state.exhausted:
                 log.info("feeder: data set exhausted after %d epoch(s)", self.state.epoch + 1)
@@ -232,6 +246,9 @@ class Feeder:
         subjects = self._bus.subjects
         handled = set(self.state.dead_lettered)
         async for letter in self._bus.watch(subjects.dead_letter, DeadLetter, deliver="all"):
+            if letter.original_subject == subjects.traj:
+                self._note_orphan(letter)
+                continue
             if letter.original_subject != subjects.prompts or letter.payload_bytes > len(letter.payload):
                 continue  # not a prompt, or garbage cut to an excerpt: no task to name
             try:
@@ -253,6 +270,39 @@ class Feeder:
                     await self._forget([task.task_id])
                 except Exception as e:  # the re-issue matters, the memory less: a shard down is no reason to stop
                     log.warning("could not free the stored tensors of task %s: %s", task.task_id, e)
+
+    def _note_orphan(self, letter: DeadLetter) -> None:
+        """A group dead-lettered as never put: judge its release after the grace (`reissue_orphans`)."""
+        if NEVER_PUT not in letter.reason or letter.payload_bytes > len(letter.payload):
+            return
+        try:
+            g = TypedDecoder(TrajectoryGroup).decode(letter.payload)
+        except SchemaError:
+            return
+        if g.task_id in self._orphans or g.task_id in self.state.orphans_handled:
+            return
+        due = letter.created_at + self.cfg.feeder.orphan_grace_s
+        self._orphans[g.task_id] = (g.index, g.epoch, g.attempt, due)
+        self.notify()
+
+    def reissue_orphans(self) -> int:
+        """Re-issue each release whose never-put group's grace ran out, unless a group of it came after all (held
+        or trained), or the release is not the example's latest any more (re-issued, given up, or never ours: a
+        forged group naming no release). Returns how many were re-issued."""
+        now, count = time.time(), 0
+        for task, (index, epoch, attempt, due) in list(self._orphans.items()):
+            if now < due:
+                continue
+            del self._orphans[task]
+            self.state.orphans_handled.append(task)  # judged once, also across a restart
+            if self.vouch(task, index, epoch, attempt) is not None or (self._settled and self._settled(task)):
+                self._save()
+                continue
+            log.warning("task %s: no group of it came within feeder.orphan_grace_s (%.0f s) of its group dead-lettered"
+                        " as never put; releasing it again", task, self.cfg.feeder.orphan_grace_s)
+            self.abandon(index, epoch, attempt, reissue=True)  # saves the state
+            count += 1
+        return count
 
     # -------------------------------------------------------------- persistence
 

@@ -118,7 +118,8 @@ class TrainerService:
         bound = lambda: self.guard.effective_max_staleness(self.step + 1)  # noqa: E731
         self.feeder = Feeder(cfg, dataset, self.bus, lambda: self.version,
                              on_release=self.recorder.prompt,
-                             forget=lambda task_ids: self.worker.tq.delete([], owners=task_ids), max_staleness=bound)
+                             forget=lambda task_ids: self.worker.tq.delete([], owners=task_ids), max_staleness=bound,
+                             settled=lambda task_id: self.batcher.has_group(task_id))
         if "feeder" in extra:
             self.feeder.load_state_dict(extra["feeder"])
         self.batcher = Batcher(cfg, self.bus, self.worker.tq, self.feeder, trained=set(extra.get("trained", ())),

@@ -13,9 +13,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from rlbus.consumers.batcher import Batcher
+from rlbus.consumers.batcher import NEVER_PUT, Batcher
 from rlbus.schemas.wire import DeadLetter, PromptTask, encode
-from rlbus.trainer.feeder import Feeder
+from rlbus.trainer.feeder import Feeder, Reissue
 from tests.support.memory_bus import MemoryBus, MemoryTransferQueue
 from tests.unit.test_batcher import group
 from tests.unit.test_feeder import DATASET, N, Version, make_cfg
@@ -108,3 +108,48 @@ async def test_a_forged_prompt_dead_letter_reissues_nothing(run) -> None:
     await bus.publish(bus.subjects.dead_letter, letter)
     await feeder.reissue_dead_letters()
     assert feeder.state.reissues == [] and feeder.state.abandoned == 0
+
+
+async def _orphaned(feeder: Feeder, bus: MemoryBus, *, dead_lettered_s_ago: float) -> Batcher:
+    """Example 0's release, its group dead-lettered as never put `dead_lettered_s_ago` seconds ago (the letter
+    published as the real bus does), and the feeder's dead-letter reader run over it."""
+    await feeder._release(2)
+    b = Batcher(feeder.cfg, bus, RecordingTQ(up_since=time.time() - 3600), feeder)
+    d = bus.deliver_group(group(0))
+    await b.next_batch(version=0, need=1)
+    await b.payload_missing(["e0-i0-a0"])
+    assert NEVER_PUT in d.dead_letters[0]
+    payload = encode(group(0))
+    await bus.publish(bus.subjects.dead_letter, DeadLetter(
+        reason=d.dead_letters[0], original_subject=bus.subjects.traj, payload=payload, payload_bytes=len(payload),
+        created_at=time.time() - dead_lettered_s_ago))  # fmt: skip
+    await feeder.reissue_dead_letters()
+    return b
+
+
+@pytest.mark.parametrize(("ago", "settled", "reissued"), [(0.0, False, False), (700.0, False, True),
+                                                          (700.0, True, False)])  # fmt: skip
+async def test_a_release_whose_only_group_was_never_put_is_reissued_after_the_grace(
+    tmp_path: Path, ago: float, settled: bool, reissued: bool
+) -> None:
+    """No prompt stays in flight for good: once feeder.orphan_grace_s (600 s) has passed since its group was
+    dead-lettered as never put, the release is re-issued, unless a group of it is held or trained by then."""
+    bus = MemoryBus()
+    feeder = Feeder(make_cfg(tmp_path / "run"), DATASET, bus, Version(), settled=lambda task: settled)
+    await _orphaned(feeder, bus, dead_lettered_s_ago=ago)
+    assert feeder.state.abandoned == 0  # the dead letter alone re-issues nothing
+    assert feeder.reissue_orphans() == int(reissued)
+    assert (feeder.state.reissues == [Reissue(index=0, epoch=0, attempt=1)]) is reissued
+    assert feeder.state.abandoned == int(reissued)
+    if ago:  # judged once: neither again nor by a restarted feeder reading the same dead letters
+        again = Feeder(feeder.cfg, DATASET, bus, Version())
+        await again.reissue_dead_letters()
+        assert again.reissue_orphans() == 0 and again.state.abandoned == int(reissued)
+
+
+async def test_a_never_put_release_already_reissued_is_left_alone(tmp_path: Path) -> None:
+    bus = MemoryBus()
+    feeder = Feeder(make_cfg(tmp_path / "run"), DATASET, bus, Version(), settled=lambda task: False)
+    await _orphaned(feeder, bus, dead_lettered_s_ago=700.0)
+    feeder.abandon(0, 0, 0, reissue=True)  # e.g. its prompt's own dead letter re-issued it meanwhile
+    assert feeder.reissue_orphans() == 0 and feeder.state.abandoned == 1

@@ -40,7 +40,7 @@ from rlbus.consumers.event_log import (
     read_steps,
 )
 from rlbus.consumers.ledger import admission_bound, read_ledger
-from rlbus.schemas.config import load_config
+from rlbus.schemas.config_io import load_config
 from rlbus.schemas.wire import Event, TrajectoryGroup, WeightsPublished
 
 #: What `--kind` accepts: the archive kinds plus `steps` (the step records).

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlbus.schemas.config import load_config
+from rlbus.schemas.config_io import load_config
 from rlbus.trainer.checkpoint import export_hf, latest_checkpoint
 
 

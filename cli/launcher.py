@@ -41,7 +41,8 @@ from rlbus.cli.progress import RunMonitor, summary_table
 from rlbus.cli.preload import ForkedRole, RoleServer, preload_modules
 from rlbus.cli.run_lock import RunDirBusy, RunLock
 from rlbus.common.model.ensure import ensure_model
-from rlbus.schemas.config import BusConfig, RunConfig, to_yaml
+from rlbus.schemas.config import BusConfig, RunConfig
+from rlbus.schemas.config_io import to_yaml
 from rlbus.schemas.errors import BusError
 from rlbus.schemas.wire import ProducersScaled
 from rlbus.trainer.metrics import require_wandb

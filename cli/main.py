@@ -11,13 +11,13 @@ import sys
 
 
 def _load(args: argparse.Namespace):
-    from rlbus.schemas.config import load_config
+    from rlbus.schemas.config_io import load_config
 
     return load_config(args.config, args.overrides)
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    from rlbus.schemas.config import to_yaml
+    from rlbus.schemas.config_io import to_yaml
 
     print(to_yaml(_load(args)), end="")
     return 0

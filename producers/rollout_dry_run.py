@@ -26,7 +26,8 @@ from rich.text import Text
 from rlbus.common.data import DataError, example_to_task, load_dataset
 from rlbus.producers.agent_loops import Trajectory
 from rlbus.producers.build import build_rollout
-from rlbus.schemas.config import RunConfig, load_config
+from rlbus.schemas.config import RunConfig
+from rlbus.schemas.config_io import load_config
 from rlbus.schemas.errors import ConfigError
 
 _ROLE_STYLE = {"system": "magenta", "user": "cyan", "assistant": "bold green", "tool": "yellow"}

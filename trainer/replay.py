@@ -27,7 +27,8 @@ from rich.console import Console
 from rich.table import Table
 
 from rlbus.consumers.event_log import RecordError, StepRecord, load_step_batch, read_steps
-from rlbus.schemas.config import RunConfig, load_config
+from rlbus.schemas.config import RunConfig
+from rlbus.schemas.config_io import load_config
 from rlbus.trainer.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 from rlbus.trainer.engine import TrainEngine
 from rlbus.trainer.guard import set_lr_scale

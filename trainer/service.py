@@ -42,7 +42,8 @@ from rlbus.common.threads import apply_torch_threads
 from rlbus.consumers.batcher import Batcher
 from rlbus.consumers.recorder import Recorder
 from rlbus.schemas import staleness
-from rlbus.schemas.config import RunConfig, to_yaml
+from rlbus.schemas.config import RunConfig
+from rlbus.schemas.config_io import to_yaml
 from rlbus.schemas.errors import BusError
 from rlbus.schemas.wire import (
     ErrorRaised,

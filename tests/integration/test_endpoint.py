@@ -32,7 +32,8 @@ from rlbus.producers.agent_loops.openai_agent import AgentFailed
 from rlbus.producers.agents.calculator import CALCULATOR_TOOL
 from rlbus.producers.engines.hf import HFEngine
 from rlbus.producers.rewards import load_reward
-from rlbus.schemas.config import HFEngineConfig, from_dict
+from rlbus.schemas.config import HFEngineConfig
+from rlbus.schemas.config_io import from_dict
 from rlbus.schemas.wire import PromptTask
 from rlbus.trainer.engine import token_log_probs
 from tests.support.engines import one_torch_thread  # noqa: F401 - a fixture (pytestmark below)

@@ -25,7 +25,8 @@ from rlbus.common.model.demos import prompt_messages
 from rlbus.common.model.init_model import init_model
 from rlbus.common.model.tiny import TinyModelSpec, tiny_model
 from rlbus.common.chat import encode_chat
-from rlbus.schemas.config import HFEngineConfig, from_dict
+from rlbus.schemas.config import HFEngineConfig
+from rlbus.schemas.config_io import from_dict
 from rlbus.schemas.errors import WeightLoadError
 from tests.support.engines import assert_cut_at_first_stop, teacher_forced_logprobs
 from tests.support.engines import one_torch_thread  # noqa: F401 - a fixture (pytestmark below)

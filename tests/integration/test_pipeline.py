@@ -19,7 +19,8 @@ import pytest
 
 from rlbus.bus.client import Bus
 from rlbus.cli.status import gather_status
-from rlbus.schemas.config import BusConfig, load_config
+from rlbus.schemas.config import BusConfig
+from rlbus.schemas.config_io import load_config
 from rlbus.schemas.wire import ProducerHeartbeat, StepCompleted, TrajectoryGroup
 from tests.support.runs import (
     log_tail,

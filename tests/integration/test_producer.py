@@ -18,7 +18,7 @@ from rlbus.bus.client import Bus
 from rlbus.bus.transfer_queue import TransferQueue
 from rlbus.bus.weight_store import WeightStore
 from rlbus.producers.service import Producer
-from rlbus.schemas.config import from_dict
+from rlbus.schemas.config_io import from_dict
 from rlbus.schemas.wire import ChatMessage, DeadLetter, PromptTask, TrajectoryGroup, WeightsPublished
 
 

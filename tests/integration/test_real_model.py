@@ -63,7 +63,7 @@ def test_tool_agent_loop_on_the_real_model(smollm2_dir) -> None:
     from rlbus.common.data.datasets import example_to_task, load_heldout
     from rlbus.producers.build import build_rollout
     from rlbus.producers.evaluator import eval_metrics, eval_run_config
-    from rlbus.schemas.config import load_config
+    from rlbus.schemas.config_io import load_config
 
     cfg = eval_run_config(load_config(ROOT / "configs" / "smollm2_calculator.yaml", [f"model.path={smollm2_dir}"]))
     stack = build_rollout(cfg, seed=0)

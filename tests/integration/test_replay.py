@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from rlbus.schemas.config import RunConfig, from_dict, to_yaml
+from rlbus.schemas.config import RunConfig
+from rlbus.schemas.config_io import from_dict, to_yaml
 from rlbus.schemas.wire import SampleMeta, TrajectoryGroup
 from tests.integration.test_fsdp import VOCAB, build_tiny_qwen2
 

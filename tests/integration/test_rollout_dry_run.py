@@ -18,7 +18,7 @@ import torch
 from rich.console import Console
 
 from rlbus.producers.rollout_dry_run import main, run
-from rlbus.schemas.config import load_config
+from rlbus.schemas.config_io import load_config
 
 QUICKSTART = str(Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml")
 

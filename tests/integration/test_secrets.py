@@ -13,7 +13,8 @@ import sys
 import pytest
 
 from rlbus.bus.auth import load_creds
-from rlbus.schemas.config import REDACTED, load_config
+from rlbus.schemas.config import REDACTED
+from rlbus.schemas.config_io import load_config
 from rlbus.schemas.errors import ConfigError
 from tests.support.runs import ROOT, files_holding, small_run_config, write_config
 

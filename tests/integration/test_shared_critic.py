@@ -174,7 +174,7 @@ def test_shared_critic_replays_bit_for_bit(tmp_path: Path) -> None:
 
 
 def test_shared_critic_config_errors_name_the_field() -> None:
-    from rlbus.schemas.config import load_config
+    from rlbus.schemas.config_io import load_config
     from rlbus.schemas.errors import ConfigError
 
     base = ["model.path=m", "algorithm.adv_estimator=gae"]

@@ -186,7 +186,7 @@ async def test_partial_rollout_interrupts_stale_samples_and_restarts_them_on_new
     from rlbus.producers.agent_loops import make_agent_loop
     from rlbus.producers.agent_loops.base import StalenessWatch
     from rlbus.producers.rewards import load_reward
-    from rlbus.schemas.config import from_dict
+    from rlbus.schemas.config_io import from_dict
     from rlbus.schemas.wire import ChatMessage, PromptTask
 
     engine.update_mode = "keep"

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from rlbus.consumers.ledger import admission_bound, read_ledger
-from rlbus.schemas.config import load_config
+from rlbus.schemas.config_io import load_config
 from rlbus.trainer.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -226,7 +226,7 @@ def test_estimator_names_are_verls(verl) -> None:  # noqa: F811
 
 
 def test_bad_discounts_and_critic_settings_are_config_errors_naming_the_key() -> None:
-    from rlbus.schemas.config import load_config
+    from rlbus.schemas.config_io import load_config
     from rlbus.schemas.errors import ConfigError
 
     for override, key in [("algorithm.gamma=1.5", "algorithm.gamma"), ("algorithm.lam=-0.1", "algorithm.lam"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from rlbus.consumers.batcher import Batcher
-from rlbus.schemas.config import load_config
+from rlbus.schemas.config_io import load_config
 from rlbus.schemas.staleness import NO_VERSION
 from rlbus.schemas.wire import SampleMeta, TrajectoryGroup
 from tests.support.memory_bus import MemoryBus, MemoryDelivery, MemoryTransferQueue

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from rlbus.schemas.config import RunConfig, load_config, to_yaml
+from rlbus.schemas.config import RunConfig
+from rlbus.schemas.config_io import load_config, to_yaml
 from rlbus.schemas.errors import ConfigError
 
 

@@ -8,7 +8,8 @@ from rlbus.common.data.datasets import load_dataset, load_heldout
 from rlbus.common.model.demos import FEW_SHOT_PROBLEMS
 from rlbus.producers.agent_loops.base import Trajectory
 from rlbus.producers.evaluator import eval_metrics, eval_run_config, is_due
-from rlbus.schemas.config import DataConfig, load_config
+from rlbus.schemas.config import DataConfig
+from rlbus.schemas.config_io import load_config
 from rlbus.schemas.errors import ConfigError
 
 

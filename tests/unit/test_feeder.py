@@ -16,7 +16,8 @@ import pytest
 from rlbus.common.data import load_dataset
 from rlbus.consumers.event_log import read_entries
 from rlbus.consumers.recorder import Recorder
-from rlbus.schemas.config import DataConfig, load_config
+from rlbus.schemas.config import DataConfig
+from rlbus.schemas.config_io import load_config
 from rlbus.schemas.wire import DeadLetter, PromptTask, encode
 from rlbus.trainer.feeder import Feeder, Reissue, permutation
 from tests.support.memory_bus import MemoryBus

@@ -24,7 +24,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from rlbus.schemas import wire
-from rlbus.schemas.config import RunConfig, load_config
+from rlbus.schemas.config import RunConfig
+from rlbus.schemas.config_io import load_config
 from rlbus.schemas.errors import ConfigError, SchemaError
 from tests.unit.test_wire import ALL
 

@@ -16,7 +16,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from rlbus.schemas.config import ConfigError, GuardConfig, TrainerConfig, load_config
+from rlbus.schemas.config import GuardConfig, TrainerConfig
+from rlbus.schemas.config_io import load_config
+from rlbus.schemas.errors import ConfigError
 from rlbus.trainer.guard import StabilityGuard, rollback_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]

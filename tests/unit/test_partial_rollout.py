@@ -19,7 +19,8 @@ from rlbus.producers.engines.simulated import SimulatedEngine
 from rlbus.producers.rewards import load_reward
 from rlbus.producers.tools import load_tools
 from rlbus.schemas import staleness
-from rlbus.schemas.config import RunConfig, SimulatedEngineConfig, from_dict
+from rlbus.schemas.config import RunConfig, SimulatedEngineConfig
+from rlbus.schemas.config_io import from_dict
 from rlbus.schemas.wire import ChatMessage, PromptTask
 
 

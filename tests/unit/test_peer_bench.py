@@ -12,7 +12,7 @@ from bench.peer_task import SCORES, messages, problems, reward, score, score_con
 from bench.peer_trl import TASKS, Stamper, producers_label, rlbus_config, steady_steps_per_min, time_to_reward
 from rlbus.common.data import load_dataset
 from rlbus.producers.rewards.registry import load_reward
-from rlbus.schemas.config import load_config
+from rlbus.schemas.config_io import load_config
 
 
 @pytest.mark.parametrize("reply,want", [

@@ -5,7 +5,7 @@ import json
 from rich.console import Console
 
 from rlbus.cli.progress import RunMonitor, summary_table
-from rlbus.schemas.config import load_config
+from rlbus.schemas.config_io import load_config
 
 
 def _render(console: Console, renderable) -> str:

@@ -13,7 +13,8 @@ import time
 from rlbus.producers.engines import make_engine
 from rlbus.producers.engines.base import SamplingParams
 from rlbus.producers.engines.simulated import SimulatedEngine
-from rlbus.schemas.config import SimulatedEngineConfig, from_dict
+from rlbus.schemas.config import SimulatedEngineConfig
+from rlbus.schemas.config_io import from_dict
 
 
 def test_lengths_are_long_tailed_around_the_median_and_capped():

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from rlbus.common.threads import auto_threads, available_cpus, choose_threads
-from rlbus.schemas.config import load_config
+from rlbus.schemas.config_io import load_config
 from rlbus.schemas.errors import ConfigError
 
 

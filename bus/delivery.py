@@ -1,6 +1,6 @@
 """One message of a durable pull consumer, decoded into its type, and the dead letter of a delivered message.
 
-Deliveries come from `Bus.fetch` / `Bus.pull` (bus/client.py); settle each once: ack, nak, term or dead_letter.
+Deliveries come from `Bus.fetch` / `Bus.pull` (bus/consuming.py); settle each once: ack, nak, term or dead_letter.
 Every settle waits for JetStream to confirm it, so a caller that goes on to count pending messages, or exits, sees
 its effect.
 """

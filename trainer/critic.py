@@ -60,7 +60,7 @@ from rlbus.trainer.optim import (
 from rlbus.trainer.parallelize import compute_precision, parallelize
 
 if TYPE_CHECKING:
-    from rlbus.trainer.engine import _Accumulator
+    from rlbus.trainer.step_metrics import _Accumulator
 
 MicroBatches = Callable[[torch.Tensor], list[torch.Tensor | None]]  # rows -> micro-batches, padded with None
 VALUE_HEAD = "value_head"  # the shared head's attribute on the policy model: parameters value_head.weight / .bias

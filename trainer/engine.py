@@ -18,12 +18,10 @@ rank that runs out does empty passes. Tests: `pytest tests/integration/test_fsdp
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import nn
@@ -42,7 +40,7 @@ from rlbus.trainer.critic import (
     micro_value_loss,
     value_loss_scale,
 )
-from rlbus.trainer.dist import DistInfo, all_reduce, init_distributed, world_size
+from rlbus.trainer.dist import DistInfo, all_reduce, init_distributed
 from rlbus.trainer.memory import peak_rss_bytes, reset_peak_rss
 from rlbus.trainer.optim import (  # noqa: F401 - lr_factor, make_optimizer: this module's names for their users
     clipped_step,
@@ -53,6 +51,7 @@ from rlbus.trainer.optim import (  # noqa: F401 - lr_factor, make_optimizer: thi
     train_state,
 )
 from rlbus.trainer.parallelize import compute_precision, parallelize
+from rlbus.trainer.step_metrics import _Accumulator, correction_metrics
 
 BATCH_KEYS = ("input_ids", "attention_mask", "position_ids", "response_mask", "rollout_log_probs",
               "token_level_rewards", "group_index")  # fmt: skip
@@ -398,9 +397,9 @@ class TrainEngine:
         if actor_waits:
             metrics["actor/waiting"] = 1.0  # the critic's warm-up: the policy did not move this step
         elif corr is not None:
-            metrics.update(self._correction_metrics(corr.sums, corr.values_N))
+            metrics.update(correction_metrics(corr.sums, corr.values_N, self.correction))
         else:  # bypass: over every micro-batch of every update, token-weighted
-            metrics.update(self._correction_metrics(bypass_sums, None))
+            metrics.update(correction_metrics(bypass_sums, None, self.correction))
         timing["timing/step_s"] = time.perf_counter() - t_step
         timing["perf/peak_rss_gb"] = peak_rss_bytes() / 1024**3  # this step's peak, the largest over ranks
         names = list(timing)
@@ -431,21 +430,6 @@ class TrainEngine:
             sums = algo.MismatchSums.from_list(all_reduce(corr.sums.as_list(), "sum"))
             corr.weights_BT = corr.weights_BT / algo.batch_norm_factor(sums, self.correction)
         return corr
-
-    def _correction_metrics(self, sums: algo.MismatchSums, values_N: torch.Tensor | None) -> dict[str, float]:
-        """mismatch/*, is/*, rs/* of the step: sums over all ranks, percentiles of every rank's weights."""
-        total = algo.MismatchSums.from_list(all_reduce(sums.as_list(), "sum"))
-        if values_N is not None and world_size() > 1:
-            # Percentiles do not add up: gather the weights (one float per token, or per sequence at sequence
-            # level), padded with NaN to the longest rank's count, the padding dropped after.
-            (longest,) = all_reduce([float(values_N.numel())], "max")
-            padded_N = values_N.new_full((int(longest),), float("nan"))
-            padded_N[: values_N.numel()] = values_N
-            parts = [torch.empty_like(padded_N) for _ in range(world_size())]
-            dist.all_gather(parts, padded_N)
-            values_N = torch.cat(parts)
-            values_N = values_N[~values_N.isnan()]
-        return algo.mismatch_metrics(total, self.correction, values_N=values_N)
 
     def _fill_proximal(
         self,
@@ -557,48 +541,3 @@ class _Scores(NamedTuple):
     entropy_bT: torch.Tensor | None  # with_entropy
     values_bT: torch.Tensor | None  # values: the shared head's V_t
     zero: torch.Tensor  # 0, tied to the graph: an empty pass's loss
-
-
-class _Accumulator:
-    """Sums (value, weight) pairs per metric over a step, then all-reduces them once: sum(value) / sum(weight)."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, list[float]] = {}
-        self.global_names: set[str] = set()
-
-    def add(self, name: str, value: float, weight: float) -> None:
-        s = self.sums.setdefault(name, [0.0, 0.0])
-        s[0] += value
-        s[1] += weight
-
-    def add_update(self, prefix: str, grad_norm: float, lr: float) -> None:
-        """An optimizer update's grad norm and LR (`clipped_step`'s), and whether it was skipped (a NaN/inf norm)."""
-        self.add_global(f"{prefix}/grad_norm", grad_norm)
-        self.add_global(f"{prefix}/lr", lr)
-        if not math.isfinite(grad_norm):
-            self.add_global(f"{prefix}/skipped_updates", 1.0)
-
-    def add_global(self, name: str, value: float) -> None:
-        """A value that is already identical on every rank (grad norm, LR): averaged over updates, not ranks."""
-        self.global_names.add(name)
-        self.add(name, value, 1.0)
-
-    def reduce(self, *, num_updates: int) -> dict[str, float]:
-        names = sorted(self.sums)
-        flat = [x for n in names for x in self.sums[n]]
-        total = all_reduce(flat, "sum")
-        world = all_reduce([1.0], "sum")[0]
-        out: dict[str, float] = {}
-        for i, n in enumerate(names):
-            value, weight = total[2 * i], total[2 * i + 1]
-            if n in self.global_names:
-                value, weight = value / world, weight / world
-                out[n] = value if n.endswith("/skipped_updates") else value / max(weight, 1.0)
-            elif n in ("actor/pg_loss", "critic/vf_loss"):  # summed over ranks = each update's whole-batch loss;
-                # the mean over updates
-                out[n] = value / num_updates
-            elif weight == 0.0:  # a plain total (token counts)
-                out[n] = value
-            else:
-                out[n] = value / weight
-        return out

@@ -43,7 +43,7 @@ from rlbus.producers.agent_loops import make_agent_loop
 from rlbus.producers.agents import calculator
 from rlbus.producers.build import build_rollout
 from rlbus.producers.rewards import load_reward
-from rlbus.schemas.config import load_config
+from rlbus.schemas.config_io import load_config
 from rlbus.schemas.wire import PromptTask
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -223,7 +223,7 @@ def main() -> int:
     command = shlex.join([".venv/bin/python", "bench/partial_rollout.py", *sys.argv[1:]])
     console = Console()
     ensure_bench_model(BENCH_MODEL, console)
-    from rlbus.schemas.config import load_config
+    from rlbus.schemas.config_io import load_config
 
     n = load_config(SIM_CONFIG, [f"model.path={BENCH_MODEL}"]).rollout.n
     results: list[Result] = []

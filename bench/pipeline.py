@@ -140,7 +140,7 @@ def run_specs(workload: str, steps: int, quickstart_model: Path, producers: tupl
 
 
 def quickstart_producers() -> int:
-    from rlbus.schemas.config import load_config
+    from rlbus.schemas.config_io import load_config
 
     return load_config(QUICKSTART_CONFIG).rollout.num_producers
 
@@ -564,7 +564,7 @@ def main() -> int:
     qs_model = Path(args.quickstart_model) if args.quickstart_model else (
         QUICKSTART_MODEL if (QUICKSTART_MODEL / "config.json").is_file() else BENCH_MODEL)
 
-    from rlbus.schemas.config import load_config
+    from rlbus.schemas.config_io import load_config
 
     sim = load_config(SIM_CONFIG, [f"model.path={BENCH_MODEL}"])
     bench = Bench(command=command, steps=args.steps, warmup=args.warmup, machine=machine(),

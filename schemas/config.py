@@ -433,9 +433,7 @@ class FeederConfig(_Section):
     shuffle: bool = True  # shuffle the data set each epoch
     seed: int = 0  # shuffle seed (epoch e uses seed and e)
     max_attempts: int = 3  # releases of one example (first + re-issues) before it is given up
-    # A release whose group was dead-lettered as never put is re-issued this long after, unless a group of it came
-    # (a real producer's, still generating when a forged copy arrived); at least a rollout's length.
-    orphan_grace_s: float = 600.0
+    orphan_grace_s: float = 600.0  # a release whose group was dead-lettered as never put: re-issued this long after
 
     def __post_init__(self) -> None:
         _need(self.epochs >= 0, "epochs", "must be >= 0")

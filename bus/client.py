@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import ssl
 from types import TracebackType
 from typing import Any, TypeVar
@@ -52,6 +53,11 @@ STOP_RETRY_S = 10.0
 PUBLISH_TIMEOUT_S = 5.0
 #: nats-server error code: "stream name already in use with a different configuration".
 _STREAM_NAME_IN_USE = 10058
+
+
+#: The subject of a publish the server refused (nats-py hands the server's -ERR to the error callback as
+#: "nats: permissions violation for publish to \"<subject>\"").
+_REFUSED_PUBLISH = re.compile(r'permissions violation for publish to "([^"]+)"', re.IGNORECASE)
 
 
 def _is_auth_error(e: Exception) -> bool:
@@ -99,8 +105,10 @@ class Bus(Consuming):
     _fetch_subs: dict[tuple[str, str], JetStreamContext.PullSubscription]  # (stream, durable) -> fetch()'s inbox
     _fetch_failing_since: dict[str, float]  # durable -> loop time its fetches began to fail transiently
 
-    def __init__(self, cfg: BusConfig, run: str, name: str, nc: NATS):
+    def __init__(self, cfg: BusConfig, run: str, name: str, nc: NATS, refused: dict[str, str] | None = None):
         self.cfg = cfg
+        # subject -> the server's words, for each publish it refused since (filled by the connection's error callback)
+        self._refused = {} if refused is None else refused
         self.run = run
         self.name = name
         self.subjects = Subjects.for_run(run)
@@ -135,11 +143,14 @@ class Bus(Consuming):
             cfg = msgspec.structs.replace(cfg, url=url)
         servers = [u.strip() for u in url.split(",") if u.strip()]
         connected = False
+        refused: dict[str, str] = {}
 
         async def on_error(e: Exception) -> None:
             # While first connecting, a refused login will not get better by retrying: fail now, with the URL.
             if not connected and _is_auth_error(e):
                 raise BusError(f"NATS at {cfg.url} refused the credentials of {name or 'client'}: {e}") from e
+            if m := _REFUSED_PUBLISH.search(str(e)):
+                refused[m[1]] = str(e)
             log.warning("bus %s (%s): %s: %s", cfg.url, name, type(e).__name__, e)
 
         async def on_disconnect() -> None:
@@ -182,7 +193,7 @@ class Bus(Consuming):
             await nc.close()
             raise
         connected = True
-        return cls(cfg, run, name, nc)
+        return cls(cfg, run, name, nc, refused)
 
     async def close(self, timeout: float = 5.0) -> None:
         """Drain (flush publishes, let subscriptions finish) for at most `timeout` s, then close."""
@@ -323,11 +334,17 @@ class Bus(Consuming):
             return f"not acknowledged by JetStream at {self.cfg.url}: {type(e).__name__}: {e}"
 
         # A lost ack, a reconnect or a leader election: publish again. With a msg_id the server drops the copy if the
-        # first one was stored; without one a retry may store the message twice (at-least-once).
+        # first one was stored; without one a retry may store the message twice (at-least-once). A publish the server
+        # refused for lack of permission gets no reply either: it times out like a lost ack, but by then the error
+        # callback has the refusal, and asking again would not help.
         attempts = 0
+        self._refused.pop(subject, None)
 
         def attempt() -> Any:
             nonlocal attempts
+            if subject in self._refused:
+                raise BusError(f"bus {self.name}: publish on {subject!r}: the server refused it "
+                               f"({self._refused.pop(subject)}): this credential may not publish there")
             attempts += 1
             return self.js.publish(subject, payload, timeout=PUBLISH_TIMEOUT_S, headers=headers)
 

@@ -20,6 +20,7 @@ from rlbus.bus.auth import ROLES, load_creds
 from rlbus.bus.client import Bus
 from rlbus.bus.server import EmbeddedServer
 from rlbus.schemas.config import BusConfig
+from rlbus.schemas.errors import BusError
 from rlbus.schemas.wire import (
     ChatMessage,
     ProducerHeartbeat,
@@ -271,4 +272,26 @@ async def test_an_observer_watching_past_a_bad_message_is_not_held_up_by_its_dea
         assert seen[0].producer_id == "p9" and took < 10, took
     finally:
         for b in (producer, observer):
+            await b.close()
+
+
+async def test_a_publish_the_server_refuses_fails_at_once_naming_the_refusal(server):
+    """A publish refused for lack of permission gets no ack, like one lost in an outage; it is not retried for
+    bus.retry_s (30 s) but fails at its second attempt (its first times out after 5 s) with the server's reason. The
+    next allowed publish on the same connection goes through."""
+    observer = await Bus.connect(cfg(server, "observer"), "alpha", name="observer")
+    producer = await Bus.connect(cfg(server, "producer"), "alpha", name="producer")
+    beat = ProducerHeartbeat(producer_id="p9", version=1, host="h", pid=1, status="running", groups_done=1,
+                             tokens_generated=2, groups_per_min=1.0, inflight=0)  # fmt: skip
+    try:
+        await observer.await_streams(timeout=10)
+        loop = asyncio.get_running_loop()
+        for _ in range(2):  # a second refusal is caught as well (each publish starts with a clean record)
+            started = loop.time()
+            with pytest.raises(BusError, match="refused.*permissions violation.*may not publish there"):
+                await observer.publish(observer.subjects.event("heartbeat.p9"), beat)
+            assert loop.time() - started < 0.5 * observer.cfg.retry_s, loop.time() - started
+        assert (await producer.publish(producer.subjects.event("heartbeat.p9"), beat)).seq > 0
+    finally:
+        for b in (observer, producer):
             await b.close()

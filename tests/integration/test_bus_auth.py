@@ -247,14 +247,24 @@ async def test_restarted_server_keeps_every_role_credential(tmp_path):
     assert not any(p in conf for p in before.values())
 
 
+BEAT = ProducerHeartbeat(producer_id="p9", version=1, host="h", pid=1, status="running", groups_done=1,
+                         tokens_generated=2, groups_per_min=1.0, inflight=0)  # fmt: skip
+
+
+async def _producer_and_observer(server: EmbeddedServer) -> tuple[Bus, Bus]:
+    """Run alpha's streams made (by the admin), and a producer's and an observer's connection to them."""
+    async with await Bus.connect(cfg(server, "admin"), "alpha", name="admin") as admin:
+        await admin.ensure_streams()
+    return (await Bus.connect(cfg(server, "producer"), "alpha", name="producer"),
+            await Bus.connect(cfg(server, "observer"), "alpha", name="observer"))  # fmt: skip
+
+
 async def test_an_observer_watching_past_a_bad_message_is_not_held_up_by_its_dead_letter(server):
     # A malformed heartbeat (the nemesis publishes one with a producer credential): the observer may not publish the
     # dead letter its watch records, and a refused publish is retried for bus.retry_s (30 s). The watch must go on to
     # the next heartbeat at once, not after that budget.
-    producer = await Bus.connect(cfg(server, "producer"), "alpha", name="producer")
-    observer = await Bus.connect(cfg(server, "observer"), "alpha", name="observer")
-    beat = ProducerHeartbeat(producer_id="p9", version=1, host="h", pid=1, status="running", groups_done=1,
-                             tokens_generated=2, groups_per_min=1.0, inflight=0)  # fmt: skip
+    producer, observer = await _producer_and_observer(server)
+    beat = BEAT
     try:
         await observer.await_streams(timeout=10)
         subject = observer.subjects.event("heartbeat.p9")
@@ -279,10 +289,8 @@ async def test_a_publish_the_server_refuses_fails_at_once_naming_the_refusal(ser
     """A publish refused for lack of permission gets no ack, like one lost in an outage; it is not retried for
     bus.retry_s (30 s) but fails at its second attempt (its first times out after 5 s) with the server's reason. The
     next allowed publish on the same connection goes through."""
-    observer = await Bus.connect(cfg(server, "observer"), "alpha", name="observer")
-    producer = await Bus.connect(cfg(server, "producer"), "alpha", name="producer")
-    beat = ProducerHeartbeat(producer_id="p9", version=1, host="h", pid=1, status="running", groups_done=1,
-                             tokens_generated=2, groups_per_min=1.0, inflight=0)  # fmt: skip
+    producer, observer = await _producer_and_observer(server)
+    beat = BEAT
     try:
         await observer.await_streams(timeout=10)
         loop = asyncio.get_running_loop()

@@ -108,9 +108,10 @@ def main() -> int:
     ap.add_argument("--results", default="", help="default: bench/results/soak.json (nemesis.json with --nemesis)")
     ap.add_argument("--docs", default=str(RELIABILITY), help='page to write the "Soak" section to ("" = none)')
     ap.add_argument("--render", default="", help="only rewrite the docs section from a results file")
+    ap.add_argument("--heading", default="", help='the docs section\'s heading (default "## Nemesis" / "## Soak")')
     args = ap.parse_args()
     args.results = args.results or str(ROOT / "bench" / "results" / ("nemesis.json" if args.nemesis else "soak.json"))
-    heading = "## Nemesis" if args.nemesis else "## Soak"
+    heading = args.heading or ("## Nemesis" if args.nemesis else "## Soak")
     if args.render:
         result = json.loads(Path(args.render).read_text())
         write_section(heading, _section(result, args), Path(args.docs))
@@ -323,7 +324,7 @@ def _section(r: dict[str, Any], args: argparse.Namespace) -> str:
         return _nemesis_section(r, args)
     s = r["samples"]
     lines = [
-        "## Soak",
+        args.heading or "## Soak",
         "",
         (f"`python bench/soak.py --steps {args.steps} --producers {args.producers} --kill-every-s "
          f"{args.kill_every_s:g} --max-age-s {args.max_age_s:g} --seed {args.seed}`: the simulated engine, "
@@ -380,7 +381,7 @@ def _nemesis_section(r: dict[str, Any], args: argparse.Namespace) -> str:
     by_kind = ", ".join(f"{sum(f['kind'] == k for f in faults)} {k}" for k in kinds)
     mem = r["memory"]
     lines = [
-        "## Nemesis",
+        args.heading or "## Nemesis",
         "",
         f"`python bench/soak.py --nemesis --steps {args.steps} --faults {args.faults} --producers {args.producers} "
         f"--seed {r['seed']}` (the seed replays the schedule: `bench/nemesis.py`): the simulated engine, "

@@ -16,8 +16,9 @@ the stream's start), so a restarted trainer finds the same ones.
 
 Task ids are deterministic (`e<epoch>-i<index>-a<attempt>`) and sent as Nats-Msg-Id, so a feeder that restarts and
 re-releases a task within JetStream's duplicate window is de-duplicated. The feeder's position is written to
-`<run_dir>/feeder.json` after every release batch, so a restart continues where it stopped, not at the last
-checkpoint (tasks released since the checkpoint are still in the queue or with producers).
+`<run_dir>/feeder.json` before each release batch is published, with the batch as pending (write-ahead), so a
+restart continues where it stopped, not at the last checkpoint (tasks released since the checkpoint are still in
+the queue or with producers), never behind a task it already published, and publishes a pending batch again.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class FeederState(msgspec.Struct, kw_only=True):
     gave_up: list[str] = []  # their last task ids, so that the ledger accounts for each by name
     dead_lettered: list[str] = []  # task ids whose dead letter was handled (re-issued once)
     orphans_handled: list[str] = []  # task ids whose never-put group's dead letter was judged after the grace
+    pending: list[Reissue] = []  # releases saved as made before their publish (write-ahead): published on a restart
     exhausted: bool = False  # all epochs released
     attempts: dict[str, int] = {}  # "e<epoch>-i<index>" -> its latest re-issue (scheduled or released); absent: 0
 
@@ -175,6 +177,9 @@ class Feeder:
     # -------------------------------------------------------------- main loop
 
     async def run(self) -> None:
+        if self.state.pending:  # a feeder that died mid-batch: its releases go out (again; msg ids de-duplicate)
+            log.info("feeder: publishing %d release(s) saved before a restart", len(self.state.pending))
+            await self._publish_pending()
         while True:
             self._wake.clear()  # before reading the allowance: a notify() after this line is not missed
             self.reissue_orphans()
@@ -187,21 +192,32 @@ class Feeder:
                 pass
 
     async def _release(self, n: int) -> int:
-        count = 0
-        while count < n:
+        """Release up to `n` tasks. They are saved as released (and pending) before any is published: a feeder killed
+        mid-batch must not restart behind tasks it already published, or their groups would be refused as never
+        released while the restarted feeder's own release of them is de-duplicated away (the prompt stuck in
+        flight). The restart publishes the pending ones again (`run`)."""
+        items: list[Reissue] = []
+        while len(items) < n:
             item = self._next()
             if item is None:
                 break
-            index, epoch, attempt = item
-            task = self._task(index, epoch, attempt)
+            items.append(Reissue(*item))
+        if not items:
+            return 0
+        self.state.pending = items
+        self.state.released += len(items)
+        self._save()
+        await self._publish_pending()
+        return len(items)
+
+    async def _publish_pending(self) -> None:
+        for r in self.state.pending:
+            task = self._task(r.index, r.epoch, r.attempt)
             await self._bus.publish(self._bus.subjects.prompts, task, msg_id=task.task_id)
             if self._on_release is not None:  # a duplicate too: its first copy's ack may have been lost to a failover
                 self._on_release(task, self._bus.subjects.prompts)
-            self.state.released += 1
-            count += 1
-        if count:
-            self._save()
-        return count
+        self.state.pending = []
+        self._save()
 
     def _next(self) -> tuple[int, int, int] | None:
         s = self.state

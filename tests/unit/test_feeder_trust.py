@@ -7,6 +7,7 @@ dead-lettered with the reason (trainer/feeder.py `vouch`, consumers/batcher.py).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 
 from rlbus.consumers.batcher import NEVER_PUT, Batcher
 from rlbus.schemas.wire import DeadLetter, PromptTask, encode
-from rlbus.trainer.feeder import Feeder, Reissue
+from rlbus.trainer.feeder import Feeder, Reissue, task_id
 from tests.support.memory_bus import MemoryBus, MemoryTransferQueue
 from tests.unit.test_batcher import group
 from tests.unit.test_feeder import DATASET, N, Version, make_cfg
@@ -153,3 +154,48 @@ async def test_a_never_put_release_already_reissued_is_left_alone(tmp_path: Path
     await _orphaned(feeder, bus, dead_lettered_s_ago=700.0)
     feeder.abandon(0, 0, 0, reissue=True)  # e.g. its prompt's own dead letter re-issued it meanwhile
     assert feeder.reissue_orphans() == 0 and feeder.state.abandoned == 1
+
+
+class DyingBus(MemoryBus):
+    """Publishes `lives` messages, then the process 'dies' (the publish raises, as a SIGKILL would end it)."""
+
+    def __init__(self, lives: int) -> None:
+        super().__init__()
+        self.lives = lives
+
+    async def publish(self, subject, msg, msg_id=None):
+        if self.lives == 0:
+            raise SystemExit("killed")
+        self.lives -= 1
+        return await super().publish(subject, msg, msg_id)
+
+
+async def test_a_feeder_killed_mid_batch_restarts_ahead_of_what_it_published(tmp_path: Path) -> None:
+    """The trainer SIGKILLed between publishing some of a batch's tasks and saving its position: the restarted
+    feeder must vouch for the tasks already out (their groups were refused as never released before, and its own
+    release of them was then de-duplicated away, leaving each prompt in flight for good), and publishes the rest."""
+    cfg = make_cfg(tmp_path / "run")
+    dying = DyingBus(lives=2)
+    with pytest.raises(SystemExit):
+        await Feeder(cfg, DATASET, dying, Version())._release(4)
+    out = [msg.task_id for _, msg, _ in dying.published]
+    assert out == ["e0-i0-a0", "e0-i1-a0"]  # two of the four went out before the kill
+    bus = MemoryBus()
+    bus._msg_ids |= dying._msg_ids  # the same stream: JetStream's duplicate window holds their ids
+    again = Feeder(cfg, DATASET, bus, Version())
+    assert again.state.released == 4 and [r.index for r in again.state.pending] == [0, 1, 2, 3]
+    assert all(again.vouch(task_id(i, 0, 0), i, 0, 0) is None for i in range(4))  # the groups of all four are its
+    b = Batcher(cfg, bus, MemoryTransferQueue(), again)
+    d = bus.deliver_group(group(1))  # a producer already finished e0-i1-a0 before the restart
+    assert [g.group_id for g in await b.next_batch(version=0, need=1)] == ["e0-i1-a0"] and d.terms == 0
+    task = asyncio.create_task(again.run())
+    for _ in range(100):
+        if not again.state.pending:
+            break
+        await asyncio.sleep(0.01)
+    task.cancel()
+    assert again.state.pending == [] and bus.duplicates == ["e0-i0-a0", "e0-i1-a0"]
+    assert [msg.task_id for _, msg, _ in bus.published][:2] == ["e0-i2-a0", "e0-i3-a0"]
+    # the pending four were counted once, before the kill: only releases made after them count again
+    assert again.state.released == 4 + len(bus.published) - 2
+    assert Feeder(cfg, DATASET, MemoryBus(), Version()).state.pending == []

@@ -21,6 +21,7 @@ import logging
 import os
 import socket
 import time
+import uuid
 
 from rlbus.bus.client import Bus
 from rlbus.bus.delivery import Delivery
@@ -223,9 +224,11 @@ class Producer:
                          oldest, self.trainer_version, dropped)
                 await delivery.nak()
                 return
-            # Keys name the delivery: if an earlier delivery's group was published before its producer died, that
-            # group's metadata must keep pointing at its own tensors, not at this redo's.
-            prefix = f"{task.task_id}/d{delivery.num_delivered}"
+            # Keys are this rollout's own: if an earlier delivery's group was published before its producer died,
+            # that group's metadata must keep pointing at its own tensors, not at this redo's. The delivery number
+            # alone does not make them so: a nats-server killed before it persisted a delivery hands the task out
+            # again as delivery 1, and two producers then put (and the surplus one deleted) the same keys.
+            prefix = f"{task.task_id}/d{delivery.num_delivered}-{self.producer_id}-{uuid.uuid4().hex[:8]}"
             items = {f"{prefix}/{i}": t.tensors() for i, t in enumerate(trajectories)}
             unpublished = list(items)
             await self.tq.put_many(items)

@@ -44,8 +44,9 @@ run-vllm: $(VLLM_STAMP)
 test: $(VLLM_STAMP)
 	RLBUS_REQUIRE_VLLM=1 $(PY) tests/shards.py -q -ra --durations=30
 
+# The tests not marked slow (no system test): the unit tests beside the integration tests, two processes at once.
 test-fast: $(VLLM_STAMP)
-	RLBUS_REQUIRE_VLLM=1 $(PY) -m pytest -q -ra -m "not slow"
+	RLBUS_REQUIRE_VLLM=1 $(PY) tests/shards.py --fast -q -ra --durations=30
 
 # The quick benchmarks (a few minutes); bench/pipeline.py (about 20 minutes) runs on its own.
 bench: $(STAMP)

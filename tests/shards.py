@@ -1,6 +1,6 @@
 """`make test`: the suite as two pytest processes at once, each with its own nats-servers and local Ray.
 
-    .venv/bin/python tests/shards.py [PYTEST ARGS...]
+    .venv/bin/python tests/shards.py [--fast] [PYTEST ARGS...]
 
 The system tests (tests/system: whole `rlbus up` runs with faults injected) spend most of their time waiting: on
 restart back-offs, ack_wait, heartbeats, elections. Run alone they leave the CPU idle for most of their 20 minutes;
@@ -31,17 +31,29 @@ SHARDS = {
     "system": ["tests/system", *(f"--ignore={path}" for path in _BUSY_SYSTEM)],
     "unit-integration": ["tests/unit", "tests/integration", "tests/gpu", *_BUSY_SYSTEM],
 }
+#: `make test-fast` (--fast): the tests not marked slow (no system test is left unmarked). The unit tests take under
+#: a minute; the FSDP2 integration tests (CPU-bound, spawned gloo ranks) go beside them, the rest of the integration
+#: tests (real servers, much of it waiting) in the other shard.
+_FSDP = [f"tests/integration/{name}.py" for name in
+         ("test_fsdp", "test_shared_critic", "test_critic", "test_mixed_precision", "test_safe_loading")]
+FAST_SHARDS = {
+    "unit+fsdp": ["tests/unit", "tests/gpu", *_FSDP, "-m", "not slow"],
+    "integration": ["tests/integration", *(f"--ignore={path}" for path in _FSDP), "-m", "not slow"],
+}
 NO_TESTS = 5  # pytest's exit status when a selection (-m "not slow") leaves a shard nothing to run
 
 
 def main(args: list[str]) -> int:
+    shards = SHARDS
+    if args[:1] == ["--fast"]:
+        shards, args = FAST_SHARDS, args[1:]
     LOGS.mkdir(exist_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a CI timeout: the finally below stops the shards
     started = time.monotonic()
     procs: dict[str, tuple[subprocess.Popen, Path]] = {}
     failed: list[str] = []
     try:
-        for name, shard_args in SHARDS.items():
+        for name, shard_args in shards.items():
             # A temporary directory of its own: pytest prunes all but the newest few of the default ones, and would
             # prune a shard's (or another session's) from under its running tests.
             tmp = Path(tempfile.gettempdir()) / f"rlbus-shard-{name}"

@@ -194,11 +194,14 @@ class Batcher:
         await self._tq.delete(g.keys, owners=[g.task_id])
 
     async def _discard(self, d: Delivery[TrajectoryGroup], *, reissue: bool) -> None:
+        """Give up a group: its release abandoned (the feeder saves any re-issue) before the group is acked. In the
+        other order a trainer killed between the two would leave the prompt in flight for good (the group gone, no
+        re-issue saved); in this one the group comes back to a restarted trainer, which refuses it as superseded."""
         g = d.data
         self._discarded.add(g.group_id)
+        self._releases.abandon(g.index, g.epoch, g.attempt, reissue=reissue)
         await d.ack()
         await self._free(g)
-        self._releases.abandon(g.index, g.epoch, g.attempt, reissue=reissue)
 
     async def payload_missing(self, group_ids: list[str]) -> None:
         """Groups whose tensors are gone (Ray restarted): acknowledge them and re-issue their prompts.
@@ -221,9 +224,9 @@ class Batcher:
                     " s before the group was published, and do not hold them)")
                 continue
             self.counts.missing_payload += 1
+            self._releases.abandon(g.index, g.epoch, g.attempt, reissue=True)  # before the ack (see _discard)
             await held.delivery.ack()
             await self._free(g)
-            self._releases.abandon(g.index, g.epoch, g.attempt, reissue=True)
 
     async def roll_back(self, groups: list[tuple[str, int, int, int]]) -> int:
         """The trainer went back to an earlier checkpoint (its stability guard): `groups` (group id, index, epoch,

@@ -283,3 +283,18 @@ async def test_a_second_copy_of_a_discarded_group_is_acked_and_freed(bus, tq, re
     assert tq.deleted == [["e0-i0-a0/0", "e0-i0-a0/1"], ["e0-i0-a0/d2/0", "e0-i0-a0/d2/1"]]
     assert tq.owners_deleted == [["e0-i0-a0"], ["e0-i0-a0"]]
     assert releases.calls == [(0, 0, 0, True)]  # abandoned once
+
+
+async def test_a_dropped_groups_reissue_is_settled_before_its_ack(bus, tq, releases):
+    """The trainer killed while acking a group it drops (here: the ack never returns): the prompt's re-issue is
+    already with the feeder, so the prompt is not left in flight with its group gone."""
+    b = batcher(bus, tq, releases, "trainer.staleness_policy=drop")
+    stale = bus.deliver_group(group(0, versions=(5, 3)))
+
+    async def killed() -> None:
+        raise SystemExit("killed during the ack")
+
+    stale.ack = killed
+    with pytest.raises(SystemExit):
+        await b.next_batch(version=5, need=1)
+    assert releases.calls == [(0, 0, 0, True)]

@@ -350,6 +350,14 @@ def _section(r: dict[str, Any], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def _given_up(ledger: Any) -> str:
+    """Why the examples given up were: each one's releases' losses, as the feeder recorded them."""
+    why = ledger.get("given_up_why") if isinstance(ledger, dict) else None
+    if not why:
+        return ""
+    return " Examples given up, by why their releases were lost: " + "; ".join(f"{w} ({n})" for w, n in why.items()) + "."
+
+
 def _counts(ledger: Any) -> str:
     if not isinstance(ledger, dict):
         return "an unreadable ledger"
@@ -389,7 +397,7 @@ def _nemesis_section(r: dict[str, Any], args: argparse.Namespace) -> str:
         f"{r['steps']} steps x 8 groups of 4 in {r['wall_s']:.0f} s; {len(faults)} faults ({by_kind}) at steps drawn "
         f"from the seed; exit code {r['exit_code']}, ledger check (`rlbus events RUN_DIR --ledger`) exit "
         f"{r['ledger_exit']} over {_counts(r['ledger'])}" + (", problems: " + "; ".join(r["ledger"].get("problems", [])) if isinstance(
-            r["ledger"], dict) and r["ledger"].get("problems") else "") + ".",
+            r["ledger"], dict) and r["ledger"].get("problems") else "") + "." + _given_up(r["ledger"]),
         "",
         ("A stall is the time from the fault to the first step written after it (metrics.jsonl read every 0.1 s); "
          "the longest gap is the longest time without a new step from the fault until the tenth step line after it "

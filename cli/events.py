@@ -368,7 +368,8 @@ def print_ledger(run_dir: Path, console: Any, *, as_json: bool = False) -> int:
     ledger = read_ledger(run_dir)
     problems = ledger.problems(admission_bound(load_config(config)))
     if as_json:
-        print(json.dumps({**ledger.counts(), "in_flight_ids": sorted(ledger.in_flight), "problems": problems}))
+        print(json.dumps({**ledger.counts(), "in_flight_ids": sorted(ledger.in_flight),
+                          "given_up_why": ledger.given_up_why(), "problems": problems}))
     else:
         table = Table(title=f"prompt ledger of {run_dir}")
         table.add_column("prompts")
@@ -376,6 +377,8 @@ def print_ledger(run_dir: Path, console: Any, *, as_json: bool = False) -> int:
         for name, n in ledger.counts().items():
             table.add_row(name, str(n))
         console.print(table)
+        for why, n in ledger.given_up_why().items():
+            console.print(f"given up: {n} example(s) whose releases were lost as: {why}")
         for problem in problems:
             console.print(f"[red]{problem}[/red]")
         if not problems:

@@ -8,7 +8,8 @@ Read from a run directory alone (the event archive, docs/event-log.md, and the f
 - trained: the groups of each step's final record (events/steps.jsonl; a step redone after a crash replaces its
   record), which must hold no group twice, and only groups that were released;
 - the rest are accounted for by name: re-issued (a later attempt of the same example was released), dead-lettered
-  (events/dead_letters.jsonl: a prompt, or a group), given up after feeder.max_attempts releases (feeder.json), or
+  (events/dead_letters.jsonl: a prompt, or a group), given up after feeder.max_attempts releases (feeder.json, with
+  why each of its releases was lost: "too stale", "payload lost", ...), or
   in flight when the archive ends -- at most what admission lets be released ahead of training.
 
 The fault tests (tests/system/test_faults.py) end with this check.
@@ -39,6 +40,15 @@ class Ledger:
     reissued: set[str] = field(default_factory=set)
     dead_lettered: set[str] = field(default_factory=set)
     given_up: set[str] = field(default_factory=set)
+    why_lost: dict[str, list[str]] = field(default_factory=dict)  # "e<epoch>-i<index>" -> why each release was lost
+
+    def given_up_why(self) -> dict[str, int]:
+        """How many examples were given up for each sequence of losses ("too stale, too stale, payload lost": n)."""
+        out: Counter[str] = Counter()
+        for task in self.given_up:
+            m = _TASK.match(task)
+            out[", ".join(self.why_lost.get(f"e{m[1]}-i{m[2]}", ["not recorded"])) if m else "not recorded"] += 1
+        return dict(out.most_common())
 
     @property
     def in_flight(self) -> set[str]:
@@ -86,14 +96,16 @@ def read_ledger(run_dir: str | Path) -> Ledger:
             with contextlib.suppress(SchemaError):  # garbage on traj names no prompt
                 dead.add(groups.decode(e.msg.payload).task_id)
     feeder = Path(run_dir) / "feeder.json"
-    given_up = set(msgspec.json.decode(feeder.read_bytes(), type=FeederLedger).gave_up) if feeder.is_file() else set()
-    return Ledger(released=released, trained=trained, reissued=reissued, dead_lettered=dead, given_up=given_up)
+    state = msgspec.json.decode(feeder.read_bytes(), type=FeederLedger) if feeder.is_file() else FeederLedger()
+    return Ledger(released=released, trained=trained, reissued=reissued, dead_lettered=dead,
+                  given_up=set(state.gave_up), why_lost=state.lost)
 
 
 class FeederLedger(msgspec.Struct):
     """The part of trainer/feeder.py's FeederState the ledger reads (consumers/ does not import the trainer)."""
 
     gave_up: list[str] = []
+    lost: dict[str, list[str]] = {}
 
 
 def admission_bound(cfg: RunConfig) -> int:

@@ -432,7 +432,7 @@ class FeederConfig(_Section):
     epochs: int = 0  # passes over the data set; 0 = as many as trainer.total_steps needs
     shuffle: bool = True  # shuffle the data set each epoch
     seed: int = 0  # shuffle seed (epoch e uses seed and e)
-    max_attempts: int = 3  # releases of one example (first + re-issues) before it is given up
+    max_attempts: int = 3  # releases of one example (first + re-issues) before it is given up; the ledger says why
     orphan_grace_s: float = 600.0  # a release whose group was dead-lettered as never put: re-issued this long after
 
     def __post_init__(self) -> None:

@@ -45,6 +45,7 @@ from rlbus.schemas.wire import DeadLetter, PromptTask, TrajectoryGroup, TypedDec
 
 log = logging.getLogger("rlbus.feeder")
 _TASK_ID = re.compile(r"e(\d+)-i(\d+)-a(\d+)")
+_GROUPS = TypedDecoder(TrajectoryGroup)
 
 
 class Reissue(msgspec.Struct, array_like=True):
@@ -66,6 +67,7 @@ class FeederState(msgspec.Struct, kw_only=True):
     pending: list[Reissue] = []  # releases saved as made before their publish (write-ahead): published on a restart
     exhausted: bool = False  # all epochs released
     attempts: dict[str, int] = {}  # "e<epoch>-i<index>" -> its latest re-issue (scheduled or released); absent: 0
+    lost: dict[str, list[str]] = {}  # "e<epoch>-i<index>" -> why each of its releases that was re-issued was lost
 
 
 def task_id(index: int, epoch: int, attempt: int) -> str:
@@ -138,17 +140,23 @@ class Feeder:
         """The version moved or a release was abandoned: re-check admission."""
         self._wake.set()
 
-    def abandon(self, index: int, epoch: int, attempt: int, *, reissue: bool) -> None:
-        """A release will not become a trained group; optionally release the example again."""
+    def abandon(self, index: int, epoch: int, attempt: int, *, reissue: bool, why: str = "") -> None:
+        """A release will not become a trained group; optionally release the example again. `why` (a few words: "too
+        stale", "payload lost") is kept for an example released again, so that one given up says why each of its
+        releases was lost (the log line, feeder.json, `rlbus events --ledger`)."""
         self.state.abandoned += 1
         if reissue:
+            example = _example(index, epoch)
+            lost = self.state.lost.setdefault(example, [])
+            lost.append(why or "unspecified")
             if attempt + 1 < self.cfg.feeder.max_attempts:
                 self.state.reissues.append(Reissue(index=index, epoch=epoch, attempt=attempt + 1))
-                self.state.attempts[_example(index, epoch)] = attempt + 1
+                self.state.attempts[example] = attempt + 1
             else:
                 self.state.given_up += 1
                 self.state.gave_up.append(task_id(index, epoch, attempt))
-                log.warning("example %d (epoch %d) given up after %d releases", index, epoch, attempt + 1)
+                log.warning("example %d (epoch %d) given up after %d releases (lost: %s)", index, epoch, attempt + 1,
+                            ", ".join(lost))
         # Saved now, not at the next release: the group is already acked, so a crash before the next release would
         # lose the re-issue and keep the admission slot held for good.
         self._save()
@@ -280,7 +288,7 @@ class Feeder:
             handled.add(task.task_id)
             self.state.dead_lettered.append(task.task_id)
             log.warning("task %s was dead-lettered (%s); releasing it again", task.task_id, letter.reason)
-            self.abandon(task.index, task.epoch, task.attempt, reissue=True)  # saves the state
+            self.abandon(task.index, task.epoch, task.attempt, reissue=True, why="prompt dead-lettered")  # saves
             if self._forget is not None:  # a producer killed between its put and its publish left tensors behind
                 try:
                     await self._forget([task.task_id])
@@ -292,7 +300,7 @@ class Feeder:
         if NEVER_PUT not in letter.reason or letter.payload_bytes > len(letter.payload):
             return
         try:
-            g = TypedDecoder(TrajectoryGroup).decode(letter.payload)
+            g = _GROUPS.decode(letter.payload)
         except SchemaError:
             return
         if g.task_id in self._orphans or g.task_id in self.state.orphans_handled:
@@ -316,7 +324,7 @@ class Feeder:
                 continue
             log.warning("task %s: no group of it came within feeder.orphan_grace_s (%.0f s) of its group dead-lettered"
                         " as never put; releasing it again", task, self.cfg.feeder.orphan_grace_s)
-            self.abandon(index, epoch, attempt, reissue=True)  # saves the state
+            self.abandon(index, epoch, attempt, reissue=True, why="group never put")  # saves the state
             count += 1
         return count
 

@@ -21,9 +21,11 @@ pytestmark = pytest.mark.timeout(10)  # a next_batch waiting for a group that ne
 class RecordingReleases:
     def __init__(self) -> None:
         self.calls: list[tuple[int, int, int, bool]] = []
+        self.why: list[str] = []
 
-    def abandon(self, index: int, epoch: int, attempt: int, *, reissue: bool) -> None:
+    def abandon(self, index: int, epoch: int, attempt: int, *, reissue: bool, why: str = "") -> None:
         self.calls.append((index, epoch, attempt, reissue))
+        self.why.append(why)
 
     def vouch(self, task: str, index: int, epoch: int, attempt: int) -> str | None:
         return None  # every group here answers a release (tests/unit/test_feeder.py tests the feeder's own)
@@ -119,6 +121,7 @@ async def test_group_without_generated_tokens_is_never_too_stale(bus, tq, releas
     assert ids(await b.next_batch(version=100, need=1)) == ["e0-i3-a0"]
     assert (empty.acks, mixed.acks, old.acks) == (0, 0, 1)
     assert releases.calls == [(2, 0, 0, True)] and b.counts.dropped_stale == 1
+    assert releases.why == ["too stale"]  # kept with the example: one given up later says why
 
 
 async def test_dynamic_sampling_skips_uniform_groups_without_reissue(bus, tq, releases):
@@ -204,6 +207,7 @@ async def test_payload_missing_acks_deletes_and_reissues(bus, tq, releases):
     assert [d.acks for d in ds] == [0, 1] and tq.deleted == [["e2-i1-a0/0", "e2-i1-a0/1"]]
     assert tq.owners_deleted == [["e2-i1-a0"]]
     assert releases.calls == [(1, 2, 0, True)] and b.counts.missing_payload == 1
+    assert releases.why == ["payload lost"]
     b.trained_in(0, ["e2-i0-a0"])
     assert await b.commit(0) == 1 and b.trained_ids() == {"e2-i0-a0"}
 

@@ -11,6 +11,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from rlbus.common.data import load_dataset
@@ -143,12 +144,15 @@ async def test_an_abandon_survives_a_crash_before_the_next_release(tmp_path, bus
 async def test_example_is_given_up_after_max_attempts(tmp_path, bus, version):
     f = feeder(tmp_path, bus, version, "feeder.max_attempts=2")
     await f._release(1)
-    f.abandon(0, 0, 0, reissue=True)
+    f.abandon(0, 0, 0, reissue=True, why="payload lost")
     await f._release(1)
-    f.abandon(0, 0, 1, reissue=True)  # its 2nd release failed too: given up
+    f.abandon(0, 0, 1, reissue=True, why="too stale")  # its 2nd release failed too: given up
     assert (f.state.given_up, f.state.reissues, f.state.abandoned) == (1, [], 2)
     await f._release(1)
     assert task_ids(bus) == ["e0-i0-a0", "e0-i0-a1", "e0-i1-a0"]
+    # Why each release was lost is saved with the state, and the ledger names it for the example given up.
+    saved = msgspec.json.decode((tmp_path / "run" / "feeder.json").read_bytes())
+    assert saved["gave_up"] == ["e0-i0-a1"] and saved["lost"] == {"e0-i0": ["payload lost", "too stale"]}
 
 
 async def test_one_epoch_is_exhausted_after_the_data_set(tmp_path, bus, version):

@@ -28,3 +28,11 @@ def test_each_way_a_ledger_can_be_wrong_is_named():
     assert problem.startswith("5 released prompts unaccounted for (more than the 2")
     rereleased = Ledger(released=["e0-i0-a0", "e0-i0-a0"], trained=["e0-i0-a0"])
     assert rereleased.problems(10) == ["released more than once: ['e0-i0-a0']"]
+
+
+def test_examples_given_up_are_summed_by_why_their_releases_were_lost():
+    ledger = Ledger(released=[], trained=[], given_up={"e0-i3-a2", "e1-i4-a2", "e0-i5-a2", "e0-i6-a0"},
+                    why_lost={"e0-i3": ["too stale"] * 3, "e1-i4": ["too stale"] * 3,
+                              "e0-i5": ["payload lost", "too stale", "too stale"]})
+    assert ledger.given_up_why() == {"too stale, too stale, too stale": 2, "payload lost, too stale, too stale": 1,
+                                     "not recorded": 1}  # e0-i6: a feeder.json written before reasons were kept

@@ -223,9 +223,10 @@ class _SafeReader(dcp.FileSystemReader):
         return md
 
 
-def _dcp_load(state: dict[str, Any], ckpt: Path) -> None:
-    """`dcp.load(state, checkpoint_id=ckpt)` without unpickling anything from the checkpoint beyond plain values."""
-    reader = _SafeReader(ckpt, _read_metadata(ckpt))
+def _dcp_load(state: dict[str, Any], ckpt: Path, metadata: Metadata | None = None) -> None:
+    """`dcp.load(state, checkpoint_id=ckpt)` without unpickling anything from the checkpoint beyond plain values
+    (`metadata`: the checkpoint's, when the caller has already read it)."""
+    reader = _SafeReader(ckpt, metadata if metadata is not None else _read_metadata(ckpt))
     try:
         dcp.load(state, checkpoint_id=ckpt, storage_reader=reader, planner=_SafeLoadPlanner(ckpt))
     except CheckpointException as e:  # DCP gathers every rank's failure; ours say what was refused
@@ -369,9 +370,10 @@ def load_checkpoint(engine: TrainEngine, path: str | os.PathLike, extra_type: ty
             refused = e
     if all_reduce([1.0 if refused else 0.0], "max")[0] > 0:  # every rank stops, none waits in dcp.load for it
         raise refused or CheckpointError(path, "another rank refused its RNG state file (see that rank's error)")
-    _check_critic_layout(engine, path)
+    metadata = _read_metadata(path)
+    _check_critic_layout(engine, path, metadata)
     state = engine.state_dict()
-    _dcp_load(state, path)
+    _dcp_load(state, path, metadata)
     engine.load_state_dict(state)
     if rng is not None:
         try:
@@ -392,11 +394,11 @@ _CRITIC_LAYOUTS = {
 }
 
 
-def _check_critic_layout(engine: TrainEngine, ckpt: Path) -> None:
+def _check_critic_layout(engine: TrainEngine, ckpt: Path, metadata: Metadata) -> None:
     """Refuse, naming the settings, a checkpoint whose critic does not fit the run's: a separate critic's state, a
     head in the policy's state and its optimizer group cannot come from a checkpoint that has none (DCP would say
     only which keys are missing). A saved separate critic the run does without is left unread."""
-    keys = _read_metadata(ckpt).state_dict_metadata
+    keys = metadata.state_dict_metadata
     saved = ("separate" if any(k.startswith("critic.") for k in keys)
              else "shared" if any(k.startswith("model.value_head.") for k in keys) else "none")  # fmt: skip
     run = ("separate" if getattr(engine, "critic", None) is not None

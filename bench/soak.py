@@ -245,7 +245,7 @@ def main() -> int:
               "steps": rows[-1]["step"] if rows else 0, "groups_trained": len(rows) * 8, "groups_counted": groups,
               "kills": kills, "samples": samples, "ledger_exit": ledger.returncode,
               "ledger": json.loads(ledger.stdout) if ledger.stdout.strip().startswith("{") else ledger.stdout[-2000:],
-              "seed": args.seed, "stuck": stuck, "memory": _memory(samples)}
+              "seed": args.seed, "stuck": stuck, "memory": _memory(samples, cfg["bus"]["max_age_s"])}
     # The ledger must have seen the whole run (an empty event log would pass the check vacuously).
     trained = result["ledger"].get("trained") if isinstance(result["ledger"], dict) else None
     result["ledger_complete"] = trained == args.steps * cfg["trainer"]["groups_per_step"]
@@ -260,12 +260,12 @@ def main() -> int:
     print(f"exit {code}, {result['steps']} steps in {wall:.0f}s, {len(kills)} producer kills, "
           f"{len(result.get('faults', []))} faults, ledger exit {ledger.returncode} (complete: "
           f"{result['ledger_complete']}), memory flat: "
-          f"{all(m['flat'] for m in result['memory'].values())}; {args.results}")
+          f"{all(m['flat'] is not False for m in result['memory'].values())}; {args.results}")
     for f in result.get("faults", []):
         print(f"  {f}")
     if args.docs:
         write_section(heading, _section(result, args), Path(args.docs))
-    flat = all(m["flat"] for m in result["memory"].values())
+    flat = all(m["flat"] is not False for m in result["memory"].values())  # None: no verdict (a short run)
     ok = code == 0 and ledger.returncode == 0 and result["ledger_complete"] and flat and not stuck
     return 0 if ok else 1
 
@@ -289,10 +289,14 @@ def _quarters(values: list[float | None]) -> list[float] | None:
     return [statistics.median(values[round(i * q):round((i + 1) * q)]) for i in range(4)]
 
 
-def _memory(samples: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def _memory(samples: list[dict[str, Any]], max_age_s: float) -> dict[str, dict[str, Any]]:
     """First- and last-quarter medians of each process's RSS (producers: the mean over the live ones) and of the
-    TransferQueue's items; flat when the last is within FLAT_MB or FLAT_FRACTION of the first."""
-    series = {role: [x["rss_mb"].get(role) for x in samples]
+    TransferQueue's items; flat when the last is within FLAT_MB or FLAT_FRACTION of the first.
+
+    The nats-server's from `max_age_s` into the run on: it holds the streams, which grow by design until their
+    oldest messages reach `bus.max_age_s` and then stay level; its first quarter is taken from there (a run that
+    ends sooner says nothing about the server, and gets no verdict)."""
+    series = {role: [x["rss_mb"].get(role) if role != "nats-server" or x["t"] >= max_age_s else None for x in samples]
               for role in sorted({k for x in samples for k in x["rss_mb"] if not k.startswith("producer")})}
     series["producer (mean)"] = [
         statistics.mean(v) if (v := [r for k, r in x["rss_mb"].items() if k.startswith("producer") and r]) else None
@@ -302,6 +306,8 @@ def _memory(samples: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     for name, values in series.items():
         q = _quarters(values)
         if q is None:
+            if name == "nats-server":
+                out[name] = {"flat": None, "why": f"the run was shorter than bus.max_age_s ({max_age_s:g} s)"}
             continue
         grew = q[3] - q[0]
         out[name] = {"first_quarter": round(q[0], 1), "last_quarter": round(q[3], 1), "grew": round(grew, 1),
@@ -356,6 +362,12 @@ def _given_up(ledger: Any) -> str:
     if not why:
         return ""
     return " Examples given up, by why their releases were lost: " + "; ".join(f"{w} ({n})" for w, n in why.items()) + "."
+
+
+def _verdict(name: str, m: dict[str, Any]) -> str:
+    if m.get("flat") is None:
+        return f"{name}: no verdict ({m.get('why', 'too few samples')})"
+    return f"{name} {m['first_quarter']:g} -> {m['last_quarter']:g}{'' if m['flat'] else ' (NOT flat)'}"
 
 
 def _counts(ledger: Any) -> str:
@@ -445,9 +457,9 @@ def _nemesis_section(r: dict[str, Any], args: argparse.Namespace) -> str:
     if r.get("findings"):  # written into the results file by whoever read the logs of the run
         lines += ["", "What the run found:", "", *[f"- {x}" for x in r["findings"]]]
     lines += ["", f"Memory (median of the first quarter of the samples -> the last; flat when it grew by at most "
-                  f"{FLAT_MB:g} MB or {FLAT_FRACTION:.0%}): "
-              + "; ".join(f"{k} {m['first_quarter']:g} -> {m['last_quarter']:g}{'' if m['flat'] else ' (NOT flat)'}"
-                          for k, m in mem.items()) + ".", "", *_resource_table(r["samples"]),
+                  f"{FLAT_MB:g} MB or {FLAT_FRACTION:.0%}; the nats-server's from bus.max_age_s into the run, once the "
+                  "streams it holds stopped growing): "
+              + "; ".join(_verdict(k, m) for k, m in mem.items()) + ".", "", *_resource_table(r["samples"]),
               "", machine_line(r["machine"])]
     return "\n".join(lines)
 

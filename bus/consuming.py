@@ -19,6 +19,7 @@ import contextlib
 import datetime
 import logging
 import time
+from collections.abc import Iterable
 from typing import Any, AsyncIterator, Literal, TypeVar
 
 import msgspec
@@ -38,6 +39,8 @@ T = TypeVar("T")
 
 #: How long a fetch waits before it asks again after a transient failure (no consumer leader, a reconnect).
 FETCH_RETRY_WAIT_S = 0.5
+#: How long `nak_replies` waits for its naks to reach the server.
+NAK_FLUSH_TIMEOUT_S = 2.0
 
 DeliverFrom = Literal["new", "all", "last", "last_per_subject"]
 _DELIVER = {
@@ -76,6 +79,26 @@ class Consuming:
         finally:
             if not self.nc.is_closed:
                 await sub.unsubscribe()
+
+    async def nak_replies(self, subject: str, durable: str, replies: Iterable[str]) -> int:
+        """Redeliver now what a dead predecessor held unsettled: a -NAK to each delivery's ack subject (`replies`,
+        saved by that predecessor: `Delivery.reply`), so that its messages come back at once instead of after
+        ack_wait. Sent without waiting for an answer: a delivery settled or redelivered meanwhile gets none, and a
+        nak lost to an outage leaves its message to ack_wait as before. Only subjects of `durable`'s consumer on
+        `subject`'s stream are sent to; returns how many."""
+        prefix = f"$JS.ACK.{self.stream_of(subject)}.{durable}."
+        sent = 0
+        for reply in replies:
+            if isinstance(reply, str) and reply.startswith(prefix) and " " not in reply:
+                await self.nc.publish(reply, b"-NAK")
+                sent += 1
+        if sent:
+            try:
+                await self.nc.flush(timeout=NAK_FLUSH_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 -- an outage: what did not go out comes back after ack_wait
+                log.warning("bus %s: naks of %d delivery(ies) not confirmed flushed: %s", self.name, sent,
+                            describe_error(e))
+        return sent
 
     async def _fetch_decoded(
         self, sub: JetStreamContext.PullSubscription, durable: str, decoder: TypedDecoder, batch: int, timeout: float

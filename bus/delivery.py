@@ -56,6 +56,12 @@ class Delivery(Generic[T]):
         return self._msg.metadata.timestamp.timestamp()
 
     @property
+    def reply(self) -> str:
+        """The subject this delivery is acked on (`$JS.ACK.<stream>.<consumer>....`): any client allowed to publish
+        there settles it, a successor of the role that fetched it too (`Bus.nak_replies`)."""
+        return self._msg.reply
+
+    @property
     def msg_id(self) -> str:
         """The Nats-Msg-Id header ("" if the publisher set none)."""
         return msg_id_of(self._msg)

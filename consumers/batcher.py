@@ -7,7 +7,8 @@ groups already trained (a redelivery after a restart is acknowledged, not retrai
 
 Acks are held: a group used by step s is acknowledged only by `commit(s)`, after the step is durable (checkpointed).
 Until then a background task keeps its delivery alive with `in_progress()`, so JetStream does not redeliver it while
-the trainer is healthy, and does redeliver it if the trainer dies.
+the trainer is healthy, and does redeliver it if the trainer dies: at once, when the restarted trainer naks what its
+predecessor held (`take_over`), from the ack subjects the predecessor kept in its run directory.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from pathlib import Path
 from typing import Callable, Protocol
 
 import msgspec
 
 from rlbus.bus.client import Bus
 from rlbus.bus.delivery import Delivery
+from rlbus.bus.handover import Handover
 from rlbus.bus.loop import raise_if_failed
 from rlbus.bus.transfer_queue import TransferQueue
 from rlbus.schemas import staleness
@@ -76,10 +79,14 @@ class Batcher:
     _backlog: list[Delivery[TrajectoryGroup]]
     _keepalive: asyncio.Task | None
     _bound: Callable[[], int] | None  # the staleness bound in force (the trainer's stability guard); None = configured
+    _handover: Handover | None  # the ack subjects of the unsettled deliveries, kept for a successor
 
     def __init__(self, cfg: RunConfig, bus: Bus, tq: TransferQueue, releases: Releases,
-                 trained: set[str] | None = None, max_staleness: Callable[[], int] | None = None):
+                 trained: set[str] | None = None, max_staleness: Callable[[], int] | None = None,
+                 handover: Path | None = None):
         self.cfg = cfg
+        subjects = bus.subjects
+        self._handover = None if handover is None else Handover(handover, bus, subjects.traj, subjects.traj_consumer)
         self._bound = max_staleness
         self._bus, self._tq, self._releases = bus, tq, releases
         self.trained = set(trained or ())
@@ -97,6 +104,19 @@ class Batcher:
             self._keepalive.cancel()
             await asyncio.gather(self._keepalive, return_exceptions=True)
 
+    # -------------------------------------------------------------- a predecessor's deliveries
+
+    async def take_over(self) -> int:
+        """Before the first fetch: the groups a killed predecessor held unacked go back for redelivery now, not after
+        bus.ack_wait_s (bus/handover.py); the restarted trainer would wait that long for the groups of the steps it
+        lost. Returns how many were named."""
+        return 0 if self._handover is None else await self._handover.take_over()
+
+    def _save_unsettled(self) -> None:
+        """Keep the ack subjects of every delivery held or in the backlog for a successor (after each fetch)."""
+        if self._handover is not None:
+            self._handover.save([h.delivery.reply for h in self._held.values()] + [d.reply for d in self._backlog])
+
     # -------------------------------------------------------------- forming a batch
 
     async def next_batch(self, version: int, need: int | None = None) -> list[TrajectoryGroup]:
@@ -109,6 +129,8 @@ class Batcher:
             if not self._backlog:
                 self._backlog = await self._bus.fetch(subjects.traj, subjects.traj_consumer, TrajectoryGroup,
                                                       batch=need - len(batch), timeout=1.0)
+                if self._backlog:
+                    self._save_unsettled()
             while self._backlog and len(batch) < need:
                 # Judged one at a time at the current version: a leftover waits for the next batch unjudged,
                 # so its staleness is measured against the version that trains it.
@@ -132,6 +154,8 @@ class Batcher:
             got = await self._bus.fetch(subjects.traj, subjects.traj_consumer, TrajectoryGroup,
                                         batch=max(1, len(want - seen)), timeout=1.0)
             self._backlog.extend(got)
+            if got:
+                self._save_unsettled()
             seen.update(d.data.group_id for d in got)
         order = {gid: i for i, gid in enumerate(group_ids)}
         # Lost steps' groups first, in their old order; the rest keep their delivery order behind them.

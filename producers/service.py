@@ -25,6 +25,7 @@ import uuid
 
 from rlbus.bus.client import Bus
 from rlbus.bus.delivery import Delivery
+from rlbus.bus.handover import Handover
 from rlbus.bus.loop import raise_if_failed, run, serve
 from rlbus.bus.ray_cluster import ensure_ray
 from rlbus.bus.transfer_queue import TransferQueue
@@ -90,6 +91,9 @@ class Producer:
     tokens_generated: int  # generated tokens of the groups this producer published
     tokens_discarded: int  # generated tokens of groups it gave back as too stale (restarts: discarded())
     _inflight: dict[str, asyncio.Task]
+    _named: bool  # its id was given (`rlbus up` gives p0, p1, ...): a successor under it takes over its tasks
+    _handover: Handover | None  # the ack subjects of the tasks it holds, kept for that successor (bus/handover.py)
+    _unsettled: dict[str, str]  # task id -> its delivery's ack subject, while the task is held
     _stopping: asyncio.Event
     _started_at: float
     _load_lock: asyncio.Lock
@@ -100,6 +104,9 @@ class Producer:
     def __init__(self, cfg: RunConfig, producer_id: str = ""):
         self.cfg = cfg
         self.producer_id = check_producer_id(producer_id or default_producer_id().replace(".", "_"))
+        self._named = bool(producer_id)  # a given id: a restart under it takes over what this one held
+        self._handover = None
+        self._unsettled = {}
         self.bus = self.tq = self.weight_store = self.engine = self.agent_loop = None
         self.trainer_version = 0
         self.groups_done = self.groups_abandoned = self.tokens_generated = self.tokens_discarded = 0
@@ -117,6 +124,11 @@ class Producer:
         cfg = self.cfg
         self.bus = await Bus.connect(cfg.bus, cfg.name, name=f"producer-{self.producer_id}")
         await self.bus.await_streams()  # a producer's credential may not create them: the trainer does
+        if self._named:  # tasks a killed predecessor under this id held go back now, not after bus.ack_wait_s
+            cfg.run_dir.mkdir(parents=True, exist_ok=True)
+            self._handover = Handover(cfg.run_dir / f"producer-{self.producer_id}-unacked.json", self.bus,
+                                      self.bus.subjects.prompts, self.bus.subjects.prompts_consumer)
+            await self._handover.take_over()
         # Before Ray: under `rlbus up` the head may still be starting (ensure_ray waits).
         stack = build_rollout(cfg, instance=self.producer_id)
         self.engine, self.agent_loop = stack.engine, stack.agent_loop
@@ -152,6 +164,9 @@ class Producer:
                     slots.release()
                     continue
                 delivery = deliveries[0]
+                self._unsettled[delivery.data.task_id] = delivery.reply
+                if self._handover is not None:
+                    self._handover.save(self._unsettled.values())
                 if self._stopping.is_set():  # fetched while asked to stop: give it straight back
                     await delivery.nak()
                     slots.release()
@@ -159,6 +174,7 @@ class Producer:
                 task = asyncio.create_task(self._handle(delivery), name=delivery.data.task_id)
                 self._inflight[delivery.data.task_id] = task
                 task.add_done_callback(lambda t, tid=delivery.data.task_id: (self._inflight.pop(tid, None),
+                                                                             self._unsettled.pop(tid, None),
                                                                              slots.release()))
             await self._drain()
             if self._fatal is not None:  # the engine is gone: exit non-zero (`rlbus up` restarts the producer)

@@ -64,6 +64,8 @@ from rlbus.trainer.metrics import MetricsLog
 from rlbus.trainer.worker import StepPlan, StepResult, StepWorker, plan_shards
 
 log = logging.getLogger("rlbus.trainer")
+#: In the run directory: the ack subjects of the groups the trainer holds unacked, for a restarted trainer to nak.
+UNACKED_FILE = "trainer-unacked.json"
 
 
 class TrainerService:
@@ -124,7 +126,7 @@ class TrainerService:
         if "feeder" in extra:
             self.feeder.load_state_dict(extra["feeder"])
         self.batcher = Batcher(cfg, self.bus, self.worker.tq, self.feeder, trained=set(extra.get("trained", ())),
-                               max_staleness=bound)
+                               max_staleness=bound, handover=run_dir / UNACKED_FILE)
         self.metrics = MetricsLog(run_dir, tensorboard=cfg.logging.tensorboard, resume_step=self.step,
                                   logging=cfg.logging, run_name=cfg.name, config=yaml.safe_load(to_yaml(cfg)))
         if cfg.eval.interval > 0:  # before the first weights go out: the evaluator scores version 0 at once
@@ -135,6 +137,7 @@ class TrainerService:
         # Producers (and late joiners via the KV bucket) need the weights of the version we resume at.
         result = await self._execute(StepPlan(step=self.step, shards=None, publish=True, checkpoint=None))
         await self._publish_weights(result.state_dict)
+        await self.batcher.take_over()  # what a killed predecessor held comes back now, not after ack_wait
         self.batcher.start()
         lost = await self._groups_of_lost_steps()
         if lost:

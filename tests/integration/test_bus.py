@@ -136,6 +136,38 @@ async def test_nak_with_delay_redelivers_later(bus_config: BusConfig, run_name: 
         await again[0].ack()
 
 
+async def test_a_successor_naks_what_a_dead_consumer_held_and_it_comes_back_at_once(bus_config: BusConfig,
+                                                                                      run_name: str) -> None:
+    # ack_wait of a minute: without the naks nothing would come back within this test.
+    cfg = msgspec.structs.replace(bus_config, ack_wait_s=60.0)
+    dead = await _bus(cfg, run_name, "dead")
+    s = dead.subjects
+    for i in range(3):
+        await dead.publish(s.traj, _group(i), msg_id=f"g{i}")
+    await dead.publish(s.prompts, _task(9))
+    held = await dead.fetch(s.traj, s.traj_consumer, TrajectoryGroup, batch=3, timeout=2.0)
+    (task,) = await dead.fetch(s.prompts, s.prompts_consumer, PromptTask, timeout=2.0)
+    replies = [d.reply for d in held]
+    await dead.close()  # gone without settling anything, as a SIGKILLed role
+    async with await _bus(cfg, run_name, "successor") as bus:
+        assert await bus.fetch(s.traj, s.traj_consumer, TrajectoryGroup, batch=3, timeout=0.5) == []
+        # Only the traj consumer's ack subjects are sent to: not another consumer's, not any other subject.
+        sent = await bus.nak_replies(s.traj, s.traj_consumer, [*replies, task.reply, f"{s.traj}.x", "$JS.API.>"])
+        assert sent == 3
+        t0 = time.monotonic()
+        back: list = []
+        while len(back) < 3 and time.monotonic() - t0 < 10:
+            back += await bus.fetch(s.traj, s.traj_consumer, TrajectoryGroup, batch=3, timeout=1.0)
+        assert sorted(d.data.group_id for d in back) == ["g0", "g1", "g2"] and all(d.num_delivered == 2 for d in back)
+        for d in back:
+            await d.ack()
+        # The prompt's delivery was not named: it waits for its ack_wait.
+        assert await bus.fetch(s.prompts, s.prompts_consumer, PromptTask, timeout=0.5) == []
+        # A second nak of settled deliveries changes nothing.
+        assert await bus.nak_replies(s.traj, s.traj_consumer, replies) == 3
+        assert await bus.fetch(s.traj, s.traj_consumer, TrajectoryGroup, timeout=0.5) == []
+
+
 async def test_garbage_is_dead_lettered_and_consumer_goes_on(bus_config: BusConfig, run_name: str) -> None:
     async with await _bus(bus_config, run_name) as bus:
         s = bus.subjects

@@ -48,8 +48,10 @@ def _up(tmp_path: Path, tiny_model_dir, run_name: str, total: int, **sections) -
 def test_trainer_sigkilled_under_rlbus_up_is_restarted_and_the_run_finishes(tmp_path, tiny_model_dir, run_name):
     # The checkpoint is at step 3; the trainer dies after step 5. The launcher starts it again at once -- well
     # inside JetStream's duplicate window -- it republishes version 3, producers follow it down, steps 4-5 are redone.
+    # ack_wait is long (120 s): the groups the dead trainer held unacked come back because the restarted one naks
+    # them (consumers/batcher.py `take_over`), not because ack_wait ran out.
     run_dir, cfg, cfg_path = _up(tmp_path, tiny_model_dir, run_name, 8, trainer={"checkpoint_interval": 3},
-                                 rollout={"num_producers": 2})
+                                 rollout={"num_producers": 2}, bus={"ack_wait_s": 120.0})
     up = start_role("up", cfg_path, tmp_path / "logs", name="up")
     try:
         trainer = _child_running(up, "trainer")
@@ -59,6 +61,14 @@ def test_trainer_sigkilled_under_rlbus_up_is_restarted_and_the_run_finishes(tmp_
     finally:
         stop(up, signal.SIGKILL)
     assert "trainer exited with code -9; restarting" in (tmp_path / "logs" / "up.log").read_text()
+    log = (run_dir / "logs" / "trainer.log").read_text()
+    assert re.search(r"traj \(trainer\): [1-9]\d* delivery\(ies\) a predecessor held unsettled go back", log), log[-3000:]
+    waited = re.search(r"(\d\d):(\d\d):(\d\d) INFO rlbus.trainer: resuming at step 3: waiting for [1-9]\d* group.*\n"
+                       r"(?:.*\n)*?(\d\d):(\d\d):(\d\d) INFO rlbus.trainer: trainer up at step 3", log)
+    assert waited, log[-3000:]
+    h0, m0, s0, h1, m1, s1 = map(int, waited.groups())
+    assert (h1 * 3600 + m1 * 60 + s1 - h0 * 3600 - m0 * 60 - s0) % 86400 < 60, waited.group(0)  # not ack_wait's 120 s
+    assert "did not come back" not in log
     check_ledger(run_dir, cfg)
 
 
@@ -84,6 +94,44 @@ def test_producers_killed_again_and_again_do_not_stop_the_run(tmp_path, tiny_mod
         stop(up, signal.SIGKILL)
     assert kills == 7
     check_ledger(run_dir, cfg)
+
+
+def test_a_producer_killed_holding_a_task_gets_it_back_when_restarted_not_after_ack_wait(tmp_path, tiny_model_dir,
+                                                                                        run_name):
+    # One producer with slow rollouts (about 3 s a task) and ack_wait 120 s: killed while it rolls a task out, it is
+    # restarted under its id by `rlbus up` and naks what its predecessor held (bus/handover.py); the task is rolled
+    # out again (delivery 2) well before ack_wait would have handed it out.
+    engine = {"type": "simulated", "mean_tokens": 16, "tail_alpha": 3.0, "seconds_per_token": 0.2}
+    run_dir, cfg, cfg_path = _up(tmp_path, tiny_model_dir, run_name, 6, bus={"ack_wait_s": 120.0},
+                                 rollout={"num_producers": 1, "agent_loop": "single_turn", "engine": engine})
+    up = start_role("up", cfg_path, tmp_path / "logs", name="up")
+    log = run_dir / "logs" / "producer-0.log"
+    try:
+        wait_for_steps(run_dir, 1, [up], timeout=400)
+        victim = _child_running(up, "producer")
+        deadline = time.monotonic() + 120
+        while not _unfinished(log.read_text()):
+            assert time.monotonic() < deadline and up.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.1)
+        os.kill(victim, signal.SIGKILL)  # our launcher's own child, by pid
+        killed = time.monotonic()
+        held = _unfinished(log.read_text())  # its incarnation's log is complete now
+        assert held
+        again = re.compile(rf"task ({'|'.join(map(re.escape, held))}): rolling out \(delivery 2\)")
+        while not again.search(log.read_text()):
+            assert time.monotonic() - killed < 60, log.read_text()[-3000:]  # ack_wait would take 120 s
+            time.sleep(0.2)
+        assert "a predecessor held unsettled go back" in log.read_text()
+        assert up.wait(timeout=600) == 0
+    finally:
+        stop(up, signal.SIGKILL)
+    check_ledger(run_dir, cfg)
+
+
+def _unfinished(log: str) -> list[str]:
+    """Tasks a producer's log shows begun (delivery 1) and not done."""
+    begun = re.findall(r"task (\S+): rolling out \(delivery 1\)", log)
+    return [t for t in begun if f"task {t}: done" not in log and f"task {t} abandoned" not in log]
 
 
 def test_a_producer_stopped_past_ack_wait_has_its_task_redelivered_and_catches_up_when_woken(tmp_path, tiny_model_dir,

@@ -1,0 +1,37 @@
+"""bus/handover.py: the ack subjects a role keeps for its successor (the naks themselves: tests/integration/test_bus.py,
+a trainer restarted under `rlbus up`: tests/system/test_faults.py).
+
+    .venv/bin/python -m pytest -q tests/unit/test_handover.py
+"""
+
+from __future__ import annotations
+
+from rlbus.bus.handover import Handover
+
+
+class NakRecorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, list[str]]] = []
+
+    async def nak_replies(self, subject: str, durable: str, replies) -> int:
+        self.calls.append((subject, durable, list(replies)))
+        return len(self.calls[-1][2])
+
+
+async def test_a_successor_naks_the_last_list_its_predecessor_saved(tmp_path):
+    path = tmp_path / "trainer-unacked.json"
+    dead = Handover(path, NakRecorder(), "run.traj", "trainer")
+    dead.save(["$JS.ACK.a.trainer.1.1.1.1.0", "$JS.ACK.a.trainer.1.2.2.1.0"])
+    dead.save(["$JS.ACK.a.trainer.1.2.2.1.0", "$JS.ACK.a.trainer.1.3.3.1.0"])  # replaced, not appended
+    bus = NakRecorder()
+    assert await Handover(path, bus, "run.traj", "trainer").take_over() == 2
+    assert bus.calls == [("run.traj", "trainer", ["$JS.ACK.a.trainer.1.2.2.1.0", "$JS.ACK.a.trainer.1.3.3.1.0"])]
+    assert not path.with_suffix(".tmp").exists()
+
+
+async def test_no_list_or_an_unreadable_one_names_nothing(tmp_path):
+    bus = NakRecorder()
+    assert await Handover(tmp_path / "none.json", bus, "run.traj", "trainer").take_over() == 0
+    (tmp_path / "bad.json").write_bytes(b'{"not": "a list"')
+    assert await Handover(tmp_path / "bad.json", bus, "run.traj", "trainer").take_over() == 0
+    assert bus.calls == []  # what the list named comes back after ack_wait, as without it

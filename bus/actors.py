@@ -125,6 +125,10 @@ class Shard:
             }
         }
 
+    def missing(self, keys: list[str]) -> dict:
+        """Which of `keys` this shard does not hold, and since when it has run (its tensors are not read)."""
+        return {"missing": [k for k in keys if k not in self.items], "started_at": self.started_at}
+
     def delete(self, keys: list[str], owners: list[str] = ()) -> int:
         """Drop keys, and every key of each owner; returns how many were stored."""
         doomed = set(keys).union(*(self.by_owner.get(o, ()) for o in owners))

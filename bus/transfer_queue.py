@@ -230,6 +230,18 @@ class TransferQueue:
             return time.time()  # a shard down now: whatever it held is lost
         return max((s["started_at"] for s in shards), default=0.0)
 
+    def _missing_plan(self, keys: Sequence[str]) -> Plan[tuple[list[str], float]]:
+        by_shard: dict[int, list[str]] = {}
+        for key in keys:
+            by_shard.setdefault(self.shard_of(key), []).append(key)
+        try:
+            replies = yield from retried(lambda: [self.shards[i].missing.remote(ks) for i, ks in by_shard.items()],
+                                         f"TransferQueue {self.run} missing", revive=self._revive)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError):
+            return list(keys), time.time()  # a shard down now: whatever it held is lost
+        lost = {k for r in replies for k in r["missing"]}
+        return [k for k in keys if k in lost], max((r["started_at"] for r in replies), default=0.0)
+
     # -- async API -------------------------------------------------------------------------------------------
 
     async def put(self, key: str, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -253,6 +265,10 @@ class TransferQueue:
         """Unix time since which the shards of `keys` have run without a restart (the latest start among them): a
         key missing there was put before that moment and lost, or never put at all."""
         return await run_async(self._up_since_plan(keys))
+
+    async def missing(self, keys: Sequence[str]) -> tuple[list[str], float]:
+        """Which of `keys` are not stored (their tensors are not read), and `up_since` of their shards."""
+        return await run_async(self._missing_plan(keys))
 
     async def stats(self) -> dict:
         """items, bytes, capacity_items, capacity_bytes over all shards, and `shards`: each shard's counters."""

@@ -27,9 +27,9 @@ from tests.support.runs import check_ledger, log_tail, small_run_config, start_r
 pytestmark = pytest.mark.slow
 
 
-def _forged(task: str, index: int) -> TrajectoryGroup:
-    samples = [SampleMeta(key=f"{task}/d9/{j}", prompt_len=4, response_len=8, reward=float(j), min_version=0,
-                          max_version=0) for j in range(2)]  # fmt: skip
+def _forged(task: str, index: int, version: int = 0) -> TrajectoryGroup:
+    samples = [SampleMeta(key=f"{task}/d9/{j}", prompt_len=4, response_len=8, reward=float(j), min_version=version,
+                          max_version=version) for j in range(2)]  # fmt: skip
     return TrajectoryGroup(group_id=task, task_id=task, producer_id="p-forger", samples=samples, index=index)
 
 
@@ -38,6 +38,8 @@ async def _publish_forged(cfg: BusConfig, run: str) -> None:
         # No Nats-Msg-Id: the real producer's group for the same task must still get through afterwards.
         for task, index in (("e0-i0-a0", 0), ("e0-i1-a0", 1), ("e0-i200-a0", 200)):
             await bus.publish(bus.subjects.traj, _forged(task, index))
+        # Made by weights the trainer (at version 0) never had: judged, it would be dropped and its prompt re-issued.
+        await bus.publish(bus.subjects.traj, _forged("e0-i2-a0", 2, version=7))
 
 
 async def _dead_letters(cfg: BusConfig, run: str) -> list[DeadLetter]:
@@ -62,8 +64,8 @@ def test_groups_forged_with_a_producer_credential_steer_nothing(
     trainer = start_role("trainer", cfg_path, logs, creds=run_creds)
     role_processes.append(trainer)
     deadline = time.monotonic() + 240
-    feeder = run_dir / "feeder.json"  # e0-i0 and e0-i1 released (no shuffle): in the queue, nobody to take them
-    while not (feeder.is_file() and json.loads(feeder.read_text())["released"] >= 2):
+    feeder = run_dir / "feeder.json"  # e0-i0..e0-i2 released (no shuffle): in the queue, nobody to take them
+    while not (feeder.is_file() and json.loads(feeder.read_text())["released"] >= 3):
         assert time.monotonic() < deadline and trainer.poll() is None, log_tail(trainer)
         time.sleep(0.5)
     time.sleep(13)  # the TransferQueue's shards have run well past the producers' put-to-publish bound (12 s)
@@ -72,22 +74,22 @@ def test_groups_forged_with_a_producer_credential_steer_nothing(
 
     reasons: dict[str, str] = {}
     decoder = TypedDecoder(TrajectoryGroup)
-    while len(reasons) < 3:
+    while len(reasons) < 4:
         assert time.monotonic() < deadline and trainer.poll() is None, (reasons, log_tail(trainer))
         time.sleep(1.0)
         letters = asyncio.run(_dead_letters(bus_config, run_name))
         reasons = {decoder.decode(x.payload).task_id: x.reason for x in letters if x.original_subject.endswith(".traj")}
-    assert "never put" in reasons["e0-i0-a0"] and "never put" in reasons["e0-i1-a0"], reasons
+    assert all("never put" in reasons[t] for t in ("e0-i0-a0", "e0-i1-a0", "e0-i2-a0")), reasons
     assert "never released" in reasons["e0-i200-a0"], reasons
     if grace > 100:
         state = json.loads(feeder.read_text())
         assert state["reissues"] == [] and state["abandoned"] == 0 and state["attempts"] == {}, state
-    else:  # no group of e0-i0 or e0-i1 came within the grace: both released again as attempt 1
-        while json.loads(feeder.read_text())["attempts"] != {"e0-i0": 1, "e0-i1": 1}:
+    else:  # no group of e0-i0..e0-i2 came within the grace: each released again as attempt 1
+        while json.loads(feeder.read_text())["attempts"] != {"e0-i0": 1, "e0-i1": 1, "e0-i2": 1}:
             assert time.monotonic() < deadline and trainer.poll() is None, (json.loads(feeder.read_text()),
                                                                              log_tail(trainer))  # fmt: skip
             time.sleep(0.5)
-        assert json.loads(feeder.read_text())["orphans_handled"] == ["e0-i0-a0", "e0-i1-a0"]
+        assert sorted(json.loads(feeder.read_text())["orphans_handled"]) == ["e0-i0-a0", "e0-i1-a0", "e0-i2-a0"]
 
     # The producer rolls out what is in the queue, and the run finishes clean: within the grace the real prompts
     # were never re-issued; after it, their re-issues are trained and the first releases' groups are superseded.
@@ -96,7 +98,7 @@ def test_groups_forged_with_a_producer_credential_steer_nothing(
     assert wait_exit(trainer, 300) == 0, log_tail(trainer)
     check_ledger(run_dir, cfg)
     ledger = read_ledger(run_dir)
-    first, again = {"e0-i0-a0", "e0-i1-a0"}, {"e0-i0-a1", "e0-i1-a1"}
+    first, again = {"e0-i0-a0", "e0-i1-a0", "e0-i2-a0"}, {"e0-i0-a1", "e0-i1-a1", "e0-i2-a1"}
     if grace > 100:
         assert first <= set(ledger.trained) and not (again | {"e0-i200-a0"}) & set(ledger.released)
     else:

@@ -7,9 +7,12 @@ Pure logic against the in-memory bus of tests/support/memory_bus.py; the keep-al
 
 from __future__ import annotations
 
+import math
+import time
+
 import pytest
 
-from rlbus.consumers.batcher import Batcher
+from rlbus.consumers.batcher import NEVER_PUT, Batcher
 from rlbus.schemas.config_io import load_config
 from rlbus.schemas.staleness import NO_VERSION
 from rlbus.schemas.wire import SampleMeta, TrajectoryGroup
@@ -109,6 +112,27 @@ async def test_group_newer_than_the_trainer_is_rolled_back_and_reissued(bus, tq,
     assert tq.deleted == [["e1-i3-a1/0", "e1-i3-a1/1"]]
     assert releases.calls == [(3, 1, 1, True)]
     assert b.counts.rolled_back == 1 and b.counts.dropped_stale == 0
+
+
+@pytest.mark.parametrize("why", ["too stale", "ahead of the trainer", "uniform rewards", "non-finite reward"])
+async def test_a_group_whose_tensors_were_never_put_neither_retires_nor_reissues_its_prompt(bus, tq, releases, why):
+    # Forged with a producer's credential, naming a real release: had it been judged, it would have re-issued (stale,
+    # ahead) or retired (uniform, non-finite) the real prompt, whose own group would then be refused.
+    b = batcher(bus, tq, releases, "trainer.staleness_policy=drop", "trainer.max_staleness=1",
+                "trainer.dynamic_sampling=true")
+    versions, rewards = {"too stale": ((7,), (0.0, 1.0)), "ahead of the trainer": ((11,), (0.0, 1.0)),
+                         "uniform rewards": ((10,), (1.0, 1.0)), "non-finite reward": ((10,), (0.0, math.nan))}[why]
+    forged = group(0, versions=versions, rewards=rewards)
+    tq.absent.update(forged.keys)
+    tq.started_at = time.time() - 3600  # the shards ran all along: nobody put them
+    d = bus.deliver_group(forged)
+    bus.deliver_group(group(1, versions=(10,)))
+    assert ids(await b.next_batch(version=10, need=1)) == ["e0-i1-a0"]
+    assert len(d.dead_letters) == 1 and NEVER_PUT in d.dead_letters[0], d.dead_letters
+    assert releases.calls == [] and b.counts.dead_lettered == 1 and not b.has_group("e0-i0-a0")
+    # The real group of that release comes later, and is trained.
+    bus.deliver_group(group(0, versions=(10,)))
+    assert ids(await b.next_batch(version=10, need=1)) == ["e0-i0-a0"]
 
 
 async def test_group_without_generated_tokens_is_never_too_stale(bus, tq, releases):

@@ -48,7 +48,7 @@ class BusConfig(_Section):
     tls_key: str = ""  # client key (mutual TLS)
     connect_timeout_s: float = 5.0  # per connection attempt
     reconnect_wait_s: float = 0.5  # first reconnect backoff; doubles up to max_reconnect_wait_s, forever
-    max_reconnect_wait_s: float = 8.0  # longest reconnect backoff
+    max_reconnect_wait_s: float = 2.0  # longest reconnect backoff: a client is back at most this long after its server
     retry_s: float = 30.0  # how long a JetStream call is retried through a leader election or reconnect
     ack_wait_s: float = 60.0  # prompt consumer ack_wait; producers send in_progress() while they generate
     max_deliver: int = 5  # deliveries of one prompt before it is dead-lettered

@@ -46,11 +46,12 @@ def _up(tmp_path: Path, tiny_model_dir, run_name: str, total: int, **sections) -
 
 
 def test_trainer_sigkilled_under_rlbus_up_is_restarted_and_the_run_finishes(tmp_path, tiny_model_dir, run_name):
-    # The checkpoint is at step 3; the trainer dies after step 5. The launcher starts it again at once -- well
-    # inside JetStream's duplicate window -- it republishes version 3, producers follow it down, steps 4-5 are redone.
-    # ack_wait is long (120 s): the groups the dead trainer held unacked come back because the restarted one naks
-    # them (consumers/batcher.py `take_over`), not because ack_wait ran out.
-    run_dir, cfg, cfg_path = _up(tmp_path, tiny_model_dir, run_name, 8, trainer={"checkpoint_interval": 3},
+    # Checkpoints at steps 20 and 40; the trainer dies after step 5 or a few more (steps take a fraction of a second
+    # here). The launcher starts it again at once -- well inside JetStream's duplicate window -- it republishes
+    # version 0, producers follow it down, and the steps since are redone. ack_wait is long (120 s): the groups the
+    # dead trainer held unacked come back because the restarted one naks them (consumers/batcher.py `take_over`),
+    # not because ack_wait ran out.
+    run_dir, cfg, cfg_path = _up(tmp_path, tiny_model_dir, run_name, 40, trainer={"checkpoint_interval": 20},
                                  rollout={"num_producers": 2}, bus={"ack_wait_s": 120.0})
     up = start_role("up", cfg_path, tmp_path / "logs", name="up")
     try:
@@ -63,10 +64,10 @@ def test_trainer_sigkilled_under_rlbus_up_is_restarted_and_the_run_finishes(tmp_
     assert "trainer exited with code -9; restarting" in (tmp_path / "logs" / "up.log").read_text()
     log = (run_dir / "logs" / "trainer.log").read_text()
     assert re.search(r"traj \(trainer\): [1-9]\d* delivery\(ies\) a predecessor held unsettled go back", log), log[-3000:]
-    waited = re.search(r"(\d\d):(\d\d):(\d\d) INFO rlbus.trainer: resuming at step 3: waiting for [1-9]\d* group.*\n"
-                       r"(?:.*\n)*?(\d\d):(\d\d):(\d\d) INFO rlbus.trainer: trainer up at step 3", log)
+    waited = re.search(r"(\d\d):(\d\d):(\d\d) INFO rlbus.trainer: resuming at step (\d+): waiting for [1-9]\d* group.*\n"
+                       r"(?:.*\n)*?(\d\d):(\d\d):(\d\d) INFO rlbus.trainer: trainer up at step \4,", log)
     assert waited, log[-3000:]
-    h0, m0, s0, h1, m1, s1 = map(int, waited.groups())
+    h0, m0, s0, _, h1, m1, s1 = map(int, waited.groups())
     assert (h1 * 3600 + m1 * 60 + s1 - h0 * 3600 - m0 * 60 - s0) % 86400 < 60, waited.group(0)  # not ack_wait's 120 s
     assert "did not come back" not in log
     check_ledger(run_dir, cfg)

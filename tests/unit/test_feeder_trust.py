@@ -27,10 +27,7 @@ pytestmark = pytest.mark.timeout(10)
 class RecordingTQ(MemoryTransferQueue):
     def __init__(self, up_since: float) -> None:
         super().__init__()
-        self.started = up_since
-
-    async def up_since(self, keys: list[str]) -> float:
-        return self.started
+        self.started_at = up_since
 
 
 @pytest.fixture

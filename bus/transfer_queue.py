@@ -221,15 +221,6 @@ class TransferQueue:
         total = {k: sum(s[k] for s in shards) for k in ("items", "bytes", "capacity_items", "capacity_bytes")}
         return {**total, "shards": shards}
 
-    def _up_since_plan(self, keys: Sequence[str]) -> Plan[float]:
-        order = sorted({self.shard_of(k) for k in keys})
-        try:
-            shards = yield from retried(lambda: [self.shards[i].stats.remote() for i in order],
-                                        f"TransferQueue {self.run} stats", revive=self._revive)
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError):
-            return time.time()  # a shard down now: whatever it held is lost
-        return max((s["started_at"] for s in shards), default=0.0)
-
     def _missing_plan(self, keys: Sequence[str]) -> Plan[tuple[list[str], float]]:
         by_shard: dict[int, list[str]] = {}
         for key in keys:
@@ -261,13 +252,10 @@ class TransferQueue:
         Unknown keys and owners are ignored."""
         return await run_async(self._delete_plan(keys, owners))
 
-    async def up_since(self, keys: Sequence[str]) -> float:
-        """Unix time since which the shards of `keys` have run without a restart (the latest start among them): a
-        key missing there was put before that moment and lost, or never put at all."""
-        return await run_async(self._up_since_plan(keys))
-
     async def missing(self, keys: Sequence[str]) -> tuple[list[str], float]:
-        """Which of `keys` are not stored (their tensors are not read), and `up_since` of their shards."""
+        """Which of `keys` are not stored (their tensors are not read), and the Unix time since which their shards
+        have run without a restart (the latest start among them): a key missing there was put before that moment and
+        lost, or never put at all."""
         return await run_async(self._missing_plan(keys))
 
     async def stats(self) -> dict:

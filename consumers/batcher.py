@@ -243,7 +243,8 @@ class Batcher:
         """
         for gid in group_ids:
             held = self._held.pop(gid)
-            if await self._dead_letter_if_never_put(held.delivery, await self._tq.up_since(held.delivery.data.keys)):
+            _, up_since = await self._tq.missing(held.delivery.data.keys)
+            if await self._dead_letter_if_never_put(held.delivery, up_since):
                 continue
             self.counts.missing_payload += 1
             await self._discard(held.delivery, reissue=True, why="payload lost")

@@ -155,11 +155,8 @@ class MemoryTransferQueue:
         self.absent: set[str] = set()  # keys it does not hold (every other key is there)
         self.started_at: float | None = None  # None: as if restarted just now (a missing payload was lost)
 
-    async def up_since(self, keys: list[str]) -> float:
-        return time.time() if self.started_at is None else self.started_at
-
     async def missing(self, keys: list[str]) -> tuple[list[str], float]:
-        return [k for k in keys if k in self.absent], await self.up_since(keys)
+        return [k for k in keys if k in self.absent], time.time() if self.started_at is None else self.started_at
 
     async def delete(self, keys: list[str], owners: list[str] = ()) -> int:
         self.deleted.append(list(keys))

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 
@@ -60,6 +61,9 @@ WEIGHTS_WAIT_S = 30.0
 ENGINE_CHECK_S = 1.0
 #: How long a stopping producer waits for the groups it holds before it naks them back to the queue.
 DRAIN_TIMEOUT_S = 30.0
+#: Once the engine is dead, the orderly stop (tasks nak'ed, the bus closed, the engine shut down) gets this long; a
+#: stop still running then (a wedged engine's shutdown, say) ends the process, so that the launcher starts another.
+ENGINE_DEATH_EXIT_S = 60.0
 
 
 def default_producer_id() -> str:
@@ -410,6 +414,9 @@ class Producer:
         bus, and stop pulling tasks: the engine cannot come back under this producer; a restarted one builds anew."""
         if self._fatal is None:
             self._fatal = error
+            watchdog = threading.Timer(ENGINE_DEATH_EXIT_S, _exit_stuck, args=(self.producer_id,))
+            watchdog.daemon = True
+            watchdog.start()
             with contextlib.suppress(Exception):  # best effort: stopping must not wait on the event
                 await self.bus.publish_event(ErrorRaised(role="producer", role_id=self.producer_id,
                                                          error=type(error).__name__, message=str(error), fatal=True))
@@ -427,6 +434,15 @@ class Producer:
                 groups_per_min=self.groups_done / minutes, inflight=len(self._inflight)))
             await asyncio.sleep(self.cfg.rollout.heartbeat_interval_s)
 
+
+
+def _exit_stuck(producer_id: str) -> None:
+    """The engine died ENGINE_DEATH_EXIT_S ago and the producer has not stopped: end it from this thread (what it
+    still holds comes back after ack_wait, or sooner from the handover file its successor reads)."""
+    log.error("producer %s: still stopping %.0fs after its engine died; exiting now", producer_id,
+              ENGINE_DEATH_EXIT_S)
+    logging.shutdown()
+    os._exit(1)
 
 
 async def run_producer(cfg: RunConfig, producer_id: str = "") -> None:

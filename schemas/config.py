@@ -151,9 +151,13 @@ class VLLMEngineConfig(_Section, tag="vllm", tag_field="type"):
     cpu_kv_cache_gib: int = 1  # CPU only: KV cache size (vLLM's default share of RAM fails on a busy machine)
     cpu_threads_bind: str = "nobind"  # CPU only: VLLM_CPU_OMP_THREADS_BIND (nobind, auto, or CPU ids like "0-1")
     cpu_threads: int = 0  # CPU only: OpenMP threads of the engine's worker (0: torch's default)
+    start_timeout_s: float = 300.0  # an engine not ready by then fails the producer's start (the launcher restarts it)
+    load_timeout_s: float = 120.0  # a weight load not done by then counts the engine as dead (the producer restarts)
 
     def __post_init__(self) -> None:
         _need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
+        _need(self.start_timeout_s >= 1, "start_timeout_s", "must be >= 1 (seconds)")
+        _need(self.load_timeout_s > 0, "load_timeout_s", "must be > 0 (seconds)")
         _need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         _need(self.max_model_len >= 2, "max_model_len", "must be >= 2")
         _need(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")

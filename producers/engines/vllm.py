@@ -77,6 +77,9 @@ def _engine_env(cfg: VLLMEngineConfig) -> None:
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_threads_bind
     if cfg.cpu_threads > 0:
         os.environ["OMP_NUM_THREADS"] = str(cfg.cpu_threads)
+    # vLLM waits 600 s for a new engine core by default: one that never comes up (seen once in CI, on a busy
+    # machine, after its predecessor was killed) would hold the producer that long before the launcher can retry.
+    os.environ["VLLM_ENGINE_READY_TIMEOUT_S"] = str(max(1, int(cfg.start_timeout_s)))
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")
 
@@ -138,6 +141,7 @@ class VLLMEngine(RolloutEngine):
     _load_lock: asyncio.Lock  # one weight load at a time
     _segment: shared_memory.SharedMemory | None  # the staging segment, kept from load to load (the worker copies out)
     _warned_filtered: bool
+    _hung: bool  # a weight load outlived load_timeout_s: the engine counts as dead
     max_model_len: int
     last_load_pause_s: float  # how long the last load held generation (pause to resume)
     last_load_work_s: float  # the last load's own work: the copy into shared memory plus the paused part
@@ -157,6 +161,7 @@ class VLLMEngine(RolloutEngine):
         self._version = version
         self._load_lock = asyncio.Lock()
         self._segment = None
+        self._hung = False
         self._warned_filtered = False
         self.last_load_pause_s = self.last_load_work_s = 0.0
         self.num_resubmitted = 0
@@ -282,15 +287,23 @@ class VLLMEngine(RolloutEngine):
 
     # ---------------------------------------------------------------- weights
 
-    async def _unless_dead(self, call: Any) -> Any:
+    async def _unless_dead(self, call: Any, deadline: float) -> Any:
         """Await an engine-core call, raising EngineDead if the core dies first (a utility call to a dead core is
-        never answered)."""
+        never answered) or if the call is not answered by `deadline` (time.monotonic()): an engine that hangs in a
+        weight load is as good as dead, and the producer's restart is the way out."""
         task = asyncio.ensure_future(call)
         while not task.done():
-            await asyncio.wait([task], timeout=1.0)
-            if not task.done() and self._llm.errored:
+            await asyncio.wait([task], timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            if task.done():
+                break
+            if self._llm.errored:
                 task.cancel()
                 raise EngineDead("vLLM engine core died during a weight load")
+            if time.monotonic() >= deadline:
+                task.cancel()
+                self._hung = True
+                raise EngineDead(f"vLLM engine: a weight load did not finish within "
+                                 f"rollout.engine.load_timeout_s={self._cfg.load_timeout_s:g}s")
         return task.result()
 
     async def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
@@ -306,17 +319,18 @@ class VLLMEngine(RolloutEngine):
             staging_s = time.perf_counter() - t0
             try:
                 t1 = time.perf_counter()
+                deadline = time.monotonic() + self._cfg.load_timeout_s
                 # keep: running requests are preempted and, on resume, recompute their KV with the new weights;
                 # abort: they end now (finish_reason "abort") and `_one` resubmits them with their prefix.
-                await self._unless_dead(self._llm.pause_generation(mode=self.update_mode, clear_cache=True))
+                await self._unless_dead(self._llm.pause_generation(mode=self.update_mode, clear_cache=True), deadline)
                 try:
                     loaded = await self._unless_dead(
-                        self._llm.collective_rpc("rlbus_load_shared", args=(shm.name, layout)))
-                    await self._unless_dead(self._llm.update_weight_version(str(version)))
+                        self._llm.collective_rpc("rlbus_load_shared", args=(shm.name, layout)), deadline)
+                    await self._unless_dead(self._llm.update_weight_version(str(version)), deadline)
                     self._version = version
                 finally:
-                    if not self._llm.errored:
-                        await self._unless_dead(self._llm.resume_generation())
+                    if not self._llm.errored and not self._hung:
+                        await self._unless_dead(self._llm.resume_generation(), deadline)
                 self.last_load_pause_s = time.perf_counter() - t1
                 self.last_load_work_s = staging_s + self.last_load_pause_s
             except EngineDeadError as e:
@@ -332,7 +346,7 @@ class VLLMEngine(RolloutEngine):
 
     @property
     def alive(self) -> bool:
-        return self._llm is not None and not self._llm.errored
+        return self._llm is not None and not self._llm.errored and not self._hung
 
     def _drop_segment(self) -> None:
         shm, self._segment = self._segment, None

@@ -7,7 +7,8 @@
 - a weight version loaded while requests are in flight reaches the engine's worker process in place: tokens before
   the load carry the old version and tokens after it the new one, in one generation (update_mode keep and abort),
   and later generations follow the new weights exactly;
-- a prompt over max_model_len fails that call only; a killed engine core is noticed (`alive`, EngineDead).
+- a prompt over max_model_len fails that call only; a killed engine core is noticed (`alive`, EngineDead), and so
+  is a weight load its worker never answers (after load_timeout_s).
 
 One engine serves the module (starting one takes about 20 s here); the kill test runs last.
 
@@ -228,6 +229,35 @@ async def test_partial_rollout_interrupts_stale_samples_and_restarts_them_on_new
         assert (expected - torch.tensor(t.log_probs)).abs().max().item() < LOGPROB_TOL
     print(f"partial rollout on vLLM: {watch.samples_restarted} sample(s) restarted, "
           f"{watch.tokens_discarded} recorded tokens dropped, {len(fresh)} all on v{before + 2}")
+
+
+async def test_a_weight_load_the_worker_never_answers_counts_the_engine_as_dead(model_dir):
+    """The engine's worker stopped (SIGSTOP; a process this test started): the load gives up after load_timeout_s
+    with EngineDead and `alive` turns false, so a producer stops and is restarted instead of hanging."""
+    import psutil
+
+    def ours() -> set[int]:
+        return {c.pid for c in psutil.Process().children(recursive=True)}
+
+    before = ours()
+    eng = VLLMEngine(str(model_dir), VLLMEngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
+                                                      load_timeout_s=3), seed=0)
+    stopped = None
+    try:
+        workers = [pid for pid in ours() - before if "Worker" in psutil.Process(pid).name()]
+        assert len(workers) == 1, [psutil.Process(p).name() for p in ours() - before]
+        stopped = workers[0]
+        os.kill(stopped, signal.SIGSTOP)
+        state_dict = tiny_model(AutoTokenizer.from_pretrained(model_dir), seed=5, spec=SPEC).state_dict()
+        t0 = time.monotonic()
+        with pytest.raises(EngineDead, match="load_timeout_s"):
+            await asyncio.wait_for(eng.load_weights(state_dict, 1), 60)
+        assert 3 <= time.monotonic() - t0 < 30
+        assert not eng.alive and eng.version == 0
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+        await eng.close()
 
 
 def _engine_core_pid() -> int:

@@ -17,15 +17,16 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import time
 
 import pytest
 
 from rlbus.trainer.metrics import read_metrics
-from tests.support.runs import check_ledger, small_run_config, start_role, stop, wait_for_steps, write_config
+from tests.support.runs import check_ledger, log_tail, small_run_config, start_role, stop, wait_for_steps, write_config
 from tests.support.vllm import engine_core, require_vllm, vllm_model_dir  # noqa: F401 (the fixture)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 require_vllm()
 
@@ -40,10 +41,17 @@ def test_rlbus_up_on_vllm_trains_and_rides_out_its_engine_core_sigkilled(tmp_pat
     up = start_role("up", cfg_path, tmp_path / "logs", name="up")
     try:
         core = engine_core(up.pid)
-        wait_for_steps(run_dir, 4, [up], timeout=400)
+        wait_for_steps(run_dir, 4, [up], timeout=300)
         killed_at = time.monotonic()
         os.kill(core, signal.SIGKILL)  # a process our launcher's producer started, by pid
-        assert up.wait(timeout=900) == 0
+        # Inside the test's own timeout, so a stall fails with the roles' logs, not a bare timeout.
+        try:
+            code = up.wait(timeout=540)
+        except subprocess.TimeoutExpired:
+            code = None
+        assert code == 0, f"rlbus up: {code}\n{log_tail(up, 40)}\n" + "\n".join(
+            f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-60:])
+            for log in sorted((run_dir / "logs").glob("*.log")))
         print(f"run ended {time.monotonic() - killed_at:.0f}s after the engine core was killed")
     finally:
         stop(up, signal.SIGKILL)

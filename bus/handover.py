@@ -7,6 +7,7 @@ under the same id) naks them before its first fetch, and they come back at once.
     await handover.take_over()          # first: the predecessor's deliveries are redelivered now
     ...
     handover.save(d.reply for d in unsettled)   # after each fetch (and settle): a superset is fine
+    handover.save(d.reply for d in unsettled)   # on the way out: nothing held, no file left behind
 
 A file, not the bus: it must survive the role's SIGKILL, and it is read only by the role's own successor on the same
 machine (one started elsewhere waits out ack_wait, as before). A nak of a delivery settled since is ignored by
@@ -42,9 +43,14 @@ class Handover:
         self.path, self._bus, self._subject, self._durable = path, bus, subject, durable
 
     def save(self, replies: Iterable[str]) -> None:
-        """Replace the list (atomically: a kill leaves the old list or the new one)."""
+        """Replace the list (atomically: a kill leaves the old list or the new one). An empty list is no file: a role
+        that stops holding nothing leaves nothing behind."""
+        replies = list(replies)
+        if not replies:
+            self.path.unlink(missing_ok=True)
+            return
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_bytes(msgspec.json.encode(list(replies)))
+        tmp.write_bytes(msgspec.json.encode(replies))
         os.replace(tmp, self.path)
 
     async def take_over(self) -> int:

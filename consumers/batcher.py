@@ -103,6 +103,7 @@ class Batcher:
         if self._keepalive is not None:
             self._keepalive.cancel()
             await asyncio.gather(self._keepalive, return_exceptions=True)
+        self._save_unsettled()  # what is still held at the end (none after a run's last commit: the file goes)
 
     # -------------------------------------------------------------- a predecessor's deliveries
 

@@ -190,6 +190,8 @@ class Producer:
             for t in background + held:
                 t.cancel()
             await asyncio.gather(*background, *held, return_exceptions=True)
+            if self._handover is not None:  # every task finished or nak'ed: the list empties and the file goes
+                self._handover.save(self._unsettled.values())
 
     def stop(self) -> None:
         """Ask the main loop to stop pulling; held tasks are finished (or nak'ed after DRAIN_TIMEOUT_S)."""

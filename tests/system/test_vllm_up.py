@@ -58,6 +58,8 @@ def test_rlbus_up_on_vllm_trains_and_rides_out_its_engine_core_sigkilled(tmp_pat
     log = (tmp_path / "logs" / "up.log").read_text()
     assert re.search(r"producer-\d exited with code \d+; restarting", log), log[-3000:]
     check_ledger(run_dir, cfg)
+    # The restarted producer stopped holding nothing: no handover list is left for a successor.
+    assert not list(run_dir.glob("producer-*-unacked.json"))
     metrics = read_metrics(run_dir)
     assert metrics[-1]["step"] == 14
     # Groups rolled out while the trainer moved on carry the versions that made them, and the trainer measured how far

@@ -35,3 +35,15 @@ async def test_no_list_or_an_unreadable_one_names_nothing(tmp_path):
     (tmp_path / "bad.json").write_bytes(b'{"not": "a list"')
     assert await Handover(tmp_path / "bad.json", bus, "run.traj", "trainer").take_over() == 0
     assert bus.calls == []  # what the list named comes back after ack_wait, as without it
+
+
+async def test_a_role_that_ends_holding_nothing_leaves_no_file(tmp_path):
+    path = tmp_path / "producer-p0-unacked.json"
+    handover = Handover(path, NakRecorder(), "run.prompts", "producers")
+    handover.save(["$JS.ACK.a.producers.1.1.1.1.0"])
+    assert path.is_file()
+    handover.save([])  # the last task settled
+    assert not path.exists()
+    handover.save([])  # and again: nothing to remove is fine
+    bus = NakRecorder()
+    assert await Handover(path, bus, "run.prompts", "producers").take_over() == 0 and bus.calls == []

@@ -99,6 +99,14 @@ def pack_state_dict(state_dict: Mapping[str, Any], into: shared_memory.SharedMem
             continue
         seen[t.data_ptr()] = name
         tensors[name] = t
+    # Sibling parameters back to back (every q/k/v_proj.weight of a layer's attention, then their biases; gate/up/
+    # down_proj.weight together): vLLM fuses q/k/v and gate/up into one matrix, and the worker's direct path reads
+    # such a matrix as one view of the segment instead of copying its parts together (vllm_worker.py).
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name in tensors:
+        module, _, param = name.rpartition(".")
+        groups.setdefault((module.rpartition(".")[0], param), []).append(name)
+    tensors = {name: tensors[name] for names in groups.values() for name in names}
     layout: list[tuple] = []
     offset = 0
     for name, t in tensors.items():
@@ -145,6 +153,7 @@ class VLLMEngine(RolloutEngine):
     max_model_len: int
     last_load_pause_s: float  # how long the last load held generation (pause to resume)
     last_load_work_s: float  # the last load's own work: the copy into shared memory plus the paused part
+    last_load_path: str  # how the worker took the last load: "direct" (CPU: repacked from the segment) or "reload"
     num_resubmitted: int  # requests aborted by a weight load and resubmitted with their prefix (update_mode abort)
     update_mode: str  # "keep" or "abort": what a weight load does to requests in flight (engine.update_mode)
 
@@ -164,6 +173,7 @@ class VLLMEngine(RolloutEngine):
         self._hung = False
         self._warned_filtered = False
         self.last_load_pause_s = self.last_load_work_s = 0.0
+        self.last_load_path = ""
         self.num_resubmitted = 0
         self.update_mode = engine_cfg.update_mode
         gpu = _on_gpu()
@@ -328,6 +338,7 @@ class VLLMEngine(RolloutEngine):
                         self._llm.collective_rpc("rlbus_load_shared", args=(shm.name, layout)), deadline)
                     await self._unless_dead(self._llm.update_weight_version(str(version)), deadline)
                     self._version = version
+                    self.last_load_path = loaded[0][1]
                 finally:
                     if not self._llm.errored and not self._hung:
                         await self._unless_dead(self._llm.resume_generation(), deadline)
@@ -335,8 +346,8 @@ class VLLMEngine(RolloutEngine):
                 self.last_load_work_s = staging_s + self.last_load_pause_s
             except EngineDeadError as e:
                 raise EngineDead(f"vLLM engine core died during a weight load: {e}") from e
-        log.info("vllm engine: v%d loaded (%s tensors per worker), generation paused %.3fs, staging %.3fs",
-                 version, loaded, self.last_load_pause_s, staging_s)
+        log.info("vllm engine: v%d loaded (%d tensors, %s), generation paused %.3fs, staging %.3fs",
+                 version, loaded[0][0], self.last_load_path, self.last_load_pause_s, staging_s)
 
     @property
     def updates_in_flight(self) -> bool:

@@ -36,7 +36,7 @@ from tests.support.vllm import require_vllm
 
 require_vllm()
 
-from rlbus.producers.engines.vllm import VLLMEngine  # noqa: E402
+from rlbus.producers.engines.vllm import VLLMEngine, pack_state_dict  # noqa: E402
 
 #: Heads 32 wide (vLLM's CPU attention takes 32 and up), 4 layers: big enough that decoding is not all overhead.
 SPEC = TinyModelSpec(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
@@ -165,7 +165,12 @@ async def test_weights_load_in_flight_and_versions_stay_true(engine, model_dir, 
     assert switched >= 1, "no generation spanned the load: the load did not happen in flight"
     if mode == "abort":
         assert engine.num_resubmitted >= 1
-    # From now on the engine generates with the new weights exactly.
+    # On CPU every layer was repacked straight from the staging segment (not through vLLM's layer-wise reload).
+    assert engine.last_load_path == "direct"
+    # From now on the engine generates with the new weights exactly, also once the segment holds something else
+    # (the producer stages the next version there while generation goes on: nothing may alias it).
+    pack_state_dict(tiny_model(AutoTokenizer.from_pretrained(model_dir), seed=99, spec=SPEC).state_dict(),
+                    engine._segment)
     prompts = _prompts(4)
     after = await engine.generate(prompts, SamplingParams(max_new_tokens=16, seed=9))
     assert all(g.versions() == [before + 1] * 16 for g in after)

@@ -54,6 +54,7 @@ async def test_smollm2_logprobs_and_in_place_load_match_transformers(smollm2_dir
         gens = await engine.generate(prompts, params)
         after = _worst(reference, prompts, gens)
         assert all(g.versions() == [1] * len(g.token_ids) for g in gens)
+        assert engine.last_load_path == "direct"  # on CPU: every layer repacked straight from the segment
     finally:
         await engine.close()
     print(f"SmolLM2 max |vLLM - transformers| log-prob: {before:.3g} as built, {after:.3g} after an in-place load")

@@ -134,6 +134,8 @@ def _where(t: type) -> str:
         places.append(f"`{s.event(kind)}{EVENT_SUBJECT_SUFFIX.get(kind, '')}`")
     if t is wire.WeightsPublished:
         places.append(f"KV bucket `{s.weights_bucket}`, key `latest`")
+    if t is wire.Unacked:
+        places.append(f"KV bucket `{s.weights_bucket}`, key `unacked.trainer`")
     nested = [o.__name__ for o in wire_types() if o is not t and t in _nested_structs(o)]
     if nested:
         places.append("inside " + ", ".join(f"[{n}](#{n.lower()})" for n in nested))
@@ -209,7 +211,8 @@ def _streams_table() -> list[str]:
                     f"{sc.storage.value} | {sc.duplicate_window:g} s | {age} | {sc.num_replicas} (`bus.replicas`) |")
     kv = kv_config(s, cfg)
     rows += ["", (f"KV bucket `{kv.bucket}` (stream `KV_{kv.bucket}`): history {kv.history}, {kv.storage.value} "
-                 "storage; key `latest` holds the newest WeightsPublished (msgpack, like the stream).")]
+                 "storage; key `latest` holds the newest WeightsPublished (msgpack, like the stream), key "
+                 "`unacked.trainer` the trainer's Unacked.")]
     rows += ["", "| durable consumer | of stream | ack | ack wait | max deliveries | filter |", "|---|---|---|---|---|---|"]
     for stream, cc in consumer_configs(s, cfg):
         deliver = "unlimited" if cc.max_deliver == -1 else f"{cc.max_deliver} (`bus.max_deliver`)"

@@ -38,6 +38,8 @@ log = logging.getLogger("rlbus.batcher")
 NEVER_PUT_SLACK_S = 10.0
 #: In the dead letter of such a group: trainer/feeder.py re-issues its release if no group of it comes after all.
 NEVER_PUT = "its payloads were never put"
+#: Key of the trainer's unacked list in the run's KV bucket (bus/handover.py), for a successor on another machine.
+UNACKED_KEY = "unacked.trainer"
 
 
 class Releases(Protocol):
@@ -86,7 +88,8 @@ class Batcher:
                  handover: Path | None = None):
         self.cfg = cfg
         subjects = bus.subjects
-        self._handover = None if handover is None else Handover(handover, bus, subjects.traj, subjects.traj_consumer)
+        self._handover = None if handover is None else Handover(handover, bus, subjects.traj, subjects.traj_consumer,
+                                                                key=UNACKED_KEY, role="trainer")
         self._bound = max_staleness
         self._bus, self._tq, self._releases = bus, tq, releases
         self.trained = set(trained or ())
@@ -103,7 +106,7 @@ class Batcher:
         if self._keepalive is not None:
             self._keepalive.cancel()
             await asyncio.gather(self._keepalive, return_exceptions=True)
-        self._save_unsettled()  # what is still held at the end (none after a run's last commit: the file goes)
+        await self._save_unsettled()  # what is still held at the end (none after a run's last commit: the file goes)
 
     # -------------------------------------------------------------- a predecessor's deliveries
 
@@ -113,10 +116,12 @@ class Batcher:
         lost. Returns how many were named."""
         return 0 if self._handover is None else await self._handover.take_over()
 
-    def _save_unsettled(self) -> None:
-        """Keep the ack subjects of every delivery held or in the backlog for a successor (after each fetch)."""
+    async def _save_unsettled(self) -> None:
+        """Keep the ack subjects of every delivery held or in the backlog for a successor (after each fetch): in the
+        run directory, then in the KV bucket for a successor on another machine."""
         if self._handover is not None:
             self._handover.save([h.delivery.reply for h in self._held.values()] + [d.reply for d in self._backlog])
+            await self._handover.share()
 
     # -------------------------------------------------------------- forming a batch
 
@@ -131,7 +136,7 @@ class Batcher:
                 self._backlog = await self._bus.fetch(subjects.traj, subjects.traj_consumer, TrajectoryGroup,
                                                       batch=need - len(batch), timeout=1.0)
                 if self._backlog:
-                    self._save_unsettled()
+                    await self._save_unsettled()
             while self._backlog and len(batch) < need:
                 # Judged one at a time at the current version: a leftover waits for the next batch unjudged,
                 # so its staleness is measured against the version that trains it.
@@ -156,7 +161,7 @@ class Batcher:
                                         batch=max(1, len(want - seen)), timeout=1.0)
             self._backlog.extend(got)
             if got:
-                self._save_unsettled()
+                await self._save_unsettled()
             seen.update(d.data.group_id for d in got)
         order = {gid: i for i, gid in enumerate(group_ids)}
         # Lost steps' groups first, in their old order; the rest keep their delivery order behind them.

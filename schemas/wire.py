@@ -214,6 +214,17 @@ class EvalCompleted(Wire, tag="eval_completed"):
     created_at: float = msgspec.field(default_factory=now)  # Unix time
 
 
+class Unacked(Wire, tag="unacked"):
+    """The ack subjects of the deliveries a role holds unsettled, kept for its successor (bus/handover.py). The
+    trainer keeps its list in the KV bucket under `unacked.trainer`, so a trainer restarted on another machine naks
+    them at once instead of waiting out ack_wait; the same list is also a file in the run directory."""
+
+    role: str  # the role that held them (trainer)
+    consumer: str  # the durable consumer they were delivered by
+    replies: list[str] = []  # the deliveries' ack subjects ($JS.ACK...)
+    created_at: float = msgspec.field(default_factory=now)  # Unix time
+
+
 class GuardAction(Wire, tag="guard_action"):
     """The trainer's stability guard acted (trainer/guard.py): a rule fired on a step's metrics, and what was done
     about it. Published on `events.guard`; archived in events/guard.jsonl; the step's metrics carry guard/* too."""

@@ -16,6 +16,7 @@ import pytest
 from nats.js.api import AckPolicy, RetentionPolicy, StorageType
 
 from rlbus.bus.client import PUBLISH_TIMEOUT_S, Bus
+from rlbus.bus.handover import Handover
 from rlbus.bus.server import EmbeddedServer
 from rlbus.schemas.config import BusConfig
 from rlbus.schemas.errors import BusError
@@ -27,6 +28,7 @@ from rlbus.schemas.wire import (
     SampleMeta,
     StepCompleted,
     TrajectoryGroup,
+    Unacked,
     WeightsPublished,
     encode,
 )
@@ -166,6 +168,40 @@ async def test_a_successor_naks_what_a_dead_consumer_held_and_it_comes_back_at_o
         # A second nak of settled deliveries changes nothing.
         assert await bus.nak_replies(s.traj, s.traj_consumer, replies) == 3
         assert await bus.fetch(s.traj, s.traj_consumer, TrajectoryGroup, timeout=0.5) == []
+
+
+async def test_a_successor_on_another_machine_takes_over_from_the_kv_bucket(bus_config: BusConfig, run_name: str,
+                                                                             tmp_path) -> None:
+    """The trainer's list is shared in the run's KV bucket: a successor whose run directory holds no file (another
+    machine) naks what its predecessor held, and the groups come back at once, not after ack_wait."""
+    cfg = msgspec.structs.replace(bus_config, ack_wait_s=60.0)
+    dead = await _bus(cfg, run_name, "dead")
+    s = dead.subjects
+    for i in range(2):
+        await dead.publish(s.traj, _group(i), msg_id=f"g{i}")
+    held = await dead.fetch(s.traj, s.traj_consumer, TrajectoryGroup, batch=2, timeout=2.0)
+    mine = Handover(tmp_path / "here" / "trainer-unacked.json", dead, s.traj, s.traj_consumer,
+                    key="unacked.trainer", role="trainer")
+    (tmp_path / "here").mkdir()
+    mine.save(d.reply for d in held)
+    await mine.share()
+    await dead.close()  # gone without settling anything, as a SIGKILLed role
+    async with await _bus(cfg, run_name, "successor") as bus:
+        elsewhere = Handover(tmp_path / "there" / "trainer-unacked.json", bus, s.traj, s.traj_consumer,
+                             key="unacked.trainer", role="trainer")
+        assert not elsewhere.path.exists()
+        assert await elsewhere.take_over() == 2
+        t0 = time.monotonic()
+        back: list = []
+        while len(back) < 2 and time.monotonic() - t0 < 10:
+            back += await bus.fetch(s.traj, s.traj_consumer, TrajectoryGroup, batch=2, timeout=1.0)
+        assert sorted(d.data.group_id for d in back) == ["g0", "g1"]
+        for d in back:
+            await d.ack()
+        # Its own first save replaces the shared list: a later successor naks nothing stale.
+        elsewhere.save([])
+        await elsewhere.share()
+        assert (await bus.kv_get("unacked.trainer", Unacked)).replies == []
 
 
 async def test_garbage_is_dead_lettered_and_consumer_goes_on(bus_config: BusConfig, run_name: str) -> None:

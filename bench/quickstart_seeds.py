@@ -101,7 +101,11 @@ def run_seed(seed: int, overrides: list[str], work: Path, timeout: float, config
            "evals": [{k: v for k, v in r.items() if k in ("step", "version") or k.startswith("eval/")}
                      for r in every if "eval/accuracy" in r]}
     if proc.returncode != 0 or not rows:
-        out["error"] = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+        out["error"] = (proc.stdout + proc.stderr).strip().splitlines()[-40:]
+        if keep is not None and run_dir.is_dir():  # the roles' logs say why
+            dest = keep / f"{run_dir.name}-failed-{int(time.time())}"
+            shutil.copytree(run_dir, dest, ignore=shutil.ignore_patterns("bus"))
+            out["kept"] = str(dest)
         return out
     dropped = run_dir / "metrics.discarded.jsonl"
     discarded = [json.loads(x) for x in dropped.read_text().splitlines() if x.strip()] if dropped.is_file() else []

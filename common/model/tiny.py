@@ -40,7 +40,7 @@ class TinyModelSpec(msgspec.Struct, kw_only=True, frozen=True):
         """The default shape with its 4 query / 2 key-value heads `head_dim` wide, the width unchanged. 16 is the
         quickstart's; vLLM's CPU attention kernels take 32 and up. (Tried first: 2 heads of 32 learned half as much
         in the quickstart's 45 steps, reward 0.24 -> 0.40; width 128 with 4 heads of 32 did not warm-start in the
-        quickstart's 1200 steps, reward 0.)"""
+        quickstart's warm start of 1200 steps then, reward 0.)"""
         base = cls()
         return base if head_dim == base.hidden_size // base.num_attention_heads else cls(head_dim=head_dim)
 

@@ -1,0 +1,45 @@
+"""common/model/ensure.py: a model `model.init_if_missing` built earlier is used as it is, with a warning when this
+version would build it otherwise (its runs are not the ones the README's figures describe).
+
+    .venv/bin/python -m pytest -q tests/unit/test_ensure_model.py
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import msgspec
+
+from rlbus.common.model.ensure import ensure_model
+from rlbus.common.model.tiny import TinyModelSpec
+from rlbus.common.model.warm_start import WarmStartConfig
+from rlbus.schemas.config import ModelConfig
+
+
+def _built(path, *, steps: int, spec: TinyModelSpec) -> None:
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    (path / "model.safetensors").write_bytes(b"")
+    (path / "warm_start.json").write_text(json.dumps({"spec": msgspec.to_builtins(spec),
+                                                      "warm_start": {"steps": steps}}))
+
+
+def test_a_model_built_with_another_warm_start_is_used_with_a_warning(tmp_path, caplog):
+    _built(tmp_path / "old", steps=WarmStartConfig().steps - 600, spec=TinyModelSpec())
+    with caplog.at_level(logging.WARNING, logger="rlbus.model"):
+        assert ensure_model(ModelConfig(path=str(tmp_path / "old"), init_if_missing=True)) == str(tmp_path / "old")
+    assert "remove the directory to rebuild it" in caplog.text
+    assert f"{WarmStartConfig().steps - 600} steps" in caplog.text
+
+
+def test_a_model_built_as_this_version_would_is_used_quietly(tmp_path, caplog):
+    _built(tmp_path / "same", steps=WarmStartConfig().steps, spec=TinyModelSpec())
+    _built(tmp_path / "wide", steps=WarmStartConfig().steps, spec=TinyModelSpec.with_head_dim(32))
+    with caplog.at_level(logging.WARNING, logger="rlbus.model"):
+        ensure_model(ModelConfig(path=str(tmp_path / "same"), init_if_missing=True))
+        ensure_model(ModelConfig(path=str(tmp_path / "wide"), init_if_missing=True, init_head_dim=32))
+        # A model the user made (no init_if_missing) is theirs: never compared.
+        _built(tmp_path / "mine", steps=5, spec=TinyModelSpec())
+        ensure_model(ModelConfig(path=str(tmp_path / "mine")))
+    assert caplog.text == ""

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -443,8 +444,7 @@ def _exit_stuck(producer_id: str) -> None:
     still holds comes back after ack_wait, or sooner from the handover file its successor reads)."""
     log.error("producer %s: still stopping %.0fs after its engine died; exiting now", producer_id,
               ENGINE_DEATH_EXIT_S)
-    logging.shutdown()
-    os._exit(1)
+    _exit_now(1)
 
 
 async def run_producer(cfg: RunConfig, producer_id: str = "") -> None:
@@ -457,5 +457,18 @@ def main(cfg: RunConfig, producer_id: str = "") -> int:
     role = f"producer {producer_id or '(unnamed)'}"
     apply_torch_threads(cfg.rollout.torch_threads, cfg.trainer.num_ranks + cfg.rollout.num_producers, role=role)
     lower_priority(cfg.rollout.nice, role=role)
-    run(run_producer(cfg, producer_id))
+    try:
+        run(run_producer(cfg, producer_id))
+    except EngineDead as e:
+        # The tasks are back and the bus is closed (serve() closed the role): end here, without the interpreter's
+        # own finalization, which a dead vLLM engine's leftovers (its sockets and threads) can hold up.
+        log.error("%s; exiting for a restart", e)
+        _exit_now(1)
     return 0
+
+
+def _exit_now(code: int) -> None:
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

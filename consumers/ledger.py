@@ -8,9 +8,13 @@ Read from a run directory alone (the event archive, docs/event-log.md, and the f
 - trained: the groups of each step's final record (events/steps.jsonl; a step redone after a crash replaces its
   record), which must hold no group twice, and only groups that were released;
 - the rest are accounted for by name: re-issued (a later attempt of the same example was released), dead-lettered
-  (events/dead_letters.jsonl: a prompt, or a group), given up after feeder.max_attempts releases (feeder.json, with
-  why each of its releases was lost: "too stale", "payload lost", ...), or
-  in flight when the archive ends -- at most what admission lets be released ahead of training.
+  (events/dead_letters.jsonl: the prompt itself), retired (its group dropped without a re-issue: non-finite rewards,
+  or uniform rewards under dynamic sampling; feeder.json, with why), given up after feeder.max_attempts releases
+  (feeder.json, with why each of its releases was lost: "too stale", "payload lost", ...), or in flight when the
+  archive ends -- at most what admission lets be released ahead of training.
+
+A dead-lettered *group* accounts for no prompt: a forged group naming a real prompt is dead-lettered while the real
+group is still to come, and a real group dropped for good is retired by the feeder, which says so by name.
 
 The fault tests (tests/system/test_faults.py) end with this check.
 """
@@ -28,7 +32,7 @@ import msgspec
 from rlbus.consumers.event_log import read_entries, read_steps
 from rlbus.schemas.config import RunConfig
 from rlbus.schemas.errors import SchemaError
-from rlbus.schemas.wire import PromptTask, TrajectoryGroup, TypedDecoder
+from rlbus.schemas.wire import PromptTask, TypedDecoder
 
 _TASK = re.compile(r"^e(\d+)-i(\d+)-a(\d+)$")
 
@@ -40,6 +44,7 @@ class Ledger:
     reissued: set[str] = field(default_factory=set)
     dead_lettered: set[str] = field(default_factory=set)
     given_up: set[str] = field(default_factory=set)
+    retired: dict[str, str] = field(default_factory=dict)  # task id -> why its group was dropped without a re-issue
     why_lost: dict[str, list[str]] = field(default_factory=dict)  # "e<epoch>-i<index>" -> why each release was lost
 
     def given_up_why(self) -> dict[str, int]:
@@ -52,12 +57,13 @@ class Ledger:
 
     @property
     def in_flight(self) -> set[str]:
-        return set(self.released) - set(self.trained) - self.reissued - self.dead_lettered - self.given_up
+        return (set(self.released) - set(self.trained) - self.reissued - self.dead_lettered - self.given_up
+                - set(self.retired))
 
     def counts(self) -> dict[str, int]:
         return {"released": len(self.released), "trained": len(self.trained), "re-issued": len(self.reissued),
-                "dead-lettered": len(self.dead_lettered), "given up": len(self.given_up),
-                "in flight": len(self.in_flight)}
+                "dead-lettered": len(self.dead_lettered), "retired": len(self.retired),
+                "given up": len(self.given_up), "in flight": len(self.in_flight)}
 
     def problems(self, max_in_flight: int) -> list[str]:
         out = []
@@ -88,17 +94,14 @@ def read_ledger(run_dir: str | Path) -> Ledger:
     reissued = {t for t in released if (m := _TASK.match(t)) and attempts[(int(m[1]), int(m[2]))] > int(m[3])}
     decoder = TypedDecoder(PromptTask)
     dead = set()
-    groups = TypedDecoder(TrajectoryGroup)
     for e in read_entries(run_dir, "dead-letter"):
-        if e.msg.original_subject.endswith(".prompts"):
-            dead.add(decoder.decode(e.msg.payload).task_id)
-        elif e.msg.original_subject.endswith(".traj") and e.msg.payload_bytes <= len(e.msg.payload):
-            with contextlib.suppress(SchemaError):  # garbage on traj names no prompt
-                dead.add(groups.decode(e.msg.payload).task_id)
+        if e.msg.original_subject.endswith(".prompts") and e.msg.payload_bytes <= len(e.msg.payload):
+            with contextlib.suppress(SchemaError):  # garbage on prompts names no prompt
+                dead.add(decoder.decode(e.msg.payload).task_id)
     feeder = Path(run_dir) / "feeder.json"
     state = msgspec.json.decode(feeder.read_bytes(), type=FeederLedger) if feeder.is_file() else FeederLedger()
     return Ledger(released=released, trained=trained, reissued=reissued, dead_lettered=dead,
-                  given_up=set(state.gave_up), why_lost=state.lost)
+                  given_up=set(state.gave_up), retired=dict(state.retired), why_lost=state.lost)
 
 
 class FeederLedger(msgspec.Struct):
@@ -106,6 +109,7 @@ class FeederLedger(msgspec.Struct):
 
     gave_up: list[str] = []
     lost: dict[str, list[str]] = {}
+    retired: dict[str, str] = {}
 
 
 def admission_bound(cfg: RunConfig) -> int:

@@ -68,6 +68,7 @@ class FeederState(msgspec.Struct, kw_only=True):
     exhausted: bool = False  # all epochs released
     attempts: dict[str, int] = {}  # "e<epoch>-i<index>" -> its latest re-issue (scheduled or released); absent: 0
     lost: dict[str, list[str]] = {}  # "e<epoch>-i<index>" -> why each of its releases that was re-issued was lost
+    retired: dict[str, str] = {}  # task id -> why its group was dropped without a re-issue (non-finite rewards, ...)
 
 
 def task_id(index: int, epoch: int, attempt: int) -> str:
@@ -143,9 +144,12 @@ class Feeder:
     def abandon(self, index: int, epoch: int, attempt: int, *, reissue: bool, why: str = "") -> None:
         """A release will not become a trained group; optionally release the example again. `why` (a few words: "too
         stale", "payload lost") is kept for an example released again, so that one given up says why each of its
-        releases was lost (the log line, feeder.json, `rlbus events --ledger`)."""
+        releases was lost, and for a release retired without a re-issue (the log line, feeder.json, `rlbus events
+        --ledger`)."""
         self.state.abandoned += 1
-        if reissue:
+        if not reissue:  # the example is done without being trained: the ledger accounts for it by this name
+            self.state.retired[task_id(index, epoch, attempt)] = why or "unspecified"
+        else:
             example = _example(index, epoch)
             lost = self.state.lost.setdefault(example, [])
             lost.append(why or "unspecified")

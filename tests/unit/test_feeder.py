@@ -100,9 +100,11 @@ async def test_allowance_counts_released_minus_abandoned(tmp_path, bus, version)
     f = feeder(tmp_path, bus, version, "trainer.max_staleness=2")
     version.value = 1
     assert await f._release(5) == 5
-    f.abandon(0, 0, 0, reissue=False)
+    f.abandon(0, 0, 0, reissue=False, why="uniform rewards (dynamic sampling)")
     f.abandon(1, 0, 0, reissue=True)
     assert (f.state.released, f.state.abandoned) == (5, 2)
+    # A release dropped for good is named, with why, for the ledger (consumers/ledger.py reads feeder.json).
+    assert f.state.retired == {"e0-i0-a0": "uniform rewards (dynamic sampling)"}
     assert f.allowance() == (1 + 2 + 1) * 2 - (5 - 2) == 5
 
 

@@ -14,8 +14,40 @@ def test_a_clean_ledger_accounts_for_every_release():
                     given_up={"e0-i3-a0"})
     assert ledger.in_flight == {"e0-i4-a0"}
     assert ledger.problems(max_in_flight=1) == []
-    assert ledger.counts() == {"released": 6, "trained": 2, "re-issued": 1, "dead-lettered": 1, "given up": 1,
-                               "in flight": 1}
+    assert ledger.counts() == {"released": 6, "trained": 2, "re-issued": 1, "dead-lettered": 1, "retired": 0,
+                               "given up": 1, "in flight": 1}
+
+
+def test_a_retired_release_is_accounted_for_and_a_dead_lettered_group_is_not(tmp_path):
+    """Read from a run directory: a prompt whose group the trainer dropped for good (uniform rewards under dynamic
+    sampling) is retired by the feeder, by name; a group dead-lettered as forged names a prompt whose real group is
+    still to come, so it accounts for nothing."""
+    import msgspec
+
+    from rlbus.consumers.ledger import read_ledger
+    from rlbus.schemas.wire import DeadLetter, PromptTask, TrajectoryGroup, encode
+
+    events = tmp_path / "events"
+    events.mkdir()
+
+    def line(seq: int, subject: str, msg) -> bytes:
+        return msgspec.json.encode({"seq": seq, "subject": subject, "recorded_at": 0.0, "msg": msg}) + b"\n"
+
+    prompts = [PromptTask(task_id=f"e0-i{i}-a0", prompt=[], ground_truth="1", index=i) for i in range(4)]
+    (events / "prompts.jsonl").write_bytes(b"".join(line(i, "rlbus.r.prompts", p) for i, p in enumerate(prompts)))
+    forged = TrajectoryGroup(group_id="e0-i2-a0", task_id="e0-i2-a0", producer_id="p0", samples=[], index=2)
+    letters = [DeadLetter(original_subject="rlbus.r.traj", reason="forged", payload=encode(forged),
+                          payload_bytes=len(encode(forged))),
+               DeadLetter(original_subject="rlbus.r.prompts", reason="max deliveries", payload=encode(prompts[3]),
+                          payload_bytes=len(encode(prompts[3])))]
+    (events / "dead_letters.jsonl").write_bytes(b"".join(line(i, "rlbus.r.dead_letter", x)
+                                                         for i, x in enumerate(letters)))
+    (tmp_path / "feeder.json").write_bytes(msgspec.json.encode(
+        {"retired": {"e0-i1-a0": "uniform rewards (dynamic sampling)"}}))
+    ledger = read_ledger(tmp_path)
+    assert ledger.retired == {"e0-i1-a0": "uniform rewards (dynamic sampling)"}
+    assert ledger.dead_lettered == {"e0-i3-a0"}  # the prompt's own dead letter counts; the group's does not
+    assert ledger.in_flight == {"e0-i0-a0", "e0-i2-a0"}
 
 
 def test_each_way_a_ledger_can_be_wrong_is_named():

@@ -436,12 +436,16 @@ class FeederConfig(_Section):
     epochs: int = 0  # passes over the data set; 0 = as many as trainer.total_steps needs
     shuffle: bool = True  # shuffle the data set each epoch
     seed: int = 0  # shuffle seed (epoch e uses seed and e)
-    max_attempts: int = 3  # releases of one example (first + re-issues) before it is given up; the ledger says why
+    max_attempts: int = 3  # releases of one example lost for its own sake (payload lost, dead-lettered, ...) before
+    # it is given up; the ledger says why
+    max_stale_releases: int = 8  # releases of one example lost to staleness (too stale, or made by lost weights)
+    # before it is given up: such losses are the pipeline's, not the example's, and count only here
     orphan_grace_s: float = 600.0  # a release whose group was dead-lettered as never put: re-issued this long after
 
     def __post_init__(self) -> None:
         _need(self.epochs >= 0, "epochs", "must be >= 0")
         _need(self.max_attempts >= 1, "max_attempts", "must be >= 1")
+        _need(self.max_stale_releases >= 1, "max_stale_releases", "must be >= 1")
         _need(self.orphan_grace_s >= 0, "orphan_grace_s", "must be >= 0")
 
 

@@ -27,6 +27,13 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from rlbus.schemas.config import TrainerConfig
 
+#: Why a release was lost, when staleness lost it (the batcher's words, the feeder's record): a group too stale to
+#: train, or one made by weights a restarted trainer lost. Such losses say nothing about the example, so they count
+#: against `feeder.max_stale_releases`, not `feeder.max_attempts`.
+LOST_TOO_STALE = "too stale"
+LOST_ROLLED_BACK = "made by weights a restarted trainer lost"
+STALENESS_LOSSES = frozenset({LOST_TOO_STALE, LOST_ROLLED_BACK})
+
 #: The version of a token the policy did not generate, and of a sample (or group) with no generated token.
 NO_VERSION = -1
 

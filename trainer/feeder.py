@@ -6,7 +6,10 @@ It runs inside the trainer's controller (rank 0), because admission depends on t
 
 `abandoned` counts releases that will never become a trained group (dropped as too stale, skipped by dynamic
 sampling, payload lost, dead-lettered), so they do not hold admission slots forever. Groups whose data was lost are
-re-issued (a new release of the same example with attempt + 1) up to `feeder.max_attempts` releases.
+re-issued (a new release of the same example with attempt + 1): an example is given up once `feeder.max_attempts`
+of its releases were lost for its own sake (payload lost, dead-lettered, ...) or `feeder.max_stale_releases` were
+lost to staleness, which says nothing about the example (a re-issue lands at the back of the admission window, where
+a fast trainer makes it stale again).
 
 A release whose group was dead-lettered because its payloads were never put (consumers/batcher.py: a forged group,
 or one whose tensors a producer's bug deleted) is not re-issued at once: its real group may still come. If none is
@@ -153,7 +156,8 @@ class Feeder:
             example = _example(index, epoch)
             lost = self.state.lost.setdefault(example, [])
             lost.append(why or "unspecified")
-            if attempt + 1 < self.cfg.feeder.max_attempts:
+            stale = sum(w in staleness.STALENESS_LOSSES for w in lost)
+            if len(lost) - stale < self.cfg.feeder.max_attempts and stale < self.cfg.feeder.max_stale_releases:
                 self.state.reissues.append(Reissue(index=index, epoch=epoch, attempt=attempt + 1))
                 self.state.attempts[example] = attempt + 1
             else:

@@ -148,13 +148,28 @@ async def test_example_is_given_up_after_max_attempts(tmp_path, bus, version):
     await f._release(1)
     f.abandon(0, 0, 0, reissue=True, why="payload lost")
     await f._release(1)
-    f.abandon(0, 0, 1, reissue=True, why="too stale")  # its 2nd release failed too: given up
+    f.abandon(0, 0, 1, reissue=True, why="prompt dead-lettered")  # its 2nd release failed too: given up
     assert (f.state.given_up, f.state.reissues, f.state.abandoned) == (1, [], 2)
     await f._release(1)
     assert task_ids(bus) == ["e0-i0-a0", "e0-i0-a1", "e0-i1-a0"]
     # Why each release was lost is saved with the state, and the ledger names it for the example given up.
     saved = msgspec.json.decode((tmp_path / "run" / "feeder.json").read_bytes())
-    assert saved["gave_up"] == ["e0-i0-a1"] and saved["lost"] == {"e0-i0": ["payload lost", "too stale"]}
+    assert saved["gave_up"] == ["e0-i0-a1"] and saved["lost"] == {"e0-i0": ["payload lost", "prompt dead-lettered"]}
+
+
+async def test_losses_to_staleness_count_against_max_stale_releases_not_max_attempts(tmp_path, bus, version):
+    """A release lost because it grew too stale (or was made by weights a restarted trainer lost) says nothing about
+    the example: it is released again past max_attempts, and given up only after max_stale_releases such losses."""
+    f = feeder(tmp_path, bus, version, "feeder.max_attempts=2", "feeder.max_stale_releases=3")
+    await f._release(1)
+    f.abandon(0, 0, 0, reissue=True, why="too stale")
+    f.abandon(0, 0, 1, reissue=True, why="made by weights a restarted trainer lost")
+    f.abandon(0, 0, 2, reissue=True, why="payload lost")  # one loss of its own: max_attempts 2 not reached
+    assert f.state.given_up == 0 and f.state.reissues[-1] == Reissue(index=0, epoch=0, attempt=3)
+    f.abandon(0, 0, 3, reissue=True, why="too stale")  # the third to staleness: given up
+    assert f.state.given_up == 1 and f.state.gave_up == ["e0-i0-a3"]
+    assert f.state.lost["e0-i0"] == ["too stale", "made by weights a restarted trainer lost", "payload lost",
+                                     "too stale"]
 
 
 async def test_one_epoch_is_exhausted_after_the_data_set(tmp_path, bus, version):

@@ -400,12 +400,16 @@ def _nemesis_section(r: dict[str, Any], args: argparse.Namespace) -> str:
     kinds = sorted({f["kind"] for f in faults})
     by_kind = ", ".join(f"{sum(f['kind'] == k for f in faults)} {k}" for k in kinds)
     mem = r["memory"]
+    # What the run was given, from its own record (a render from --render FILE has no such flags of its own).
+    steps = r.get("config", {}).get("trainer", {}).get("total_steps", args.steps)
+    producers = r.get("config", {}).get("rollout", {}).get("num_producers", args.producers)
+    planned = len(r["faults"]) if r.get("faults") else args.faults
     lines = [
         args.heading or "## Nemesis",
         "",
-        f"`python bench/soak.py --nemesis --steps {args.steps} --faults {args.faults} --producers {args.producers} "
+        f"`python bench/soak.py --nemesis --steps {steps} --faults {planned} --producers {producers} "
         f"--seed {r['seed']}` (the seed replays the schedule: `bench/nemesis.py`): the simulated engine, "
-        f"{args.producers} producers, a Ray head on {HEAD_IP} and a second node on 127.0.0.3, "
+        f"{producers} producers, a Ray head on {HEAD_IP} and a second node on 127.0.0.3, "
         f"{r['steps']} steps x 8 groups of 4 in {r['wall_s']:.0f} s; {len(faults)} faults ({by_kind}) at steps drawn "
         f"from the seed; exit code {r['exit_code']}, ledger check (`rlbus events RUN_DIR --ledger`) exit "
         f"{r['ledger_exit']} over {_counts(r['ledger'])}" + (", problems: " + "; ".join(r["ledger"].get("problems", [])) if isinstance(

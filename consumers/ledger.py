@@ -10,7 +10,8 @@ Read from a run directory alone (the event archive, docs/event-log.md, and the f
 - the rest are accounted for by name: re-issued (a later attempt of the same example was released), dead-lettered
   (events/dead_letters.jsonl: the prompt itself), retired (its group dropped without a re-issue: non-finite rewards,
   or uniform rewards under dynamic sampling; feeder.json, with why), given up after feeder.max_attempts releases
-  (feeder.json, with why each of its releases was lost: "too stale", "payload lost", ...), or in flight when the
+  lost for its own sake or feeder.max_stale_releases lost to staleness (feeder.json, with why each of its releases
+  was lost: "too stale", "payload lost", ...), or in flight when the
   archive ends -- at most what admission lets be released ahead of training.
 
 A dead-lettered *group* accounts for no prompt: a forged group naming a real prompt is dead-lettered while the real

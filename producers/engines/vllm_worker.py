@@ -26,6 +26,7 @@ Kept free of rlbus imports: vLLM imports it by name in every worker, and it must
 from __future__ import annotations
 
 import gc
+import math
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -82,10 +83,7 @@ class WeightLoader:
 
 def _view(shm: shared_memory.SharedMemory, dtype: str, shape: tuple[int, ...], offset: int) -> torch.Tensor:
     """The tensor at `offset` of the segment, in place."""
-    count = 1
-    for d in shape:
-        count *= d
-    return torch.frombuffer(shm.buf, dtype=getattr(torch, dtype), count=count, offset=offset).view(shape)
+    return torch.frombuffer(shm.buf, dtype=getattr(torch, dtype), count=math.prod(shape), offset=offset).view(shape)
 
 
 def _fused(shm: shared_memory.SharedMemory, parts: list[tuple[str, tuple[int, ...], int]]) -> torch.Tensor:
@@ -96,7 +94,7 @@ def _fused(shm: shared_memory.SharedMemory, parts: list[tuple[str, tuple[int, ..
     for d, sh, off in parts:
         if off != end or d != dtype or tuple(sh[1:]) != tuple(shape[1:]):
             return torch.cat([_view(shm, *p) for p in parts])
-        end += _view(shm, d, sh, off).nbytes
+        end += math.prod(sh) * getattr(torch, d).itemsize
     return _view(shm, dtype, (sum(sh[0] for _, sh, _ in parts), *shape[1:]), offset)
 
 

@@ -345,9 +345,15 @@ def _endpoint() -> list[str]:
         ("- `stop` (a string or up to 4): the reply ends before the first stop sequence its text holds, "
          "`finish_reason: \"stop\"`; the training sequence keeps exactly the tokens sampled up to the one that "
          "completed it, and a later call that continues it inserts the eos with `response_mask` 0."),
-        ("- `stream: true`: sent once the whole reply is sampled (the engine returns whole generations): the "
-         "same reply and the same capture as unstreamed, no earlier first token; an engine failure is still an "
-         "HTTP 500."),
+        ("- `stream: true`: sent while the reply is sampled: content deltas as the engine samples their tokens "
+         "(one per token on the HF engine, one per engine step on vLLM), each tool call whole once the reply is "
+         "(a chunk with its `id` and `name`, then one with its `arguments`), then a chunk with the "
+         "`finish_reason`, the usage chunk if `stream_options.include_usage`, and `data: [DONE]`. Text that may "
+         "yet turn out to be a tool call, a stop sequence, whitespace before a call or part of a character is "
+         "held until that is known, so the deltas fold into exactly the unstreamed reply, and the capture is the "
+         "same. A failure before the first delta is an HTTP error as unstreamed; one after it ends the stream "
+         "with an event `data: {\"error\": {...}}` (the `openai` client raises it as an `APIError`) and no "
+         "`[DONE]`. A client that closes the stream cancels the call (nothing of it is trained)."),
         "",
         ("Every request needs `Authorization: Bearer <key>`. Refusals are OpenAI's error JSON, `{\"error\": "
          "{\"message\", \"type\", \"param\", \"code\"}}`: 401 `invalid_api_key` (no key, or a key of no rollout "

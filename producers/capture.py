@@ -253,7 +253,8 @@ def make_reply(
         ]
         return Reply(
             text=text if captured is None else captured,
-            content=content.strip() or None,
+            # Without the whitespace that led up to the call (as a stream holds it back: producers/streaming.py).
+            content=content.rstrip() or None,
             tool_calls=tool_calls,
             finish_reason="tool_calls" if stopped else "length",
         )

@@ -26,9 +26,11 @@ captured token by token (producers/capture.py).
 - stop: the reply ends where its text first holds a stop sequence; the sequence keeps exactly the tokens sampled
   up to the one that completed it (a one-token stop ends the generation in the engine; what the engine sampled
   past a longer one is dropped) and a later call inserts the eos, mask 0, as after a reply cut by max_tokens.
-- stream: the same reply as OpenAI's server-sent `chat.completion.chunk`s (content deltas per token, `tool_calls`
-  deltas, a last chunk with the finish reason, `data: [DONE]`), sent once the reply is sampled: the engine
-  interface returns whole generations, so there is no first-token latency gain, and a failure is an HTTP error.
+- stream: OpenAI's server-sent `chat.completion.chunk`s, sent while the reply is sampled: content deltas as the
+  engine samples their tokens (text that may yet turn out to be a tool call or a stop sequence waits until it is
+  known: producers/streaming.py), each tool call whole once the reply is (its id and name, then its arguments), a
+  last chunk with the finish reason, `data: [DONE]`. The deltas fold into the unstreamed reply exactly. A failure
+  before the first delta is an HTTP error; one after it ends the stream with an error event.
 
 Requests the endpoint refuses get OpenAI's error JSON:
 
@@ -51,6 +53,7 @@ import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +68,8 @@ from rlbus.producers.capture import (
     parse_messages,
     parse_tools,
 )
-from rlbus.producers.engines.base import Generation, RolloutEngine, SamplingParams
+from rlbus.producers.engines.base import Generation, RolloutEngine, SamplingParams, TokenSink
+from rlbus.producers.streaming import Chunks, ReplyStream, cut_at_stop
 from rlbus.schemas.config import RolloutConfig
 
 log = logging.getLogger(__name__)
@@ -152,7 +156,8 @@ class Endpoint:
                 web.get("/v1/models", self._models),
             ]
         )
-        self._runner = web.AppRunner(app, access_log=None)
+        # A client that goes away cancels its call's handler, and with it the call (nothing of it is captured).
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.openai.host, self.cfg.openai.port)
         await site.start()
@@ -288,19 +293,6 @@ class Endpoint:
             logprobs=bool(body.get("logprobs")),
         )
 
-    def _cut(self, ids: list[int], stops: tuple[str, ...]) -> tuple[int, str] | None:
-        """(k, the text before the stop) for the fewest first k of `ids` whose text holds a stop sequence; None
-        when their whole text holds none."""
-        decode = self.tokenizer.decode
-        if not stops or not any(s in decode(ids, skip_special_tokens=False) for s in stops):
-            return None
-        for k in range(1, len(ids) + 1):
-            text = decode(ids[:k], skip_special_tokens=False)
-            found = [text.find(s) for s in stops if s in text]
-            if found:
-                return k, text[: min(found)]
-        return None
-
     async def _sample(
         self,
         session: Session,
@@ -310,11 +302,14 @@ class Endpoint:
         tools_allowed: bool,
         prompt_text: str | None = None,
         function: str = "",
+        call_id: str = "",
+        on_tokens: TokenSink | None = None,
     ) -> tuple[list[tuple[Reply, Generation]], str]:
-        call_id = self._new_id()
+        call_id = call_id or self._new_id()
         t0 = time.perf_counter()
+        streaming = {} if on_tokens is None else {"on_tokens": on_tokens}
         try:
-            gens = await self.engine.generate([prepared.prompt_ids] * call.n, call.sampling)
+            gens = await self.engine.generate([prepared.prompt_ids] * call.n, call.sampling, **streaming)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the engine's failure: the client gets a 500, the rollout the engine's error
@@ -328,11 +323,12 @@ class Endpoint:
         self.engine_s += elapsed
         out = []
         decode = self.tokenizer.decode
+        decode_all = partial(decode, skip_special_tokens=False)
         forced = (function, prepared.opening) if function else None
         for gen in gens:
             stopped = gen.finish_reason == "stop" and bool(gen.token_ids) and gen.token_ids[-1] == self.stop_token_id
             body_ids = gen.token_ids[:-1] if stopped else gen.token_ids
-            cut = self._cut(body_ids, call.stops)
+            cut = cut_at_stop(decode_all, body_ids, call.stops)
             if cut is None:
                 text = prepared.opening + decode(body_ids, skip_special_tokens=False)
                 reply = make_reply(text, stopped, tools_allowed=tools_allowed, call_id=f"call_{call_id}", forced=forced)
@@ -375,16 +371,16 @@ class Endpoint:
         self._num_ids += 1
         return f"{self._num_ids}{secrets.token_hex(4)}"
 
+    def _logprob_entry(self, token: int, log_prob: float) -> dict:
+        return {
+            "token": self.tokenizer.decode([token], skip_special_tokens=False),
+            "logprob": log_prob,
+            "bytes": None,
+            "top_logprobs": [],
+        }
+
     def _logprob_entries(self, gen: Generation) -> list[dict]:
-        return [
-            {
-                "token": self.tokenizer.decode([t], skip_special_tokens=False),
-                "logprob": lp,
-                "bytes": None,
-                "top_logprobs": [],
-            }
-            for t, lp in zip(gen.token_ids, gen.log_probs)
-        ]
+        return [self._logprob_entry(t, lp) for t, lp in zip(gen.token_ids, gen.log_probs)]
 
     @staticmethod
     def _usage(prepared: Prepared, replies: list[tuple[Reply, Generation]]) -> dict:
@@ -407,103 +403,98 @@ class Endpoint:
 
     # ---------------------------------------------------------------- streaming
 
-    def _pieces(self, text: str, opening: str, gen: Generation, logprobs: bool) -> list[tuple[str, list[dict]]]:
-        """`text` (a reply's content) as stream deltas, one per sampled token with that token's log-prob entry
-        (a forced opening comes first, alone); the entries of tokens past the text (the eos, a stop sequence) go
-        with the last piece. Where a token's text is not the difference of two prefixes' texts, one piece."""
-        entries = self._logprob_entries(gen) if logprobs else []
-        decode = self.tokenizer.decode
-        pieces: list[tuple[str, list[dict]]] = [(opening, [])] if opening else []
-        before = ""
-        for j in range(len(gen.token_ids)):
-            upto = decode(gen.token_ids[: j + 1], skip_special_tokens=False)
-            if not upto.startswith(before):
-                return [(text, entries)]
-            pieces.append((upto[len(before) :], entries[j : j + 1]))
-            before = upto
-        out: list[tuple[str, list[dict]]] = []
-        length = 0
-        for piece, lps in pieces:
-            if length >= len(text):
-                if out:
-                    out[-1][1].extend(lps)
-                continue
-            piece = piece[: len(text) - length]
-            out.append((piece, list(lps)))
-            length += len(piece)
-        if "".join(p for p, _ in out) != text:
-            return [(text, entries)]
-        return out
-
-    def _chat_chunks(
-        self, call_id: str, call: Call, prepared: Prepared, replies: list[tuple[Reply, Generation]]
-    ) -> list[dict]:
-        """The chat completion as OpenAI's stream of `chat.completion.chunk`s: per choice, the role, the content
-        deltas, each tool call (its id and name, then its arguments), and a last delta with the finish reason."""
-        head = {"id": f"chatcmpl-{call_id}", "object": "chat.completion.chunk", "created": int(time.time())}
-        head["model"] = self.model
-
-        def chunk(i: int, delta: dict, finish: str | None = None, entries: list[dict] | None = None) -> dict:
-            choice = {"index": i, "delta": delta, "logprobs": {"content": entries} if entries else None}
-            return {**head, "choices": [{**choice, "finish_reason": finish}]}
-
-        chunks = []
-        for i, (reply, gen) in enumerate(replies):
-            chunks.append(chunk(i, {"role": "assistant", "content": ""}))
-            if reply.tool_calls:
-                entries = self._logprob_entries(gen) if call.logprobs else []
-                if reply.content:
-                    chunks.append(chunk(i, {"content": reply.content}, entries=entries))
-                    entries = []
-                for j, tc in enumerate(reply.tool_calls):
-                    opening = {"name": tc["function"]["name"], "arguments": ""}
-                    chunks.append(
-                        chunk(
-                            i,
-                            {"tool_calls": [{"index": j, "id": tc["id"], "type": "function", "function": opening}]},
-                            entries=entries,
-                        )
-                    )
-                    entries = []
-                    arguments = {"arguments": tc["function"]["arguments"]}
-                    chunks.append(chunk(i, {"tool_calls": [{"index": j, "function": arguments}]}))
-            else:
-                opening = prepared.opening if (reply.content or "").startswith(prepared.opening) else ""
-                for piece, entries in self._pieces(reply.content or "", opening, gen, call.logprobs):
-                    chunks.append(chunk(i, {"content": piece}, entries=entries))
-            chunks.append(chunk(i, {}, reply.finish_reason))
-        if call.include_usage:
-            chunks.append({**head, "choices": [], "usage": self._usage(prepared, replies)})
-        return chunks
-
-    def _completion_chunks(
-        self, call_id: str, call: Call, prepared: Prepared, replies: list[tuple[Reply, Generation]]
-    ) -> list[dict]:
-        head = {"id": f"cmpl-{call_id}", "object": "text_completion", "created": int(time.time()), "model": self.model}
-        chunks = []
-        for i, (reply, gen) in enumerate(replies):
-            for piece, _ in self._pieces(reply.content or "", "", gen, False):
-                chunks.append(
-                    {**head, "choices": [{"index": i, "text": piece, "logprobs": None, "finish_reason": None}]}
-                )
-            chunks.append(
-                {**head, "choices": [{"index": i, "text": "", "logprobs": None, "finish_reason": reply.finish_reason}]}
+    async def _streamed(
+        self, request: web.Request, session: Session, prepared: Prepared, call: Call, *, chat: bool, **sample: Any
+    ) -> web.StreamResponse:
+        """The call answered as server-sent events while it is sampled: each choice's content goes out as its
+        tokens arrive (what producers/streaming.py lets through), its tool calls and finish reason once it is
+        whole. The response starts with the first text there is to send, so a failure before it (a refused
+        prompt, a dead engine) is still an HTTP error; a failure after it ends the stream with OpenAI's error
+        event, which the `openai` client raises as an APIError. A client that goes away cancels the call."""
+        call_id = self._new_id()
+        chunks = Chunks(call_id, self.model, chat=chat)
+        entry = (lambda t, lp: self._logprob_entry(t, lp)) if call.logprobs else None
+        choices = [
+            ReplyStream(
+                partial(self.tokenizer.decode, skip_special_tokens=False),
+                entry,
+                stops=call.stops,
+                tools=sample.get("tools_allowed", False),
+                forced=bool(sample.get("function")),
+                stop_token_id=self.stop_token_id,
             )
-        if call.include_usage:
-            chunks.append({**head, "choices": [], "usage": self._usage(prepared, replies)})
-        return chunks
+            for _ in range(call.n)
+        ]
+        out: list[dict] = []  # chunks not written yet
+        ready = asyncio.Event()
 
-    async def _stream(self, request: web.Request, chunks: list[dict]) -> web.StreamResponse:
-        """Server-sent events, as OpenAI streams them. The reply is sampled whole before the first event is sent
-        (the engine interface returns whole generations), so an engine failure is still an HTTP 500, never a
-        stream cut in the middle; a client sees the same chunks it would see from OpenAI, all at once."""
+        def heard(i: int, ids: list[int], log_probs: list[float]) -> None:
+            piece = choices[i].push(ids, log_probs)
+            if piece is not None:
+                out.extend(self._opening(chunks, choices[i], i))
+                out.append(chunks.content(i, piece))
+                ready.set()
+
+        sampling = asyncio.create_task(self._sample(session, prepared, call, call_id=call_id, on_tokens=heard, **sample))
+        response: web.StreamResponse | None = None
+        try:
+            while not sampling.done():
+                waiter = asyncio.create_task(ready.wait())
+                await asyncio.wait([sampling, waiter], return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                ready.clear()
+                if out and not sampling.done():
+                    response = response or await self._prepare(request)
+                    await self._write(response, out)
+            try:
+                replies, _ = sampling.result()
+            except RequestError as e:
+                if response is None:
+                    raise
+                await self._write(response, [e.body()])  # OpenAI's error event; no [DONE]
+                await response.write_eof()
+                return response
+            for i, (reply, _) in enumerate(replies):
+                try:
+                    piece, entries = choices[i].rest(reply)
+                except ValueError as e:  # what ReplyStream's holds are there to prevent: say so, send the rest
+                    log.error("a streamed reply went astray: %s", e)
+                    piece, entries = None, []
+                out.extend(self._opening(chunks, choices[i], i))
+                if piece is not None:
+                    out.append(chunks.content(i, piece))
+                out.extend(chunks.end(i, reply, entries))
+            if call.include_usage:
+                out.append(chunks.usage(self._usage(prepared, replies)))
+            response = response or await self._prepare(request)
+            await self._write(response, out)
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+        finally:
+            if not sampling.done():  # the client went away (a write failed) or the handler was cancelled
+                sampling.cancel()
+                await asyncio.gather(sampling, return_exceptions=True)
+
+    @staticmethod
+    def _opening(chunks: Chunks, choice: ReplyStream, i: int) -> list[dict]:
+        """A choice's first chunk (its role), once."""
+        if choice.started:
+            return []
+        choice.started = True
+        return chunks.role(i)
+
+    @staticmethod
+    async def _prepare(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        for chunk in chunks:
-            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
         return response
+
+    @staticmethod
+    async def _write(response: web.StreamResponse, chunks: list[dict]) -> None:
+        data = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)
+        chunks.clear()
+        await response.write(data)
 
     # ---------------------------------------------------------------- routes
 
@@ -516,11 +507,12 @@ class Endpoint:
         if choice.required:
             session.capture.force(prepared, choice)
         call = self._params(body, prepared, session)
-        replies, call_id = await self._sample(
-            session, prepared, call, tools_allowed=choice.allowed, function=choice.name if choice.required else ""
-        )
+        function = choice.name if choice.required else ""
         if call.stream:
-            return await self._stream(request, self._chat_chunks(call_id, call, prepared, replies))
+            return await self._streamed(
+                request, session, prepared, call, chat=True, tools_allowed=choice.allowed, function=function
+            )
+        replies, call_id = await self._sample(session, prepared, call, tools_allowed=choice.allowed, function=function)
         choices = []
         for i, (reply, gen) in enumerate(replies):
             message: dict[str, Any] = {"role": "assistant", "content": reply.content}
@@ -551,9 +543,11 @@ class Endpoint:
         call = self._params(body, prepared, session)
         call.logprobs = False  # /v1/completions' logprobs is a number (top-k), not offered here
         text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt, skip_special_tokens=False)
-        replies, call_id = await self._sample(session, prepared, call, tools_allowed=False, prompt_text=text)
         if call.stream:
-            return await self._stream(request, self._completion_chunks(call_id, call, prepared, replies))
+            return await self._streamed(
+                request, session, prepared, call, chat=False, tools_allowed=False, prompt_text=text
+            )
+        replies, call_id = await self._sample(session, prepared, call, tools_allowed=False, prompt_text=text)
         choices = [
             {"index": i, "text": reply.content or "", "finish_reason": reply.finish_reason, "logprobs": None}
             for i, (reply, _) in enumerate(replies)

@@ -9,7 +9,7 @@ a weight load waits for the chunk in flight and the next chunk runs on the new w
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Literal, Mapping
+from typing import TYPE_CHECKING, Callable, Literal, Mapping
 
 import msgspec
 
@@ -42,6 +42,12 @@ class Generation(msgspec.Struct, kw_only=True):
         return [self.version] * len(self.token_ids)
 
 
+#: Where an engine reports tokens as it samples them: (index of the prompt in the call, new token ids, their
+#: log-probs). Called on the event loop's thread, in order per prompt; the ids of one prompt's calls add up to its
+#: Generation's token_ids. Used to stream a reply while it is sampled (producers/endpoint.py).
+TokenSink = Callable[[int, list[int], list[float]], None]
+
+
 class RolloutEngine(abc.ABC):
     """One model replica that generates. Implementations: producers.engines.hf.HFEngine, .vllm.VLLMEngine, ..."""
 
@@ -51,8 +57,11 @@ class RolloutEngine(abc.ABC):
         """Weight version currently loaded."""
 
     @abc.abstractmethod
-    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """Sample one continuation per prompt (batched). Never blocks the event loop."""
+    async def generate(
+        self, prompts: list[list[int]], params: SamplingParams, on_tokens: TokenSink | None = None
+    ) -> list[Generation]:
+        """Sample one continuation per prompt (batched). Never blocks the event loop. `on_tokens`: told of the
+        tokens as they are sampled (an engine that samples a call whole tells it once per prompt at the end)."""
 
     @abc.abstractmethod
     async def load_weights(self, state_dict: Mapping[str, "torch.Tensor"], version: int) -> None:

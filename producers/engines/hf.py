@@ -21,12 +21,13 @@ import asyncio
 import inspect
 import threading
 import time
-from typing import Mapping
+from functools import partial
+from typing import Callable, Mapping
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from rlbus.producers.engines.base import Generation, RolloutEngine, SamplingParams
+from rlbus.producers.engines.base import Generation, RolloutEngine, SamplingParams, TokenSink
 from rlbus.schemas.config import HFEngineConfig
 from rlbus.schemas.errors import WeightLoadError
 
@@ -60,8 +61,10 @@ def sample(
     pad_token_id: int,
     version: int = 0,
     generator: torch.Generator | None = None,
+    on_step: Callable[[list[int], list[int], list[float]], None] | None = None,
 ) -> list[Generation]:
-    """Sample one continuation per prompt in a single batch (synchronous; the engine runs it in a worker thread)."""
+    """Sample one continuation per prompt in a single batch (synchronous; the engine runs it in a worker thread).
+    `on_step(rows, ids, log_probs)`: after each decode step, the token each unfinished row sampled."""
     if params.temperature <= 0:
         raise ValueError(f"temperature: must be > 0 (log-probs are of softmax(logits / temperature)), got {params.temperature}")
     if any(len(p) == 0 for p in prompts):
@@ -92,9 +95,12 @@ def sample(
         choose_BV = _filter_logits(scaled_BV, params.top_k, params.top_p)
         next_B = torch.multinomial(torch.softmax(choose_BV, dim=-1), 1, generator=generator).squeeze(-1)
         next_lp_B = logprobs_BV.gather(-1, next_B.unsqueeze(-1)).squeeze(-1)
-        for i in (~done_B).nonzero().flatten().tolist():
+        rows = (~done_B).nonzero().flatten().tolist()
+        for i in rows:
             tokens[i].append(int(next_B[i]))
             logps[i].append(float(next_lp_B[i]))
+        if on_step is not None:
+            on_step(rows, [tokens[i][-1] for i in rows], [logps[i][-1] for i in rows])
         hit_B = torch.isin(next_B, stop_ids) & ~done_B
         for i in hit_B.nonzero().flatten().tolist():
             finish[i] = "stop"
@@ -111,6 +117,11 @@ def sample(
     ]
 
 
+def _shifted(on_step: Callable[[list[int], list[int], list[float]], None], start: int, rows: list[int], *step) -> None:
+    """A chunk's decode step, its rows numbered in the whole call (the chunk starts at row `start`)."""
+    on_step([start + r for r in rows], *step)
+
+
 class HFEngine(RolloutEngine):
     """A transformers model that samples prompt batches in a worker thread and swaps weights between chunks."""
 
@@ -125,7 +136,8 @@ class HFEngine(RolloutEngine):
     _spare: dict[str, torch.Tensor]  # the tensors the last load swapped out: the next load copies into them
     _shared: set[str]  # parameters that are read in place from the weight store's object (not ours to write)
     _generator: torch.Generator
-    _waiting: list[tuple[list[list[int]], SamplingParams, asyncio.Future]]  # generate() calls not yet running
+    # generate() calls not yet running: (prompts, params, their future, their token sink)
+    _waiting: list[tuple[list[list[int]], SamplingParams, asyncio.Future, TokenSink | None]]
     _batcher: asyncio.Task | None  # runs the waiting calls, merged into batches, one batch at a time
 
     def __init__(self, model_path: str, engine_cfg: HFEngineConfig, *, version: int = 0, seed: int | None = None):
@@ -157,7 +169,12 @@ class HFEngine(RolloutEngine):
     def version(self) -> int:
         return self._version
 
-    def _generate_sync(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def _generate_sync(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        on_step: Callable[[list[int], list[int], list[float]], None] | None = None,
+    ) -> list[Generation]:
         generator = self._generator
         if params.seed is not None:
             generator = torch.Generator(device=self._cfg.device)
@@ -174,20 +191,24 @@ class HFEngine(RolloutEngine):
                     pad_token_id=self.pad_token_id,
                     version=self._version,
                     generator=generator,
+                    on_step=None if on_step is None else partial(_shifted, on_step, start),
                 )
         return results
 
-    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    async def generate(
+        self, prompts: list[list[int]], params: SamplingParams, on_tokens: TokenSink | None = None
+    ) -> list[Generation]:
         """Sample `prompts`. Calls that wait together are merged into one batch (same sampling parameters, no
         per-call seed, up to `max_batch_size` sequences): a producer rolling out several tasks at once
-        (`rollout.max_inflight_tasks`) runs one forward per token for all of them instead of one per task."""
+        (`rollout.max_inflight_tasks`) runs one forward per token for all of them instead of one per task.
+        `on_tokens` hears of every token after the decode step that sampled it."""
         if not prompts:
             return []
         loop = asyncio.get_running_loop()
         if self._batcher is not None and self._batcher.get_loop() is not loop:  # a new event loop (tests do that)
             self._batcher, self._waiting = None, []
         done: asyncio.Future[list[Generation]] = loop.create_future()
-        self._waiting.append((prompts, params, done))
+        self._waiting.append((prompts, params, done, on_tokens))
         if self._batcher is None or self._batcher.done():
             self._batcher = asyncio.create_task(self._run_batches())
         return await done
@@ -201,7 +222,7 @@ class HFEngine(RolloutEngine):
             head = live[0][1]  # the batch runs with the parameters of the oldest live request
             batch, rest, size = [], [], 0
             for request in live:
-                prompts, params, _ = request
+                prompts, params, _, _ = request
                 mergeable = params == head and params.seed is None and size + len(prompts) <= self._cfg.max_batch_size
                 if not batch or mergeable:
                     batch.append(request)
@@ -210,17 +231,38 @@ class HFEngine(RolloutEngine):
                     rest.append(request)
             self._waiting = rest
             try:
-                out = await asyncio.to_thread(self._generate_sync, [p for r in batch for p in r[0]], head)
+                out = await asyncio.to_thread(
+                    self._generate_sync, [p for r in batch for p in r[0]], head, self._step_sink(batch)
+                )
             except Exception as e:
-                for _, _, done in batch:
+                for _, _, done, _ in batch:
                     if not done.done():
                         done.set_exception(e)
                 continue
             offset = 0
-            for prompts, _, done in batch:
+            for prompts, _, done, _ in batch:
                 if not done.done():
                     done.set_result(out[offset:offset + len(prompts)])
                 offset += len(prompts)
+
+    @staticmethod
+    def _step_sink(batch: list) -> Callable[[list[int], list[int], list[float]], None] | None:
+        """For the worker thread: each decode step's tokens, handed to the sinks of the calls merged into `batch`
+        (rows numbered within each call) on the event loop's thread; None when no call has a sink."""
+        owners: list[tuple[TokenSink | None, int]] = []  # per row of the batch: its call's sink, its index there
+        for prompts, _, _, sink in batch:
+            owners += [(sink, i) for i in range(len(prompts))]
+        if all(sink is None for sink, _ in owners):
+            return None
+        loop = asyncio.get_running_loop()
+
+        def deliver(rows: list[int], ids: list[int], log_probs: list[float]) -> None:
+            for row, token, lp in zip(rows, ids, log_probs):
+                sink, index = owners[row]
+                if sink is not None:
+                    sink(index, [token], [lp])
+
+        return lambda *step: loop.call_soon_threadsafe(deliver, *step)
 
     def _load_sync(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         with self._load_lock:  # one load at a time; generation goes on while the new weights are copied

@@ -20,7 +20,7 @@ import random
 import time
 from typing import TYPE_CHECKING, Mapping
 
-from rlbus.producers.engines.base import Generation, RolloutEngine, SamplingParams
+from rlbus.producers.engines.base import Generation, RolloutEngine, SamplingParams, TokenSink
 from rlbus.schemas.config import SimulatedEngineConfig
 
 if TYPE_CHECKING:
@@ -62,7 +62,9 @@ class SimulatedEngine(RolloutEngine):
         u = 1.0 - rng.random()  # in (0, 1]
         return max(1, min(max_new_tokens, round(scale * u ** (-1 / alpha))))
 
-    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    async def generate(
+        self, prompts: list[list[int]], params: SamplingParams, on_tokens: TokenSink | None = None
+    ) -> list[Generation]:
         if not prompts:
             return []
         rng = random.Random(params.seed) if params.seed is not None else self._rng
@@ -90,6 +92,9 @@ class SimulatedEngine(RolloutEngine):
         if self._cfg.inflight_updates and self._version_at(time.monotonic()) != version:
             for g in out:
                 g.token_versions = [self._version_at(began + spt * (i + 1)) for i in range(len(g.token_ids))]
+        if on_tokens is not None:  # a call is sampled whole here
+            for i, g in enumerate(out):
+                on_tokens(i, list(g.token_ids), list(g.log_probs))
         return out
 
     async def load_weights(self, state_dict: Mapping[str, "torch.Tensor"], version: int) -> None:

@@ -40,7 +40,7 @@ from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any, Mapping
 
-from rlbus.producers.engines.base import Generation, RolloutEngine, SamplingParams
+from rlbus.producers.engines.base import Generation, RolloutEngine, SamplingParams, TokenSink
 from rlbus.schemas.config import VLLMEngineConfig
 from rlbus.schemas.errors import ConfigError, EngineDead, GenerationRefused
 
@@ -207,7 +207,7 @@ class VLLMEngine(RolloutEngine):
 
     # ---------------------------------------------------------------- generation
 
-    def _sampling(self, params: SamplingParams, max_tokens: int, seed: int | None) -> Any:
+    def _sampling(self, params: SamplingParams, max_tokens: int, seed: int | None, *, stream: bool = False) -> Any:
         from vllm import SamplingParams as VSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -221,12 +221,15 @@ class VLLMEngine(RolloutEngine):
             ignore_eos=True,
             logprobs=0,  # the sampled token's log-prob only
             detokenize=False,
-            output_kind=RequestOutputKind.FINAL_ONLY,  # one message per request: we read only the end
+            # One message per request (we read only the end), or one per engine step when the tokens are streamed.
+            output_kind=RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY,
             seed=seed,
         )
 
-    async def _one(self, prompt: list[int], params: SamplingParams, index: int) -> Generation:
-        """One prompt to the end, as one vLLM request (more if a weight load aborts it: then the prefix goes back)."""
+    async def _one(self, prompt: list[int], params: SamplingParams, index: int, sink: TokenSink | None = None
+                   ) -> Generation:
+        """One prompt to the end, as one vLLM request (more if a weight load aborts it: then the prefix goes back).
+        `sink` hears of the tokens of every engine step that made some."""
         from vllm.v1.engine.exceptions import EngineDeadError
 
         tokens: list[int] = []
@@ -242,10 +245,17 @@ class VLLMEngine(RolloutEngine):
             version_at_submit = self._version
             request_id = uuid.uuid4().hex
             final = None
+            told = 0  # of this request's tokens, how many the sink has heard of
             try:
                 async for out in self._llm.generate({"prompt_token_ids": prompt + tokens},
-                                                    self._sampling(params, remaining, seed), request_id):
+                                                    self._sampling(params, remaining, seed, stream=sink is not None),
+                                                    request_id):
                     final = out
+                    if sink is not None and out.outputs and len(out.outputs[0].token_ids) > told:
+                        so_far = out.outputs[0]
+                        new = list(so_far.token_ids[told:])
+                        sink(index, new, [float(step[t].logprob) for t, step in zip(new, (so_far.logprobs or [])[told:])])
+                        told += len(new)
             except EngineDeadError as e:
                 raise EngineDead(f"vLLM engine core died: {e}") from e
             except ValueError as e:  # vLLM's input validation (too long, bad ids): this request only
@@ -273,7 +283,9 @@ class VLLMEngine(RolloutEngine):
                           version=versions[0] if versions else self._version,
                           token_versions=versions if len(set(versions)) > 1 else [])
 
-    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    async def generate(
+        self, prompts: list[list[int]], params: SamplingParams, on_tokens: TokenSink | None = None
+    ) -> list[Generation]:
         if not prompts:
             return []
         if params.temperature <= 0:
@@ -284,7 +296,7 @@ class VLLMEngine(RolloutEngine):
                         "nucleus, not log_softmax(logits / T) of the full vocabulary")
         if self._llm is None:
             raise EngineDead("the engine is closed")
-        requests = [asyncio.create_task(self._one(p, params, i)) for i, p in enumerate(prompts)]
+        requests = [asyncio.create_task(self._one(p, params, i, on_tokens)) for i, p in enumerate(prompts)]
         try:
             return list(await asyncio.gather(*requests))
         except BaseException:

@@ -30,6 +30,7 @@ from rlbus.common.model.init_model import init_model
 from rlbus.producers.agent_loops import make_agent_loop
 from rlbus.producers.agent_loops.openai_agent import AgentFailed
 from rlbus.producers.agents.calculator import CALCULATOR_TOOL
+from rlbus.producers.endpoint import Endpoint
 from rlbus.producers.engines.hf import HFEngine
 from rlbus.producers.rewards import load_reward
 from rlbus.schemas.config import HFEngineConfig
@@ -403,6 +404,89 @@ async def test_a_streamed_completion(stack):
             chunks = [c async for c in stream]
     assert "".join(c.choices[0].text for c in chunks) == plain.choices[0].text
     assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+
+
+async def _long_story(client):
+    """A streamed call whose reply runs long (temperature 3: the model rarely picks its eos)."""
+    return await client.chat.completions.create(
+        model="policy", messages=prompt_messages("Tell me a long story."), max_tokens=100, temperature=3.0, seed=4,
+        stream=True,
+    )
+
+
+async def test_a_stream_sends_text_while_the_reply_is_sampled(stack):
+    """The first content delta reaches the client before the call is over (its capture is recorded when the engine
+    returns), and later deltas keep coming: the reply is streamed, not sampled whole and then sent."""
+    _, _, loop = stack
+    endpoint = loop.endpoint
+    with endpoint.conversation() as session:
+        async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=session.key, max_retries=0) as client:
+            stream = await _long_story(client)
+            deltas, recorded_at_first = [], None
+            async for chunk in stream:
+                for c in chunk.choices:
+                    if c.delta.content:
+                        if recorded_at_first is None:
+                            recorded_at_first = session.capture.num_calls
+                        deltas.append(c.delta.content)
+        [traj] = session.capture.trajectories()
+    assert recorded_at_first == 0, "the first delta came after the reply was sampled whole"
+    assert sum(traj.response_mask) > 30 and len(deltas) > 10, (len(deltas), sum(traj.response_mask))
+
+
+class FailsMidway(HFEngine):
+    """The real engine, whose generation breaks after its first tokens were reported (as a dead engine core's)."""
+
+    async def generate(self, prompts, params, on_tokens=None):
+        gens = await super().generate(prompts, params)
+        if on_tokens is not None:
+            for i, gen in enumerate(gens):
+                on_tokens(i, gen.token_ids[:3], gen.log_probs[:3])
+        await asyncio.sleep(0.05)
+        raise RuntimeError("engine core died")
+
+
+async def test_a_failure_after_the_first_delta_ends_the_stream_with_an_error(model_dir):
+    """The client raises OpenAI's APIError from the error event; the rollout carries the engine's error."""
+    cfg = run_config(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    engine = FailsMidway(str(model_dir), HFEngineConfig(), seed=0)
+    endpoint = Endpoint(engine, tokenizer, cfg.rollout)
+    await endpoint.start()
+    try:
+        with endpoint.conversation() as session:
+            got = []
+            async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=session.key, max_retries=0) as client:
+                stream = await client.chat.completions.create(
+                    model="policy", messages=prompt_messages("What is 2+2?"), max_tokens=20, temperature=3.0, seed=1,
+                    stream=True,
+                )
+                with pytest.raises(openai.APIError, match="engine core died"):
+                    async for chunk in stream:
+                        got += [c.delta.content for c in chunk.choices if c.delta.content]
+            assert got, "the stream failed before its first delta"
+            assert isinstance(session.capture.failure, RuntimeError) and session.capture.trajectories() == []
+    finally:
+        await endpoint.close()
+        await engine.close()
+
+
+async def test_a_client_that_hangs_up_cancels_its_call(stack):
+    """A stream closed after its first delta: the call is cancelled (nothing of it captured), the endpoint answers
+    the next call."""
+    _, _, loop = stack
+    endpoint = loop.endpoint
+    with endpoint.conversation() as session:
+        async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=session.key, max_retries=0) as client:
+            stream = await _long_story(client)
+            async for chunk in stream:
+                if any(c.delta.content for c in chunk.choices):
+                    break
+            await stream.close()
+            await asyncio.sleep(0.5)
+            assert session.capture.num_calls == 0
+            ok = await client.chat.completions.create(model="policy", messages=prompt_messages("2+2?"), max_tokens=4)
+            assert ok.choices[0].finish_reason in ("stop", "length", "tool_calls") and session.capture.num_calls == 1
 
 
 async def test_a_stop_sequence_ends_the_reply_and_the_sequence_at_its_token(stack, policy):

@@ -3,7 +3,7 @@
 - its per-token log-probs are what a teacher-forced forward of the same weights gives (the trainer's computation);
 - a batch of prompts of different lengths behaves like each prompt alone (stop tokens, finish reasons, tokens);
 - loading new weights changes what it generates and stamps the new version;
-- generate runs off the event loop.
+- generate runs off the event loop, and reports each token as it is sampled when asked to (streaming).
 
     .venv/bin/python -m pytest -q tests/integration/test_hf_engine.py
 """
@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 
@@ -210,7 +211,7 @@ async def test_concurrent_calls_are_merged_into_one_batch(model_dir, prompts):
     alone = [await engine.generate([p], greedy) for p in prompts]
     batches: list[int] = []
     run = engine._generate_sync
-    engine._generate_sync = lambda ps, params: (batches.append(len(ps)), run(ps, params))[1]  # type: ignore[method-assign]
+    engine._generate_sync = lambda ps, *rest: (batches.append(len(ps)), run(ps, *rest))[1]  # type: ignore[method-assign]
     calls = [engine.generate([p], greedy) for p in prompts] + [engine.generate(prompts, greedy)]
     other = SamplingParams(temperature=1e-4, max_new_tokens=3)  # other parameters: a batch of its own
     together = await asyncio.gather(*calls, engine.generate(prompts[:1], other))
@@ -221,6 +222,33 @@ async def test_concurrent_calls_are_merged_into_one_batch(model_dir, prompts):
         assert one[0].token_ids == merged[0].token_ids
     assert [g.token_ids for g in together[len(prompts)]] == [g[0].token_ids for g in alone]
     assert len(together[-1][0].token_ids) <= 3
+
+
+async def test_tokens_are_reported_as_they_are_sampled(model_dir, prompts):
+    """on_tokens hears of every token right after the decode step that sampled it, on the event loop, rows
+    numbered within their own call: also when calls are merged into one batch and a call is cut into chunks
+    (max_batch_size 2); what it heard adds up to each generation."""
+    engine = HFEngine(str(model_dir), HFEngineConfig(max_batch_size=2), seed=0)
+    params = SamplingParams(temperature=1.0, max_new_tokens=12)
+    loop_thread = threading.get_ident()
+    heard: dict[tuple[int, int], list] = {}
+
+    def sink_of(call: int):
+        def sink(i: int, ids: list[int], log_probs: list[float]) -> None:
+            assert threading.get_ident() == loop_thread and len(ids) == len(log_probs) == 1
+            got = heard.setdefault((call, i), [[], []])
+            got[0] += ids
+            got[1] += log_probs
+        return sink
+
+    calls = [engine.generate(prompts[:1], params, sink_of(0)), engine.generate(prompts[1:2], params, sink_of(1)),
+             engine.generate(prompts, params, sink_of(2)), engine.generate(prompts[2:3], params)]
+    results = await asyncio.gather(*calls)
+    for call, gens in enumerate(results[:3]):
+        for i, gen in enumerate(gens):
+            assert heard[(call, i)] == [gen.token_ids, gen.log_probs]
+    assert len(heard) == 1 + 1 + len(prompts)  # the call without a sink was not reported
+    await engine.close()
 
 
 async def test_generate_does_not_block_the_event_loop(model_dir, prompts):

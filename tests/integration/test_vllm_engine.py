@@ -6,7 +6,7 @@
   the weight version that sampled it;
 - a weight version loaded while requests are in flight reaches the engine's worker process in place: tokens before
   the load carry the old version and tokens after it the new one, in one generation (update_mode keep and abort),
-  and later generations follow the new weights exactly;
+  and later generations follow the new weights exactly; the tokens are reported as they are sampled (streaming);
 - a prompt over max_model_len fails that call only; a killed engine core is noticed (`alive`, EngineDead), and so
   is a weight load its worker never answers (after load_timeout_s).
 
@@ -132,6 +132,20 @@ async def test_the_openai_endpoint_captures_vllm_samples_token_exact(engine, mod
                 messages += [first.choices[0].message.model_dump(exclude_none=True),
                              {"role": "user", "content": "Are you sure?"}]
                 await client.chat.completions.create(model="policy", messages=messages)
+        # Streamed on vLLM (one report per engine step): the deltas fold into the same seeded reply, captured alike.
+        ask = {"model": "policy", "messages": [{"role": "user", "content": "What is 5*8?"}], "seed": 5, "max_tokens": 12}
+        with endpoint.conversation() as plain_session, endpoint.conversation() as stream_session:
+            async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=plain_session.key,
+                                          max_retries=0) as client:
+                plain = await client.chat.completions.create(**ask)
+            async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=stream_session.key,
+                                          max_retries=0) as client:
+                chunks = [c async for c in await client.chat.completions.create(**ask, stream=True)]
+        folded = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert folded == (plain.choices[0].message.content or "")
+        assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+        [a], [b] = plain_session.capture.trajectories(), stream_session.capture.trajectories()
+        assert (a.response_ids, a.log_probs) == (b.response_ids, b.log_probs)
     finally:
         await endpoint.close()
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -150,8 +164,16 @@ async def test_weights_load_in_flight_and_versions_stay_true(engine, model_dir, 
     new_model = tiny_model(AutoTokenizer.from_pretrained(model_dir), seed=11 + before,
                            spec=SPEC)
     state_dict = new_model.state_dict()
-    long_run = asyncio.create_task(engine.generate(_prompts(8), SamplingParams(max_new_tokens=200, seed=3)))
+    heard: dict[int, list] = {i: [[], [], 0] for i in range(8)}  # streamed: ids, log-probs, number of reports
+
+    def sink(i: int, ids: list[int], log_probs: list[float]) -> None:
+        heard[i][0] += ids
+        heard[i][1] += log_probs
+        heard[i][2] += 1
+
+    long_run = asyncio.create_task(engine.generate(_prompts(8), SamplingParams(max_new_tokens=200, seed=3), sink))
     await asyncio.sleep(0.5)  # requests are decoding
+    assert any(h[0] for h in heard.values()), "no token was reported while decoding"
     assert not long_run.done()
     await engine.load_weights(state_dict, before + 1)
     gens = await long_run
@@ -163,6 +185,11 @@ async def test_weights_load_in_flight_and_versions_stay_true(engine, model_dir, 
         assert versions == sorted(versions) and set(versions) <= {before, before + 1}
         switched += versions[0] == before and versions[-1] == before + 1
     assert switched >= 1, "no generation spanned the load: the load did not happen in flight"
+    # The tokens were reported as they came (one report per engine step or so), through the load, and add up to
+    # the generation: the same ids and log-probs, none twice, also across an abort and resubmission.
+    for i, gen in enumerate(gens):
+        assert (heard[i][0], heard[i][1]) == (gen.token_ids, gen.log_probs)
+        assert heard[i][2] >= 20
     if mode == "abort":
         assert engine.num_resubmitted >= 1
     # On CPU every layer was repacked straight from the staging segment (not through vLLM's layer-wise reload).

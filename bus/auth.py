@@ -7,7 +7,7 @@ docs/security.md):
 |---|---|---|
 | admin | everything (stream set-up by `rlbus up`; an operator's tool) | - |
 | trainer | publish prompts, weights, events; consume `traj`; create and update the run's streams, bucket, consumers | delete a stream; touch another run |
-| producer | pull prompts (ack / nak / in progress), publish traj, heartbeats and its own events; read weights and the KV bucket | publish prompts or weights, manage or delete streams |
+| producer | pull prompts (ack / nak / in progress), publish traj, heartbeats and its own events; read weights and the KV bucket; write its unacked list there (`unacked.producer.<id>`) | publish prompts or weights, write any other KV key, manage or delete streams |
 | observer | read the run's streams and bucket (status, `events --follow`) | publish anything on the run's subjects, manage streams |
 
 Reading a JetStream stream still means sending requests to the JetStream API (`$JS.API.CONSUMER.CREATE...` for an
@@ -34,6 +34,7 @@ from typing import Literal
 
 import bcrypt
 
+from rlbus.bus.handover import PRODUCERS_KEY
 from rlbus.schemas.errors import BusError
 from rlbus.schemas.subjects import Subjects, check_run_name
 
@@ -91,7 +92,11 @@ def permissions(run: str, role: Role) -> dict[str, dict[str, list[str]]]:
         # events.eval: the evaluator role (producers/evaluator.py) runs with the producer's credential.
         own_events = [s.event("heartbeat.*"), s.event("lifecycle"), s.event("error"), s.event("eval"),
                       s.dead_letter]
+        # Its unacked list in the KV bucket (bus/handover.py), for a successor under its id on another machine. Any
+        # producer may write any producer's key: a forged list makes a successor nak deliveries of the prompts
+        # consumer, which a producer's credential may do directly anyway ($JS.ACK below).
         pub = [s.traj, *own_events, *_reader(s, [s.weights_stream], kv_stream)]
+        pub.append(f"$KV.{s.weights_bucket}.{PRODUCERS_KEY}.>")
         pub += _js(s.prompts_stream, "STREAM.INFO") + _js(s.traj_stream, "STREAM.INFO")
         pub += _js(s.events_stream, "STREAM.INFO")
         pub += [f"$JS.API.CONSUMER.MSG.NEXT.{s.prompts_stream}.{s.prompts_consumer}",

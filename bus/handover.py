@@ -12,8 +12,9 @@ under the same id) naks them before its first fetch, and they come back at once.
     handover.save(d.reply for d in unsettled)   # on the way out: nothing held, no file left behind
 
 A file first: it must survive the role's SIGKILL, and is read by the role's own successor on the same machine. With
-a `key` (the trainer's: it may write the run's KV bucket), the list also goes into the KV bucket, where a successor
-started on another machine finds it; a share that fails (the bus restarting) leaves the file to do the work. A nak
+a `key` (the trainer's, `unacked.trainer`; a named producer's, `unacked.producer.<id>`), the list also goes into the
+run's KV bucket, where a successor started on another machine finds it; a share that fails (the bus restarting)
+leaves the file to do the work. A nak
 of a delivery settled since is ignored by JetStream, so the list may name more than is held; it must never name
 less than was fetched, so it is written after each fetch, before the deliveries are worked on.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,6 +37,18 @@ if TYPE_CHECKING:
     from rlbus.bus.client import Bus
 
 log = logging.getLogger("rlbus.bus")
+
+#: KV keys of the shared lists: the trainer's, and each named producer's under `unacked.producer.<id>` (a producer's
+#: credential may write those keys and no other: bus/auth.py).
+TRAINER_KEY = "unacked.trainer"
+PRODUCERS_KEY = "unacked.producer"
+#: What a KV key may hold (a producer id outside it keeps its list in the file only).
+_KEY_TOKEN = re.compile(r"[-_=a-zA-Z0-9]+")
+
+
+def producer_key(producer_id: str) -> str:
+    """The KV key of a producer's list; "" when its id cannot be part of a key."""
+    return f"{PRODUCERS_KEY}.{producer_id}" if _KEY_TOKEN.fullmatch(producer_id) else ""
 
 
 class Handover:

@@ -135,7 +135,7 @@ def _where(t: type) -> str:
     if t is wire.WeightsPublished:
         places.append(f"KV bucket `{s.weights_bucket}`, key `latest`")
     if t is wire.Unacked:
-        places.append(f"KV bucket `{s.weights_bucket}`, key `unacked.trainer`")
+        places.append(f"KV bucket `{s.weights_bucket}`, keys `unacked.trainer` and `unacked.producer.<id>`")
     nested = [o.__name__ for o in wire_types() if o is not t and t in _nested_structs(o)]
     if nested:
         places.append("inside " + ", ".join(f"[{n}](#{n.lower()})" for n in nested))
@@ -212,7 +212,7 @@ def _streams_table() -> list[str]:
     kv = kv_config(s, cfg)
     rows += ["", (f"KV bucket `{kv.bucket}` (stream `KV_{kv.bucket}`): history {kv.history}, {kv.storage.value} "
                  "storage; key `latest` holds the newest WeightsPublished (msgpack, like the stream), key "
-                 "`unacked.trainer` the trainer's Unacked.")]
+                 "`unacked.trainer` the trainer's Unacked, `unacked.producer.<id>` each named producer's.")]
     rows += ["", "| durable consumer | of stream | ack | ack wait | max deliveries | filter |", "|---|---|---|---|---|---|"]
     for stream, cc in consumer_configs(s, cfg):
         deliver = "unlimited" if cc.max_deliver == -1 else f"{cc.max_deliver} (`bus.max_deliver`)"

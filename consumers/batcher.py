@@ -23,7 +23,7 @@ import msgspec
 
 from rlbus.bus.client import Bus
 from rlbus.bus.delivery import Delivery
-from rlbus.bus.handover import Handover
+from rlbus.bus.handover import TRAINER_KEY, Handover
 from rlbus.bus.loop import raise_if_failed
 from rlbus.bus.transfer_queue import TransferQueue
 from rlbus.schemas import staleness
@@ -39,7 +39,7 @@ NEVER_PUT_SLACK_S = 10.0
 #: In the dead letter of such a group: trainer/feeder.py re-issues its release if no group of it comes after all.
 NEVER_PUT = "its payloads were never put"
 #: Key of the trainer's unacked list in the run's KV bucket (bus/handover.py), for a successor on another machine.
-UNACKED_KEY = "unacked.trainer"
+UNACKED_KEY = TRAINER_KEY
 
 
 class Releases(Protocol):

@@ -27,7 +27,7 @@ import uuid
 
 from rlbus.bus.client import Bus
 from rlbus.bus.delivery import Delivery
-from rlbus.bus.handover import Handover
+from rlbus.bus.handover import Handover, producer_key
 from rlbus.bus.loop import raise_if_failed, run, serve
 from rlbus.bus.ray_cluster import ensure_ray
 from rlbus.bus.transfer_queue import TransferQueue
@@ -131,8 +131,11 @@ class Producer:
         await self.bus.await_streams()  # a producer's credential may not create them: the trainer does
         if self._named:  # tasks a killed predecessor under this id held go back now, not after bus.ack_wait_s
             cfg.run_dir.mkdir(parents=True, exist_ok=True)
+            # The list is a file here and, under the id's key, in the KV bucket: a successor started under the same
+            # id on another machine takes over from there.
             self._handover = Handover(cfg.run_dir / f"producer-{self.producer_id}-unacked.json", self.bus,
-                                      self.bus.subjects.prompts, self.bus.subjects.prompts_consumer)
+                                      self.bus.subjects.prompts, self.bus.subjects.prompts_consumer,
+                                      key=producer_key(self.producer_id), role="producer")
             await self._handover.take_over()
         # Before Ray: under `rlbus up` the head may still be starting (ensure_ray waits).
         stack = build_rollout(cfg, instance=self.producer_id)
@@ -172,6 +175,7 @@ class Producer:
                 self._unsettled[delivery.data.task_id] = delivery.reply
                 if self._handover is not None:
                     self._handover.save(self._unsettled.values())
+                    await self._handover.share()
                 if self._stopping.is_set():  # fetched while asked to stop: give it straight back
                     await delivery.nak()
                     slots.release()
@@ -193,6 +197,7 @@ class Producer:
             await asyncio.gather(*background, *held, return_exceptions=True)
             if self._handover is not None:  # every task finished or nak'ed: the list empties and the file goes
                 self._handover.save(self._unsettled.values())
+                await self._handover.share()
 
     def stop(self) -> None:
         """Ask the main loop to stop pulling; held tasks are finished (or nak'ed after DRAIN_TIMEOUT_S)."""

@@ -216,10 +216,11 @@ class EvalCompleted(Wire, tag="eval_completed"):
 
 class Unacked(Wire, tag="unacked"):
     """The ack subjects of the deliveries a role holds unsettled, kept for its successor (bus/handover.py). The
-    trainer keeps its list in the KV bucket under `unacked.trainer`, so a trainer restarted on another machine naks
-    them at once instead of waiting out ack_wait; the same list is also a file in the run directory."""
+    trainer keeps its list in the KV bucket under `unacked.trainer` and a producer started with an id under
+    `unacked.producer.<id>`, so the role restarted on another machine naks them at once instead of waiting out
+    ack_wait; the same list is also a file in the run directory."""
 
-    role: str  # the role that held them (trainer)
+    role: str  # the role that held them (trainer, producer)
     consumer: str  # the durable consumer they were delivered by
     replies: list[str] = []  # the deliveries' ack subjects ($JS.ACK...)
     created_at: float = msgspec.field(default_factory=now)  # Unix time

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import stat
+import time
 from typing import Iterator
 
 import nats
@@ -18,6 +19,7 @@ import pytest
 
 from rlbus.bus.auth import ROLES, load_creds
 from rlbus.bus.client import Bus
+from rlbus.bus.handover import Handover, producer_key
 from rlbus.bus.server import EmbeddedServer
 from rlbus.schemas.config import BusConfig
 from rlbus.schemas.errors import BusError
@@ -28,6 +30,7 @@ from rlbus.schemas.wire import (
     SampleMeta,
     StepCompleted,
     TrajectoryGroup,
+    Unacked,
     WeightsPublished,
     encode,
 )
@@ -162,6 +165,10 @@ async def test_producer_cannot_announce_weights_nor_manage_streams(server):
         assert await raw.refused_publish(subjects.weights, encode(_weights(9999)))  # the forged announcement
         assert await raw.refused_publish(subjects.prompts)
         assert await raw.refused_publish(f"$KV.{subjects.weights_bucket}.latest", encode(_weights(9999)))
+        # Its own unacked list it may keep in the bucket (a producer's key), the trainer's it may not touch.
+        unacked = encode(Unacked(role="producer", consumer=subjects.prompts_consumer, replies=[]))
+        assert not await raw.refused_publish(f"$KV.{subjects.weights_bucket}.{producer_key('p9')}", unacked)
+        assert await raw.refused_publish(f"$KV.{subjects.weights_bucket}.unacked.trainer", unacked)
         assert await raw.refused_publish(f"$JS.API.STREAM.DELETE.{subjects.events_stream}")
         assert await raw.refused_publish(f"$JS.API.STREAM.PURGE.{subjects.traj_stream}")
         assert await raw.refused_publish(f"$JS.API.CONSUMER.DELETE.{subjects.prompts_stream}.{subjects.prompts_consumer}")
@@ -186,6 +193,48 @@ async def test_observer_cannot_publish_anything(server):
             assert await raw.refused_publish(subject), subject
     finally:
         await raw.close()
+
+
+async def test_a_producer_restarted_elsewhere_takes_over_its_tasks_from_the_kv_bucket(server, tmp_path):
+    """With a producer's credential, a producer keeps its unacked list in the run's KV bucket as well as in a file
+    (bus/handover.py, key unacked.producer.<id>): a successor under the same id whose run directory holds no file
+    (another machine) naks its predecessor's task, which comes back at once instead of after ack_wait (60 s)."""
+    trainer = await Bus.connect(cfg(server, "trainer", "beta"), "beta", name="trainer-beta")
+    try:
+        await trainer.ensure_streams()
+        task = PromptTask(task_id="e0-i5-a0", prompt=[ChatMessage(role="user", content="5*5?")])
+        await trainer.publish(trainer.subjects.prompts, task, msg_id=task.task_id)
+    finally:
+        await trainer.close()
+    s = trainer.subjects
+
+    def handover(bus: Bus, where: str) -> Handover:
+        (tmp_path / where).mkdir(exist_ok=True)
+        return Handover(tmp_path / where / "producer-p7-unacked.json", bus, s.prompts, s.prompts_consumer,
+                        key=producer_key("p7"), role="producer")
+
+    dead = await Bus.connect(cfg(server, "producer", "beta"), "beta", name="producer-p7")
+    (held,) = await dead.fetch(s.prompts, s.prompts_consumer, PromptTask, batch=1, timeout=5)
+    mine = handover(dead, "here")
+    mine.save([held.reply])
+    await mine.share()
+    await dead.close()  # gone without settling, as a SIGKILLed producer
+    successor = await Bus.connect(cfg(server, "producer", "beta"), "beta", name="producer-p7")
+    try:
+        elsewhere = handover(successor, "there")
+        assert not elsewhere.path.exists()
+        assert await elsewhere.take_over() == 1
+        t0, back = time.monotonic(), []
+        while not back and time.monotonic() - t0 < 10:
+            back = await successor.fetch(s.prompts, s.prompts_consumer, PromptTask, batch=1, timeout=1.0)
+        assert [d.data.task_id for d in back] == [task.task_id] and back[0].num_delivered == 2
+        assert time.monotonic() - t0 < 10  # not ack_wait
+        await back[0].ack()
+        elsewhere.save([])
+        await elsewhere.share()
+        assert (await successor.kv_get(producer_key("p7"), Unacked)).replies == []
+    finally:
+        await successor.close()
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ a trainer restarted under `rlbus up`: tests/system/test_faults.py).
 
 from __future__ import annotations
 
-from rlbus.bus.handover import Handover
+from rlbus.bus.handover import Handover, producer_key
 
 
 class NakRecorder:
@@ -47,3 +47,9 @@ async def test_a_role_that_ends_holding_nothing_leaves_no_file(tmp_path):
     handover.save([])  # and again: nothing to remove is fine
     bus = NakRecorder()
     assert await Handover(path, bus, "run.prompts", "producers").take_over() == 0 and bus.calls == []
+
+
+def test_a_producers_key_is_its_id_when_a_key_can_hold_it():
+    assert producer_key("p0") == "unacked.producer.p0"
+    assert producer_key("host-1_23=x") == "unacked.producer.host-1_23=x"
+    assert producer_key("host:7") == producer_key("é") == ""  # the file only

@@ -109,7 +109,20 @@ class Child:
     def pid(self) -> int | None:
         return None if self.proc is None else self.proc.pid
 
+    def reap_group(self) -> None:
+        """SIGKILL whatever is left of this role's process group once the role has exited: it runs in its own
+        session, so the group holds only what the role started and did not take down with it (a vLLM engine core
+        whose producer or evaluator was killed while starting it lives on otherwise, its parent gone). The group's
+        id stays taken while any member lives, so this reaches no one else."""
+        if self.proc is None or self.proc.poll() is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # nothing left
+
     def start(self) -> None:
+        self.reap_group()  # the leftovers of the run before this restart
         self.started_at = time.time()
         if self._log is not None:
             self._log.close()
@@ -144,6 +157,7 @@ class Child:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        self.reap_group()
         if self._log is not None:
             self._log.close()
         return self.proc.returncode

@@ -142,6 +142,10 @@ def _token_versions(spans: Any, num_tokens: int, fallback: int) -> list[int]:
     return versions
 
 
+#: Tokens a CPU engine step may process at most (vLLM's default budget; a longer max_model_len raises it).
+CPU_BATCHED_TOKENS = 2048
+
+
 class VLLMEngine(RolloutEngine):
     _cfg: VLLMEngineConfig
     _version: int
@@ -198,6 +202,13 @@ class VLLMEngine(RolloutEngine):
             # producers (or a producer and its restart) do not sample alike.
             seed=seed if seed is not None else int.from_bytes(os.urandom(4), "little"),
             disable_log_stats=True,
+            # On CPU a prompt is prefilled in one step, never in chunks: vLLM's CPU worker fails (engine core dead:
+            # "CPU Generator does not use offset") when it discards the token a seeded request sampled at the end of
+            # a partial prefill, which chunked prefill does whenever a step's token budget splits a prompt (the
+            # evaluator's seeded calls and the endpoint's `seed` under load). vLLM turns chunking off on CPU itself
+            # for MLA models; the budget per step is then at least the longest prompt.
+            **({} if gpu else {"enable_chunked_prefill": False,
+                               "max_num_batched_tokens": max(self.max_model_len, CPU_BATCHED_TOKENS)}),
         )
         self._llm = AsyncLLM.from_engine_args(args)
 

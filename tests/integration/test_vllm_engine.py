@@ -206,6 +206,19 @@ async def test_weights_load_in_flight_and_versions_stay_true(engine, model_dir, 
           f"(load work {engine.last_load_work_s:.3f}s)")
 
 
+async def test_seeded_long_prompts_under_load_keep_the_engine_alive(engine):
+    """Sixteen seeded requests of 200-token prompts at once: more prompt than one step's token budget (2048), which
+    with chunked prefill split a prompt, and vLLM's CPU worker died discarding a seeded request's token ("CPU
+    Generator does not use offset"; the evaluator's seeded calls on SmolLM2 did it). Prompts are prefilled whole on
+    CPU now: every request finishes, and the same seeds sample the same tokens again."""
+    prompts = [[5 + (i + j) % 60 for j in range(200)] for i in range(16)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=42)
+    first = await engine.generate(prompts, params)
+    assert engine.alive and all(len(g.token_ids) == 6 for g in first)
+    again = await engine.generate(prompts, params)
+    assert [g.token_ids for g in again] == [g.token_ids for g in first]
+
+
 async def test_a_prompt_over_max_model_len_fails_that_call_only(engine):
     with pytest.raises(GenerationRefused, match="max_model_len"):
         await engine.generate([[5] * (MAX_MODEL_LEN + 10)], SamplingParams(max_new_tokens=4))

@@ -435,7 +435,9 @@ class Endpoint:
                 out.append(chunks.content(i, piece))
                 ready.set()
 
-        sampling = asyncio.create_task(self._sample(session, prepared, call, call_id=call_id, on_tokens=heard, **sample))
+        sampling = asyncio.create_task(
+            self._sample(session, prepared, call, call_id=call_id, on_tokens=heard, **sample)
+        )
         response: web.StreamResponse | None = None
         try:
             while not sampling.done():

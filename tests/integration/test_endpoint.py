@@ -203,6 +203,9 @@ async def test_bad_requests_get_the_errors_the_client_expects(stack):
             with pytest.raises(openai.BadRequestError) as e:
                 await create(model="policy", messages=[{"role": "user", "content": "7+" * 1500}])
             assert e.value.code == "context_length_exceeded"
+            with pytest.raises(openai.BadRequestError) as e:  # streamed: refused before the stream starts
+                await create(model="policy", messages=[{"role": "user", "content": "7+" * 1500}], stream=True)
+            assert e.value.code == "context_length_exceeded"
             with pytest.raises(openai.BadRequestError) as e:
                 await create(model="policy", messages=messages, temperature=0)
             assert e.value.param == "temperature"

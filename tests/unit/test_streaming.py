@@ -17,8 +17,8 @@ from rlbus.producers.capture import make_reply
 from rlbus.producers.streaming import Chunks, ReplyStream, cut_at_stop
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "17*23"}}</tool_call>'
-PARTS = ["The answer", " is", " 391", ".", " ", "\n", "  ", "é", "中", "<tool", "_call>", CALL, "<answer>", "</answer>",
-         "STOP", "ST", "OP", ",", " .", "<|im_end|>"]
+PARTS = ["The answer", " is", " 391", ".", " ", "\n", "  ", "é", "中", "<tool", "_call>", CALL, "<answer>",
+         "</answer>", "STOP", "ST", "OP", ",", " .", "<|im_end|>"]
 
 
 @pytest.fixture(scope="module")

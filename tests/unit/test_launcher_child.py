@@ -36,6 +36,13 @@ def _alive(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def _gone(pid: int, within: float = 5.0) -> bool:
+    deadline = time.monotonic() + within
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _alive(pid)
+
+
 def _leftover(tmp_path, how: str) -> tuple[Child, int]:
     pid_file = tmp_path / f"{how}.pid"
     child = Child("role", [sys.executable, "-c", ROLE, str(pid_file), how], tmp_path / f"{how}.log")
@@ -51,10 +58,7 @@ async def test_stopping_a_role_ends_what_it_left_running(tmp_path):
     try:
         assert _alive(grandchild)
         await child.stop(timeout=5)
-        deadline = time.monotonic() + 5
-        while _alive(grandchild) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(grandchild)
+        assert _gone(grandchild)
     finally:
         child.reap_group()
 
@@ -67,9 +71,6 @@ def test_a_restart_ends_what_the_dead_role_left_running(tmp_path):
             time.sleep(0.05)
         assert child.poll() == 0 and _alive(grandchild)  # the role is gone, its child lives on
         child.reap_group()  # what start() does first when the launcher restarts the role
-        deadline = time.monotonic() + 5
-        while _alive(grandchild) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(grandchild)
+        assert _gone(grandchild)
     finally:
         child.reap_group()

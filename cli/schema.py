@@ -29,6 +29,7 @@ import msgspec
 import msgspec.inspect as mi
 
 from rlbus.bus.auth import ROLES, RunCredentials, load_creds
+from rlbus.bus.handover import PRODUCERS_KEY, TRAINER_KEY
 from rlbus.bus.streams import DUPLICATE_WINDOW_S, consumer_configs, kv_config, stream_configs
 from rlbus.schemas import wire
 from rlbus.schemas.config import BusConfig, OpenAIAgentConfig
@@ -135,7 +136,7 @@ def _where(t: type) -> str:
     if t is wire.WeightsPublished:
         places.append(f"KV bucket `{s.weights_bucket}`, key `latest`")
     if t is wire.Unacked:
-        places.append(f"KV bucket `{s.weights_bucket}`, keys `unacked.trainer` and `unacked.producer.<id>`")
+        places.append(f"KV bucket `{s.weights_bucket}`, keys `{TRAINER_KEY}` and `{PRODUCERS_KEY}.<id>`")
     nested = [o.__name__ for o in wire_types() if o is not t and t in _nested_structs(o)]
     if nested:
         places.append("inside " + ", ".join(f"[{n}](#{n.lower()})" for n in nested))
@@ -212,7 +213,7 @@ def _streams_table() -> list[str]:
     kv = kv_config(s, cfg)
     rows += ["", (f"KV bucket `{kv.bucket}` (stream `KV_{kv.bucket}`): history {kv.history}, {kv.storage.value} "
                  "storage; key `latest` holds the newest WeightsPublished (msgpack, like the stream), key "
-                 "`unacked.trainer` the trainer's Unacked, `unacked.producer.<id>` each named producer's.")]
+                 f"`{TRAINER_KEY}` the trainer's Unacked, `{PRODUCERS_KEY}.<id>` each named producer's.")]
     rows += ["", "| durable consumer | of stream | ack | ack wait | max deliveries | filter |", "|---|---|---|---|---|---|"]
     for stream, cc in consumer_configs(s, cfg):
         deliver = "unlimited" if cc.max_deliver == -1 else f"{cc.max_deliver} (`bus.max_deliver`)"

@@ -38,8 +38,6 @@ log = logging.getLogger("rlbus.batcher")
 NEVER_PUT_SLACK_S = 10.0
 #: In the dead letter of such a group: trainer/feeder.py re-issues its release if no group of it comes after all.
 NEVER_PUT = "its payloads were never put"
-#: Key of the trainer's unacked list in the run's KV bucket (bus/handover.py), for a successor on another machine.
-UNACKED_KEY = TRAINER_KEY
 
 
 class Releases(Protocol):
@@ -89,7 +87,7 @@ class Batcher:
         self.cfg = cfg
         subjects = bus.subjects
         self._handover = None if handover is None else Handover(handover, bus, subjects.traj, subjects.traj_consumer,
-                                                                key=UNACKED_KEY, role="trainer")
+                                                                key=TRAINER_KEY, role="trainer")
         self._bound = max_staleness
         self._bus, self._tq, self._releases = bus, tq, releases
         self.trained = set(trained or ())

@@ -142,6 +142,11 @@ def _token_versions(spans: Any, num_tokens: int, fallback: int) -> list[int]:
     return versions
 
 
+def _sampled_logprobs(ids: list[int], steps: Any) -> list[float]:
+    """The log-prob of each sampled id from vLLM's per-token {token_id: Logprob} entries (which hold at least it)."""
+    return [float(step[t].logprob) for t, step in zip(ids, steps)]
+
+
 #: Tokens a CPU engine step may process at most (vLLM's default budget; a longer max_model_len raises it).
 CPU_BATCHED_TOKENS = 2048
 
@@ -265,7 +270,7 @@ class VLLMEngine(RolloutEngine):
                     if sink is not None and out.outputs and len(out.outputs[0].token_ids) > told:
                         so_far = out.outputs[0]
                         new = list(so_far.token_ids[told:])
-                        sink(index, new, [float(step[t].logprob) for t, step in zip(new, (so_far.logprobs or [])[told:])])
+                        sink(index, new, _sampled_logprobs(new, (so_far.logprobs or [])[told:]))
                         told += len(new)
             except EngineDeadError as e:
                 raise EngineDead(f"vLLM engine core died: {e}") from e
@@ -279,7 +284,7 @@ class VLLMEngine(RolloutEngine):
             new = list(completion.token_ids)
             tokens += new
             # logprobs: one {token_id: Logprob} per generated token, holding at least the sampled token.
-            log_probs += [float(step[tok].logprob) for tok, step in zip(new, completion.logprobs or [])]
+            log_probs += _sampled_logprobs(new, completion.logprobs or [])
             versions += _token_versions(completion.weight_versions, len(new), version_at_submit)
             if completion.finish_reason == "abort" and len(tokens) < params.max_new_tokens:
                 # Aborted by a weight load (update_mode abort): continue from the prefix, on the new weights.

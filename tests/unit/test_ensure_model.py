@@ -10,6 +10,7 @@ import json
 import logging
 
 import msgspec
+import pytest
 
 from rlbus.common.model.ensure import ensure_model
 from rlbus.common.model.tiny import TinyModelSpec
@@ -43,3 +44,24 @@ def test_a_model_built_as_this_version_would_is_used_quietly(tmp_path, caplog):
         _built(tmp_path / "mine", steps=5, spec=TinyModelSpec())
         ensure_model(ModelConfig(path=str(tmp_path / "mine")))
     assert caplog.text == ""
+
+
+def test_the_configs_warm_start_steps_build_the_model(tmp_path, monkeypatch, caplog):
+    """model.init_steps reaches the build (configs/quickstart_vllm.yaml asks for more than the default: its wider
+    model copies tool results reliably only later), and a model built with other steps is named in a warning."""
+    from rlbus.common.model import init_model as init_module
+
+    assert ModelConfig(path="x").init_steps == WarmStartConfig().steps  # one default, stated twice across layers
+    seen = {}
+    monkeypatch.setattr(init_module, "init_model",
+                        lambda out, *, spec, steps: seen.update(steps=steps, head_dim=spec.head_dim) or
+                        _built(out, steps=steps, spec=spec))
+    ensure_model(ModelConfig(path=str(tmp_path / "m"), init_if_missing=True, init_head_dim=32, init_steps=3000))
+    assert seen == {"steps": 3000, "head_dim": 32}
+    with caplog.at_level(logging.WARNING, logger="rlbus.model"):
+        ensure_model(ModelConfig(path=str(tmp_path / "m"), init_if_missing=True, init_head_dim=32, init_steps=3000))
+        assert caplog.text == ""
+        ensure_model(ModelConfig(path=str(tmp_path / "m"), init_if_missing=True, init_head_dim=32))
+    assert "warm start of 3000 steps" in caplog.text and "this config builds 1800 steps" in caplog.text
+    with pytest.raises(ValueError, match="init_steps"):  # the loader names it model.init_steps
+        ModelConfig(path="x", init_steps=-1)

@@ -444,7 +444,7 @@ def _nemesis_section(r: dict[str, Any], args: argparse.Namespace) -> str:
     fo = r.get("forged", {})
     if "error" in fo:
         lines += ["", f"Forged messages: their outcome could not be read: {fo['error']}"]
-    elif fo:
+    elif fo and any(f.get("kind") == "forged-message" for f in faults):  # none drawn: nothing to say
         by_seq = fo.get("garbage_dead_letters_by_stream_seq", {})
         twice = {seq: who for seq, who in by_seq.items() if len(who) > 1}
         lines += ["", f"Forged messages (producer credential): {fo['garbage_on_traj_dead_lettered']} garbage messages on "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,13 @@ def machine(**extra: Any) -> dict[str, Any]:
         "load_avg_1m": round(os.getloadavg()[0], 2),
         **extra,
     }
+
+
+def git_commit() -> str:
+    """The commit a bench measured (`-dirty` with local edits), for its results and docs section."""
+    out = subprocess.run(["git", "describe", "--always", "--dirty"], check=False, cwd=Path(__file__).resolve().parents[1],
+                         capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
 
 
 def machine_line(m: dict[str, Any]) -> str:

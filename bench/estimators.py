@@ -18,14 +18,13 @@ import json
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: the repository root, for `bench.*`
 
-from bench.common import machine, machine_line, write_section
+from bench.common import git_commit, machine, machine_line, write_section
 from bench.quickstart_seeds import run_seed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,8 +134,7 @@ def main() -> int:
     if args.from_json:
         d = json.loads(Path(args.from_json).read_text())
     else:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                check=False).stdout.strip()
+        commit = git_commit()
         d = {"command": shlex.join([".venv/bin/python", "bench/estimators.py", *sys.argv[1:]]),
              "machine": machine(), "commit": commit, "config": str(config.relative_to(ROOT)), "seed": args.seed,
              "overrides": args.overrides, "runs": []}

@@ -47,7 +47,7 @@ from typing import Any
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: the repository root, for `bench.*`
 
-from bench.common import machine, write_section
+from bench.common import git_commit, machine, write_section
 from bench.peer_task import REAL_SYSTEM_PROMPT, SYSTEM_PROMPT, messages, problems, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -549,11 +549,6 @@ def reading(rl: list[SideRun], tr: list[SideRun], task: Task, overrides: list[st
              f"it in the optimizer update (forward, backward and AdamW of the same {task.prompts * task.n} "
              f"sequences, {threads}); the proximal pass is gone (fused into the update with one update per step).")
     return [first + (" " + task.bound if task.bound else ""), *(["", task.notes] if task.notes else [])]
-
-
-def git_commit() -> str:
-    out = subprocess.run(["git", "describe", "--always", "--dirty"], check=False, cwd=ROOT, capture_output=True, text=True)
-    return out.stdout.strip() or "unknown"
 
 
 def main() -> int:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: the repository root, for `bench.*`
 
-from bench.common import machine, write_section
+from bench.common import git_commit, machine, write_section
 from rlbus.schemas.config import GUARD_RULES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -193,8 +193,7 @@ def main() -> int:
     if args.from_json:
         d = json.loads(Path(args.from_json).read_text())
     else:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                check=False).stdout.strip()
+        commit = git_commit()
         d = {"command": shlex.join([".venv/bin/python", "bench/quickstart_seeds.py", *sys.argv[1:]]),
              "machine": machine(), "commit": commit, "config": args.config, "overrides": args.overrides, "runs": [],
              "results": str(Path(args.results).resolve().relative_to(ROOT)) if Path(args.results).resolve()

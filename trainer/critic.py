@@ -5,7 +5,7 @@ policy, with its own AdamW. `TrainEngine` owns one when `algorithm.adv_estimator
 
     values_BT = critic.values(data, micro_batches)                # V of every position, no grad
     adv_BT, returns_BT = gae_advantages_returns(rewards, values_BT, ...)
-    critic.update(data, micro_batches, values_BT, returns_BT, mask_BT, acc)   # clipped value loss
+    critic.update(data, micro_batches, parts, values_BT, returns_BT, mask_BT, acc)   # clipped value loss
 
 Its model is the policy's transformer (or `critic.path`'s) with a fresh scalar head: Hugging Face's
 `AutoModelForTokenClassification` with one label and no dropout, as verl's critic.
@@ -164,16 +164,17 @@ class Critic:
         self,
         data: dict[str, torch.Tensor],
         micro_batches: MicroBatches,
+        parts: list[torch.Tensor],
         old_values_BT: torch.Tensor,
         returns_BT: torch.Tensor,
         mask_BT: torch.Tensor,
         acc: _Accumulator,
     ) -> None:
-        """`trainer.mini_batches` updates of the clipped value loss, normalised over each update's tokens on all
-        ranks; adds critic/vf_loss, vf_clipfrac, grad_norm, lr and the value metrics to `acc`."""
-        B = data["input_ids"].shape[0]
+        """One update of the clipped value loss per row set of `parts` (the actor's: `update_parts`), normalised over
+        each update's tokens on all ranks; adds critic/vf_loss, vf_clipfrac, grad_norm, lr and the value metrics to
+        `acc`."""
         scale = value_loss_scale(self.cfg, mask_BT)
-        for part in torch.arange(B, device=self.device).tensor_split(self.trainer_cfg.mini_batches):
+        for part in parts:
             norm = global_normaliser(mask_BT[part], scale)
             self.optimizer.zero_grad(set_to_none=True)
             update_loss = 0.0

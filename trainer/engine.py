@@ -66,6 +66,21 @@ def token_log_probs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, temper
     return F.pad(picked_BT - torch.logsumexp(z_BTV, dim=-1), (1, 0))
 
 
+def update_parts(B: int, mini_batches: int, device: Any = None,
+                 rank_rows: list[int] | None = None) -> list[torch.Tensor]:
+    """The rows of each of a step's `mini_batches` optimizer updates: consecutive slices of the B rows, as each rank
+    cuts its own. `rank_rows` (a replay of a run recorded on several ranks, their shards concatenated in rank order:
+    how many rows each held): update k trains the k-th slice of every rank's rows, as the ranks together did; one
+    slice of the concatenation would give later updates other rows."""
+    if not rank_rows or len(rank_rows) < 2:
+        return list(torch.arange(B, device=device).tensor_split(mini_batches))
+    if sum(rank_rows) != B:
+        raise ValueError(f"rank_rows {rank_rows} do not add up to the batch's {B} rows")
+    starts = [sum(rank_rows[:r]) for r in range(len(rank_rows))]
+    per_rank = [torch.arange(a, a + n, device=device).tensor_split(mini_batches) for a, n in zip(starts, rank_rows)]
+    return [torch.cat([cuts[k] for cuts in per_rank]) for k in range(mini_batches)]
+
+
 class TrainEngine:
     """One rank's share of the FSDP2-sharded policy (and frozen reference), optimizer and LR schedule."""
 
@@ -110,6 +125,9 @@ class TrainEngine:
         self.model = self._load(model_path, dtype, gradient_checkpointing, value_head=shared)
         self.hidden_size = int(self.model.config.hidden_size)
         self.forward_positions = 0  # token-positions the forwards of this step ran (the metric perf/forward_positions)
+        # Rows per recorded rank of the next step's batch (trainer/replay.py, for a run recorded on several ranks);
+        # None: the batch is this rank's own.
+        self.rank_rows: list[int] | None = None
         self.ref_model = None
         if algo_cfg.kl_coef > 0:
             self.ref_model = self._load(model_path, dtype, False)
@@ -313,7 +331,9 @@ class TrainEngine:
             actor_waits = self._actor_waits()
             if self.critic is not None:
                 t = time.perf_counter()
-                self.critic.update(data, self._micro_batches, values_BT, returns_BT, mask_BT, acc)
+                parts = update_parts(data["input_ids"].shape[0], self.cfg.mini_batches, self.info.device,
+                                     self.rank_rows)
+                self.critic.update(data, self._micro_batches, parts, values_BT, returns_BT, mask_BT, acc)
                 timing["timing/critic_update_s"] = time.perf_counter() - t
             sums = algo.ValueSums.of(values_BT, returns_BT, mask_BT).as_list()
             metrics_values = algo.ValueSums(*all_reduce(sums, "sum")).metrics()
@@ -348,7 +368,7 @@ class TrainEngine:
         # During the critic's warm-up the actor waits: no update, no step of its LR schedule (verl's critic_warmup).
         # The shared head trains then on the value loss alone, the transformer under it untouched (trainer/critic.py).
         waits_alone = actor_waits and vh is None
-        parts = [] if waits_alone else torch.arange(B, device=self.info.device).tensor_split(self.cfg.mini_batches)
+        parts = [] if waits_alone else update_parts(B, self.cfg.mini_batches, self.info.device, self.rank_rows)
         vscale = value_loss_scale(self.critic_cfg, mask_BT) if vh is not None else 1.0
         for part in parts:
             norm = global_normaliser(loss_mask_BT[part], scale)

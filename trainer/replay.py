@@ -117,6 +117,8 @@ def replay(run_dir: str | Path, from_step: int, num_steps: int = 1, overrides: l
     for s in needed:
         # The LR scale the stability guard had this step train under (trainer/guard.py); 1.0 = the schedule's own.
         set_lr_scale(engine, float(records[s].metrics.get("guard/lr_scale") or 1.0))
+        # Several recorded ranks: each update trains every rank's own mini-batch, as they did (engine.update_parts).
+        engine.rank_rows = [len(rows) for rows in records[s].shards if rows]
         metrics = engine.train_step(load_step_batch(run_dir, records[s]))
         if s < from_step:
             continue  # brings the state to K; not compared

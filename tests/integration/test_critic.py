@@ -18,8 +18,8 @@ from tests.integration.test_fsdp import build_tiny_qwen2, make_batch, rank_share
 
 ALGO = AlgorithmConfig(adv_estimator="gae", gamma=1.0, lam=0.95, off_policy="decoupled")
 CRITIC = CriticConfig(lr=1e-3, cliprange_value=0.2, critic_warmup=2)  # the actor first updates at step 2
-# One update per step: with several, the ranks would split the update differently from one process (the replay
-# test below runs two per step).
+# One update per step here: with several, one process must cut the rows as the ranks did (engine.rank_rows, the
+# two-update test below; the replay test runs two per step too).
 TRAINER = TrainerConfig(micro_batch_size=3, mini_batches=1, lr=1e-3, total_steps=4)
 COMPARED = ("actor/pg_loss", "actor/clipfrac", "critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm",
             "critic/values_mean", "critic/returns_mean", "critic/vf_explained_var")  # fmt: skip
@@ -142,3 +142,49 @@ def assert_exported_critic_gives_the_trainers_values(critic, probe_values: torch
                    position_ids=probe["position_ids"]).logits[..., 0]  # fmt: skip
     expected = torch.nn.functional.pad(v[:, :-1], (1, 0)) * probe["response_mask"]
     torch.testing.assert_close(probe_values, expected, rtol=1e-5, atol=1e-6)
+
+
+def _two_update_worker(model_dir: str, rank_rows: list[int] | None) -> list[dict]:
+    """Two steps of GAE with two optimizer updates each; with `rank_rows` (one process only) the updates take the
+    rows as two ranks of those shares cut them (what `rlbus replay` does for a run recorded on two ranks)."""
+    from rlbus.trainer.dist import destroy_distributed, init_distributed
+    from rlbus.trainer.engine import TrainEngine
+
+    torch.set_num_threads(1)
+    info = init_distributed("cpu")
+    engine = TrainEngine(model_dir, TRAINER_2, ALGO, temperature=0.9, critic_cfg=CriticConfig(lr=1e-3))
+    engine.rank_rows = rank_rows
+    metrics = []
+    for s in (1, 2):
+        whole = make_batch(seed=s)
+        if rank_rows is None:
+            batch = rank_share(whole, info.rank, info.world_size)
+        else:  # the shares concatenated in rank order, as consumers/event_log.py load_step_batch gives them
+            batch = torch.cat([rank_share(whole, r, 2) for r in (0, 1)])
+        metrics.append(engine.train_step(batch))
+    destroy_distributed()
+    return metrics
+
+
+TRAINER_2 = TrainerConfig(micro_batch_size=3, mini_batches=2, lr=1e-3, total_steps=4)
+
+
+@pytest.mark.slow
+def test_two_updates_per_step_on_two_ranks_equal_one_process_cutting_as_the_ranks_did(tmp_path: Path) -> None:
+    """The replay of a multi-rank run with several updates per step: each update must train the k-th mini-batch of
+    every rank's rows (trainer/engine.py update_parts); one cut of the concatenation trains other rows."""
+    from rlbus.trainer.dist import spawn_local
+
+    torch.set_num_threads(1)
+    model_dir = build_tiny_qwen2(tmp_path / "model")
+    two = spawn_local(2, _two_update_worker, str(model_dir), None)[0]
+    rows = [rank_share(make_batch(seed=1), r, 2).batch_size[0] for r in (0, 1)]
+    assert rows[0] != rows[1]  # uneven shares: a plain cut of the concatenation differs from the ranks' cuts
+    as_ranks = spawn_local(1, _two_update_worker, str(model_dir), rows)[0]
+    plain = spawn_local(1, _two_update_worker, str(model_dir), None)[0]
+    names = ("actor/pg_loss", "critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm", "actor/grad_norm")
+    for step in range(2):
+        for name in names:
+            assert as_ranks[step][name] == pytest.approx(two[step][name], rel=2e-4, abs=1e-6), (step, name)
+    # the test can tell: cut once, the second update of step 1 already trains other rows
+    assert any(plain[s][n] != pytest.approx(two[s][n], rel=2e-4, abs=1e-6) for s in range(2) for n in names)

@@ -65,6 +65,9 @@ DRAIN_TIMEOUT_S = 30.0
 #: Once the engine is dead, the orderly stop (tasks nak'ed, the bus closed, the engine shut down) gets this long; a
 #: stop still running then (a wedged engine's shutdown, say) ends the process, so that the launcher starts another.
 ENGINE_DEATH_EXIT_S = 60.0
+#: Once the engine is found dead, how long the tasks it held get to end on the engine's own error (an agent's call
+#: answered with the endpoint's 500, a rollout failing with it) before they are cancelled.
+ENGINE_DEATH_GRACE_S = 3.0
 
 
 def default_producer_id() -> str:
@@ -414,7 +417,10 @@ class Producer:
         error = EngineDead(f"producer {self.producer_id}: the rollout engine's process is gone")
         log.error("%s; giving %d task(s) back and stopping", error, len(self._inflight))
         await self._engine_died(error)
-        for t in list(self._inflight.values()):
+        held = list(self._inflight.values())
+        if held:  # the calls in flight hear of the death from the engine itself: their agents see its error
+            await asyncio.wait(held, timeout=ENGINE_DEATH_GRACE_S)
+        for t in held:
             t.cancel()
 
     async def _engine_died(self, error: EngineDead) -> None:

@@ -82,11 +82,10 @@ def report(d: dict) -> str:
         steps = [x for x in r["series"]["time/step"] if x is not None]
         rss = [x for x in r["series"].get("perf/peak_rss_gb", []) if x is not None]
         fired = (f"{r['guard_steps']}: {', '.join(r['guard_rules'])}" if r.get("guard_steps") else "0")
+        step_s = f"{statistics.median(steps):.1f}" if steps else ""
+        peak = f"{max(rss):.2f}" if rss else ""
         lines.append(f"| {r['variant']} | {over} | {statistics.fmean(rw[:5]):.3f} | {statistics.fmean(rw[-5:]):.3f} "
-                     f"| {held} | {statistics.median(steps):.1f} | {max(rss):.2f} | {fired} | {r['wall_s']:.0f} |"
-                     if steps and rss else
-                     f"| {r['variant']} | {over} | {statistics.fmean(rw[:5]):.3f} | {statistics.fmean(rw[-5:]):.3f} "
-                     f"| {held} | | | {fired} | {r['wall_s']:.0f} |")
+                     f"| {held} | {step_s} | {peak} | {fired} | {r['wall_s']:.0f} |")
     lines += ["", "Training reward by step:", "",
               "| variant | " + " | ".join(str(i + 1) for i in range(d["steps"])) + " |",
               "|---|" + "---:|" * d["steps"]]

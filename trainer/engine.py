@@ -318,6 +318,8 @@ class TrainEngine:
         # (reinforce_plus_plus*, gae) whiten over the whole batch: their sums are all-reduced over ranks.
         acc = _Accumulator()
         reduce = lambda xs: all_reduce(xs, "sum")
+        # The rows of each optimizer update, the critic's and the actor's alike.
+        update_rows = update_parts(data["input_ids"].shape[0], self.cfg.mini_batches, self.info.device, self.rank_rows)
         if self.algo.adv_estimator == "gae":
             # GAE: the critic's values of this batch (the shared head's came with the proximal pass), advantages and
             # returns, then the separate critic's update (verl's order: the critic trains on the values the
@@ -331,9 +333,7 @@ class TrainEngine:
             actor_waits = self._actor_waits()
             if self.critic is not None:
                 t = time.perf_counter()
-                parts = update_parts(data["input_ids"].shape[0], self.cfg.mini_batches, self.info.device,
-                                     self.rank_rows)
-                self.critic.update(data, self._micro_batches, parts, values_BT, returns_BT, mask_BT, acc)
+                self.critic.update(data, self._micro_batches, update_rows, values_BT, returns_BT, mask_BT, acc)
                 timing["timing/critic_update_s"] = time.perf_counter() - t
             sums = algo.ValueSums.of(values_BT, returns_BT, mask_BT).as_list()
             metrics_values = algo.ValueSums(*all_reduce(sums, "sum")).metrics()
@@ -363,12 +363,11 @@ class TrainEngine:
             (scale,) = all_reduce([float(mask_BT.sum(dim=-1).max().item()) if mask_BT.numel() else 1.0], "max")
 
         t_update = time.perf_counter()
-        B = data["input_ids"].shape[0]
         vh = self.value_head
         # During the critic's warm-up the actor waits: no update, no step of its LR schedule (verl's critic_warmup).
         # The shared head trains then on the value loss alone, the transformer under it untouched (trainer/critic.py).
         waits_alone = actor_waits and vh is None
-        parts = [] if waits_alone else update_parts(B, self.cfg.mini_batches, self.info.device, self.rank_rows)
+        parts = [] if waits_alone else update_rows
         vscale = value_loss_scale(self.critic_cfg, mask_BT) if vh is not None else 1.0
         for part in parts:
             norm = global_normaliser(loss_mask_BT[part], scale)

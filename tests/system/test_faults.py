@@ -7,6 +7,7 @@ Only processes this test started are signalled, by pid: the launcher, and its tr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -73,18 +74,43 @@ def test_trainer_sigkilled_under_rlbus_up_is_restarted_and_the_run_finishes(tmp_
     check_ledger(run_dir, cfg)
 
 
+def _age_s(pid: int) -> float:
+    """Seconds since process `pid` started (/proc/PID/stat's start time against /proc/uptime)."""
+    started = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+    return float(Path("/proc/uptime").read_text().split()[0]) - started
+
+
+def _oldest_child(launcher: subprocess.Popen, role: str, min_age_s: float, timeout: float = 60.0) -> int:
+    """The longest-running live `role` process under the launcher, once it has run `min_age_s`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ages = {}
+        for pid in descendants(launcher.pid):
+            argv = command_line(pid)
+            if len(argv) > 3 and argv[3].endswith(role):
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    ages[pid] = _age_s(pid)
+        if ages and max(ages.values()) >= min_age_s:
+            return max(ages, key=ages.__getitem__)
+        time.sleep(0.2)
+    pytest.fail(f"no {role} under the launcher had run {min_age_s}s within {timeout}s")
+
+
 def test_producers_killed_again_and_again_do_not_stop_the_run(tmp_path, tiny_model_dir, run_name, fault_rng):
     # More kills than the launcher's start-failure budget: each producer dies after it got going, so every death
-    # is a fault to ride out, not a role that cannot start. The moments are random (seed printed: fault_rng). The
-    # seventh kill has come by step 120 or so on 2 cores; the run is long enough for twice that.
-    run_dir, cfg, cfg_path = _up(tmp_path, tiny_model_dir, run_name, 250, rollout={"num_producers": 2})
+    # is a fault to ride out, not a role that cannot start. The victim is the producer that has run longest, once it
+    # has run 3 s (a restarted one reports RoleStarted within about a second here), killed at a random moment after
+    # that (seed printed: fault_rng). The kills pace themselves by the producers' restarts, not by the steps, and a
+    # quiet machine makes 6-8 steps/s here: 250 steps were once done after 5 kills of 7, so the run is 500 steps
+    # (the seventh kill comes within about 30 s of the first step, quiet or busy).
+    run_dir, cfg, cfg_path = _up(tmp_path, tiny_model_dir, run_name, 500, rollout={"num_producers": 2})
     up = start_role("up", cfg_path, tmp_path / "logs", name="up")
     kills = 0
     try:
         wait_for_steps(run_dir, 1, [up], timeout=400)
         while kills < 7 and up.poll() is None:
-            victim = _child_running(up, "producer")
-            time.sleep(fault_rng.uniform(2.0, 6.0))  # let it get going (RoleStarted) and take a task
+            victim = _oldest_child(up, "producer", min_age_s=3.0)
+            time.sleep(fault_rng.uniform(0.0, 2.0))  # a random moment of its work
             try:
                 os.kill(victim, signal.SIGKILL)
             except ProcessLookupError:
@@ -93,7 +119,9 @@ def test_producers_killed_again_and_again_do_not_stop_the_run(tmp_path, tiny_mod
         assert up.wait(timeout=600) == 0
     finally:
         stop(up, signal.SIGKILL)
-    assert kills == 7
+    assert kills == 7, f"the run ended after {kills} kills"
+    restarts = re.findall(r"producer-\d exited with code -9; restarting", (tmp_path / "logs" / "up.log").read_text())
+    assert len(restarts) == 7, restarts
     check_ledger(run_dir, cfg)
 
 

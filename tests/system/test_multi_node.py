@@ -3,8 +3,9 @@ multi-machine recipes start them:
 
 - a Ray head and a second node joined by `ray start --address` (bus/ray_cluster.py), the TransferQueue shards
   spread over both; the second node SIGKILLed mid-run under a real `rlbus up`, and the run finishes;
-- one short job across all of it: a three-server NATS cluster, the trainer under `torchrun` with two ranks,
-  producers pinned to the second Ray node.
+- one short job across all of it: a three-server NATS cluster, the trainer under `torchrun` with two ranks (PPO
+  with a critic, two updates a step), producers pinned to the second Ray node; then `rlbus replay` of the recorded
+  run on one process.
 
     .venv/bin/python -m pytest -q tests/system/test_multi_node.py
 
@@ -113,7 +114,9 @@ def test_a_job_across_a_nats_cluster_two_ray_nodes_and_torchrun(tmp_path, tiny_m
         cfg = small_run_config(run_name, run_dir, tiny_model_dir, urls, "", head.address,
                                bus={"replicas": 3}, ray={"num_storage_actors": 2},
                                trainer={"total_steps": 4, "num_ranks": 2, "checkpoint_interval": 2,
-                                        "groups_per_step": 2, "micro_batch_size": 2})
+                                        "groups_per_step": 2, "micro_batch_size": 2, "mini_batches": 2},
+                               algorithm={"adv_estimator": "gae", "gamma": 1.0, "lam": 0.95},
+                               critic={"lr": 1e-3})
         cfg_path = write_config(tmp_path / "run.yaml", cfg)
         logs = tmp_path / "logs"
         logs.mkdir()
@@ -142,6 +145,21 @@ def test_a_job_across_a_nats_cluster_two_ray_nodes_and_torchrun(tmp_path, tiny_m
         for i in range(2):
             assert f"attached to node {NODE_IP}" in (logs / f"producer-{i}.log").read_text()
         check_ledger(run_dir, cfg)
+        # The recorded run replays on one process from its two ranks' checkpoint, as a user debugging it would:
+        # each of the two updates a step trains every rank's own mini-batch (trainer/replay.py), actor and critic.
+        out = tmp_path / "replay.json"
+        replayed = subprocess.run([sys.executable, "-m", "rlbus.cli", "replay", str(run_dir), "--from-step", "3",
+                                   "--steps", "2", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"), check=False)
+        assert replayed.returncode == 0, replayed.stdout[-3000:] + replayed.stderr[-3000:]
+        diffs = json.loads(out.read_text())
+        assert diffs["from_checkpoint"] == 2 and diffs["steps"] == [3, 4]
+        compared = {(d["step"], d["metric"]): d for d in diffs["diffs"]}
+        for step in (3, 4):
+            for name in ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm",
+                         "critic/values_mean", "critic/returns_mean"):
+                d = compared[step, name]
+                assert d["replayed"] == pytest.approx(d["recorded"], rel=2e-4, abs=1e-6), (step, name, d)
     finally:
         for p in procs:
             stop(p, signal.SIGKILL, timeout=10)

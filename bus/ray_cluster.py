@@ -152,7 +152,9 @@ def start_ray_head(
                 **{k: os.environ.get(k, v) for k, v in NODE_DEATH_ENV.items()}}
     if node_ip == LOOPBACK:  # Ray's only switch for "bind and advertise loopback" (read when ray is imported)
         head_env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    port, dashboard_port = free_ports(2)
+    # Every port of the start in one draw: ports drawn and released in two draws may coincide (a run's Ray start
+    # once failed with its GCS and runtime-env agent on the same port).
+    port, dashboard_port, *node_ports = free_ports(2 + len(NODE_PORTS))
     cmd = [
         *_ray_start(), "--head", "--block", "--disable-usage-stats",
         f"--node-ip-address={node_ip}", f"--port={port}", "--include-dashboard=false",
@@ -163,7 +165,7 @@ def start_ray_head(
     head_env[UP_ENV] = os.path.join(root, UP_FILE)
     head = RayHead(pid=0, address=f"{node_ip}:{port}", temp_dir=root, env=head_env, token_path=token_path)
     try:
-        pid = _spawn(cmd, head, num_cpus, object_store_memory, resources, die_with_parent)
+        pid = _spawn(cmd, head, node_ports, num_cpus, object_store_memory, resources, die_with_parent)
         head = dataclasses.replace(head, pid=pid)
         if wait:
             await_ray_head(head, timeout_s)
@@ -227,7 +229,7 @@ def start_ray_node(
     cmd = [*_ray_start(), f"--address={head.address}", "--block", "--disable-usage-stats",
            f"--node-ip-address={node_ip}"]
     node = RayHead(pid=0, address=head.address, temp_dir=root, env=dict(head.env), token_path="")
-    pid = _spawn(cmd, node, num_cpus, object_store_memory, resources, die_with_parent)
+    pid = _spawn(cmd, node, free_ports(len(NODE_PORTS)), num_cpus, object_store_memory, resources, die_with_parent)
     return await_ray_head(dataclasses.replace(node, pid=pid), timeout_s)
 
 
@@ -241,16 +243,19 @@ def _start_log(node: RayHead) -> Path:
     return Path(node.temp_dir) / "ray-start.log"
 
 
-def _spawn(cmd: list[str], node: RayHead, num_cpus: int, object_store_memory: int,
+#: The listening ports of a node's own components, each given explicitly to `ray start` (`_spawn`).
+NODE_PORTS = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
+              "runtime-env-agent-port", "node-manager-port", "object-manager-port")  # fmt: skip
+
+
+def _spawn(cmd: list[str], node: RayHead, ports: list[int], num_cpus: int, object_store_memory: int,
            resources: dict[str, float] | None, die_with_parent: bool) -> int:
     """Run one `ray start ... --block` (every listening port explicit: several Ray clusters may share this machine,
-    and Ray's defaults are fixed); return its pid (`await_ray_head` waits for it to be up)."""
-    agent, agent_grpc, metrics, runtime_env, node_manager, object_manager = free_ports(6)
+    and Ray's defaults are fixed; `ports`: one per NODE_PORTS, drawn with the command's own in one `free_ports`);
+    return its pid (`await_ray_head` waits for it to be up)."""
     cmd = [
         *cmd, f"--temp-dir={os.path.join(node.temp_dir, 'ray')}",
-        f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
-        f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={runtime_env}",
-        f"--node-manager-port={node_manager}", f"--object-manager-port={object_manager}",
+        *(f"--{flag}={port}" for flag, port in zip(NODE_PORTS, ports, strict=True)),
         # Every rlbus driver connects with log_to_driver=False: the log monitor would forward worker output that
         # nobody reads (the files stay in the temp dir).
         "--include-log-monitor=false",

@@ -32,7 +32,8 @@ pytestmark = pytest.mark.slow
 
 def test_rlbus_bus_up_forms_a_cluster_from_the_command_line(tmp_path, run_name):
     # The same cluster through the CLI a user runs on each machine: three `rlbus bus up`, one shared creds store.
-    route_ports, client_ports = free_ports(3), free_ports(3)
+    ports = free_ports(6)  # one draw: two could hand the same port back twice
+    route_ports, client_ports = ports[:3], ports[3:]
     procs = []
     try:
         for i in range(3):

@@ -117,7 +117,9 @@ TASKS = {
                "1, lr 2e-4 constant, no KL, one update per batch, token-mean loss, grad clip 1, {steps} steps. "
                "Model: `{model}`, a warm-started 0.8M-parameter Qwen2 (hidden 128, 4 layers, the quickstart's "
                "tokenizer, digits one per token) built by `bench/peer_model.py` with `common/model/init_model.py` "
-               "and an addition drill stopped at about 20% sampled accuracy (`bench/peer_trl.py --setup`)."),
+               "and an addition drill that stops at 20% sampled accuracy or after 3000 steps, whichever comes first "
+               "(a build on 4 December stopped at 3000 steps with 5.5%, in line with the first steps' reward below; "
+               "`bench/peer_trl.py --setup`)."),
         bound=("The steady rate is the trainer's step (it waited little for data): its update runs each group's "
                "shared prompt once (trainer/packing.py: 612 token-positions instead of 2516) on one thread, while the "
                "producers (nice 10, 4 tasks per generate call) fill the other core and yield it when the update "

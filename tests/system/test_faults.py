@@ -26,15 +26,19 @@ from tests.support.runs import check_ledger, small_run_config, start_role, stop,
 pytestmark = pytest.mark.slow
 
 
+def _children(launcher: subprocess.Popen, role: str, argv_index: int = 3) -> list[int]:
+    """The live processes under the launcher whose argv[argv_index] names `role` (`python -m rlbus.cli ROLE`, which
+    is also the title of a role forked from the fork server; or the nats-server binary)."""
+    return [pid for pid in descendants(launcher.pid)
+            if len(argv := command_line(pid)) > argv_index and argv[argv_index].endswith(role)]
+
+
 def _child_running(launcher: subprocess.Popen, role: str, timeout: float = 60.0, argv_index: int = 3) -> int:
-    """The pid of a live process under the launcher whose argv[argv_index] names `role` (`python -m rlbus.cli ROLE`,
-    which is also the title of a role forked from the fork server; or the nats-server binary)."""
+    """The pid of a live `role` process under the launcher (`_children`), waiting up to `timeout` for one."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for pid in descendants(launcher.pid):
-            argv = command_line(pid)
-            if len(argv) > argv_index and argv[argv_index].endswith(role):
-                return pid
+        if found := _children(launcher, role, argv_index):
+            return found[0]
         time.sleep(0.2)
     pytest.fail(f"no {role} under the launcher within {timeout}s")
 
@@ -85,11 +89,9 @@ def _oldest_child(launcher: subprocess.Popen, role: str, min_age_s: float, timeo
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         ages = {}
-        for pid in descendants(launcher.pid):
-            argv = command_line(pid)
-            if len(argv) > 3 and argv[3].endswith(role):
-                with contextlib.suppress(OSError, IndexError, ValueError):
-                    ages[pid] = _age_s(pid)
+        for pid in _children(launcher, role):
+            with contextlib.suppress(OSError, IndexError, ValueError):  # it exited meanwhile
+                ages[pid] = _age_s(pid)
         if ages and max(ages.values()) >= min_age_s:
             return max(ages, key=ages.__getitem__)
         time.sleep(0.2)

@@ -24,7 +24,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: the r
 
 import torch
 
-from bench.peer_task import messages, problems, score
+from bench.peer_task import TWO_DIGITS, messages, problems, score
 
 #: The peer model's shape: the quickstart's classes, 6.5x its width x depth (837,760 parameters).
 SPEC = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4}
@@ -32,13 +32,14 @@ WARM_STEPS = 400
 EVAL_SEED = 10_000  # held-out sums (the bench's data uses seed 0)
 
 
-def _batch(tokenizer, rng: random.Random, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _batch(tokenizer, rng: random.Random, size: int, operands: tuple[int, int] = TWO_DIGITS,
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from rlbus.common.model.demos import answer_text
     from rlbus.common.model.warm_start import encode_demonstration
 
     seqs = []
     for _ in range(size):
-        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        a, b = rng.randint(*operands), rng.randint(*operands)
         conv = [*messages(f"What is {a}+{b}?"), {"role": "assistant", "content": answer_text(str(a + b))}]
         seqs.append(encode_demonstration(tokenizer, conv))
     width = max(len(ids) for ids, _ in seqs)
@@ -55,13 +56,14 @@ def _batch(tokenizer, rng: random.Random, size: int) -> tuple[torch.Tensor, torc
 
 
 @torch.no_grad()
-def sampled_accuracy(model, tokenizer, num: int = 128, seed: int = EVAL_SEED) -> float:
+def sampled_accuracy(model, tokenizer, num: int = 128, seed: int = EVAL_SEED,
+                     operands: tuple[int, int] = TWO_DIGITS) -> float:
     """Mean peer reward of one sample (temperature 1, 8 new tokens) per held-out sum."""
     model.eval()
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
     total = 0.0
-    for q, a in problems(num, seed):
+    for q, a in problems(num, seed, operands):
         enc = tokenizer.apply_chat_template(messages(q), add_generation_prompt=True, return_tensors="pt",
                                             return_dict=True)
         out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=8,
@@ -72,7 +74,8 @@ def sampled_accuracy(model, tokenizer, num: int = 128, seed: int = EVAL_SEED) ->
 
 
 def build(out: Path, *, target: float = 0.2, max_steps: int = 3000, eval_every: int = 100, lr: float = 3e-3,
-          batch_size: int = 32, seed: int = 0, start_from: Path | None = None, log=print) -> Path:
+          batch_size: int = 32, seed: int = 0, start_from: Path | None = None,
+          operands: tuple[int, int] = TWO_DIGITS, log=print) -> Path:
     """Stage 1 (init_model) then stage 2 (the addition drill); `start_from` is a stage-1 directory to reuse."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -93,12 +96,12 @@ def build(out: Path, *, target: float = 0.2, max_steps: int = 3000, eval_every: 
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     rng = random.Random(seed + 1)
-    history = [(0, sampled_accuracy(model, tokenizer))]
+    history = [(0, sampled_accuracy(model, tokenizer, operands=operands))]
     log(f"addition drill: step 0, sampled accuracy {history[-1][1]:.3f}")
     step = 0
     while history[-1][1] < target and step < max_steps:
         for _ in range(eval_every):
-            ids_BT, attn_BT, labels_BT = _batch(tokenizer, rng, batch_size)
+            ids_BT, attn_BT, labels_BT = _batch(tokenizer, rng, batch_size, operands)
             logits_BTV = model(input_ids=ids_BT, attention_mask=attn_BT).logits.float()
             loss = torch.nn.functional.cross_entropy(logits_BTV[:, :-1].reshape(-1, logits_BTV.shape[-1]),
                                                      labels_BT[:, 1:].reshape(-1), ignore_index=-100)
@@ -107,14 +110,14 @@ def build(out: Path, *, target: float = 0.2, max_steps: int = 3000, eval_every: 
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             step += 1
-        history.append((step, sampled_accuracy(model, tokenizer)))
+        history.append((step, sampled_accuracy(model, tokenizer, operands=operands)))
         log(f"addition drill: step {step}, loss {loss.item():.3f}, sampled accuracy {history[-1][1]:.3f} "
             f"({time.perf_counter() - started:.0f}s)")
     model.eval()
     model.save_pretrained(out, safe_serialization=True)
     (out / "peer_model.json").write_text(json.dumps({
         "spec": SPEC, "warm_steps": WARM_STEPS, "drill_steps": step, "drill_lr": lr, "drill_batch_size": batch_size,
-        "target": target, "accuracy_history": history, "seconds": round(time.perf_counter() - started, 1),
+        "target": target, "operands": list(operands), "accuracy_history": history, "seconds": round(time.perf_counter() - started, 1),
         "num_parameters": sum(p.numel() for p in model.parameters()),
     }, indent=1) + "\n")
     return out
@@ -127,6 +130,10 @@ if __name__ == "__main__":
     ap.add_argument("--max-steps", type=int, default=3000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--start-from", default="", help="reuse this stage-1 (init_model) directory")
+    ap.add_argument("--operands", type=int, nargs=2, default=list(TWO_DIGITS), metavar=("LO", "HI"),
+                    help="the range both numbers of a drilled sum are drawn from")
+    ap.add_argument("--eval-every", type=int, default=100, help="drill steps between accuracy checks")
     args = ap.parse_args()
     print(build(Path(args.out), target=args.target, max_steps=args.max_steps, seed=args.seed,
-                start_from=Path(args.start_from) if args.start_from else None))
+                start_from=Path(args.start_from) if args.start_from else None, operands=tuple(args.operands),
+                eval_every=args.eval_every))

@@ -30,12 +30,17 @@ _LEADING_NUMBER = re.compile(r"\s*(?:<answer>)?\s*(\d+)")
 _NUMBER = re.compile(r"\d+")
 
 
-def problems(num: int, seed: int) -> list[tuple[str, str]]:
-    """`num` seeded ("What is a+b?", "a+b") pairs with a, b in [10, 99]."""
+#: The operands' range of the bench's default task (two-digit sums); the `adder1` task uses (1, 9).
+TWO_DIGITS = (10, 99)
+
+
+def problems(num: int, seed: int, operands: tuple[int, int] = TWO_DIGITS) -> list[tuple[str, str]]:
+    """`num` seeded ("What is a+b?", "a+b") pairs with a, b drawn from `operands` (inclusive)."""
+    lo, hi = operands
     rng = random.Random(seed)
     out = []
     for _ in range(num):
-        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        a, b = rng.randint(lo, hi), rng.randint(lo, hi)
         out.append((f"What is {a}+{b}?", str(a + b)))
     return out
 
@@ -55,7 +60,16 @@ def score_contains(reply: str, truth: str) -> float:
     return 1.0 if truth in _NUMBER.findall(reply) else 0.0
 
 
-SCORES = {"first": score, "contains": score_contains}
+def score_close(reply: str, truth: str) -> float:
+    """Partial credit for the reply's first number (as `score` reads it): 1 - |number - truth| / 10, at least 0; 0
+    without a number. Every group of samples then has a signal to learn from, not only those with a right sum."""
+    m = _LEADING_NUMBER.match(reply)
+    if m is None:
+        return 0.0
+    return max(0.0, 1.0 - abs(int(m.group(1)) - int(truth)) / 10.0)
+
+
+SCORES = {"first": score, "contains": score_contains, "close": score_close}
 
 
 def reward(response_text: str, ground_truth: str, *, task: Any = None) -> float:
@@ -68,11 +82,17 @@ def reward_contains(response_text: str, ground_truth: str, *, task: Any = None) 
     return score_contains(response_text, ground_truth)
 
 
-def write_jsonl(path: Path, num: int, seed: int, system: str = SYSTEM_PROMPT) -> Path:
+def reward_close(response_text: str, ground_truth: str, *, task: Any = None) -> float:
+    """The `close` reward (`rollout.reward=bench.peer_task:reward_close`)."""
+    return score_close(response_text, ground_truth)
+
+
+def write_jsonl(path: Path, num: int, seed: int, system: str = SYSTEM_PROMPT,
+                operands: tuple[int, int] = TWO_DIGITS) -> Path:
     """The rlbus side's data file, in the layout `data.type=jsonl` reads (verl's keys)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
-        for q, a in problems(num, seed):
+        for q, a in problems(num, seed, operands):
             f.write(json.dumps({"prompt": messages(q, system), "reward_model": {"ground_truth": a}}) + "\n")
     return path
 
@@ -82,5 +102,6 @@ if __name__ == "__main__":
     ap.add_argument("out")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num", type=int, default=2048)
+    ap.add_argument("--operands", type=int, nargs=2, default=list(TWO_DIGITS), metavar=("LO", "HI"))
     args = ap.parse_args()
-    print(write_jsonl(Path(args.out), args.num, args.seed))
+    print(write_jsonl(Path(args.out), args.num, args.seed, operands=tuple(args.operands)))

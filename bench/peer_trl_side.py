@@ -32,7 +32,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-from bench.peer_task import SCORES, SYSTEM_PROMPT, messages, problems
+from bench.peer_task import SCORES, SYSTEM_PROMPT, TWO_DIGITS, messages, problems
 
 T_IMPORTED = time.time()
 
@@ -64,6 +64,8 @@ def main() -> int:
     ap.add_argument("--data-seed", type=int, default=0)
     ap.add_argument("--system", default=SYSTEM_PROMPT, help="the prompts' system message")
     ap.add_argument("--reward", choices=sorted(SCORES), default="first")
+    ap.add_argument("--operands", type=int, nargs=2, default=list(TWO_DIGITS), metavar=("LO", "HI"),
+                    help="the range both numbers of a sum are drawn from")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -73,7 +75,7 @@ def main() -> int:
     # Conversational prompts: TRL renders them with the tokenizer's chat template (the quickstart's ChatML), the
     # same token ids rlbus's producers make (bench/peer_trl.py checks it).
     rows = [{"prompt": messages(q, args.system), "truth": a}
-            for q, a in problems(args.prompts * args.steps * 2, args.data_seed)]
+            for q, a in problems(args.prompts * args.steps * 2, args.data_seed, tuple(args.operands))]
     dataset = Dataset.from_list(rows)
     score = SCORES[args.reward]
 

@@ -8,8 +8,19 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from bench.peer_task import SCORES, messages, problems, reward, score, score_contains, write_jsonl
-from bench.peer_trl import TASKS, Stamper, producers_label, rlbus_config, steady_steps_per_min, time_to_reward
+from bench.peer_task import SCORES, messages, problems, reward, score, score_close, score_contains, write_jsonl
+from bench.peer_trl import (
+    TASKS,
+    Bench,
+    SideRun,
+    Stamper,
+    producers_label,
+    reward_by_step,
+    reward_target,
+    rlbus_config,
+    steady_steps_per_min,
+    time_to_reward,
+)
 from rlbus.common.data import load_dataset
 from rlbus.producers.rewards.registry import load_reward
 from rlbus.schemas.config_io import load_config
@@ -36,6 +47,46 @@ def test_problems_are_seeded_two_digit_sums():
         assert 10 <= int(x) <= 99 and 10 <= int(y) <= 99 and int(a) == int(x) + int(y)
 
 
+def test_problems_draw_from_the_operand_range():
+    ps = problems(200, 0, (1, 9))
+    assert ps[:5] == problems(5, 0, (1, 9))
+    pairs = {tuple(int(v) for v in q.removeprefix("What is ").removesuffix("?").split("+")) for q, _ in ps}
+    assert all(1 <= x <= 9 and 1 <= y <= 9 for x, y in pairs) and len(pairs) > 40
+    assert all(int(a) == int(q[8]) + int(q[10]) for q, a in ps)
+
+
+@pytest.mark.parametrize("reply,want", [
+    ("<answer>15</answer>", 1.0), ("15", 1.0), ("<answer>13</answer>", 0.8), ("12", 0.7), ("5", 0.0),
+    ("<answer>40</answer>", 0.0), ("", 0.0), ("<tool_call>", 0.0), ("x 15", 0.0),  # the first number, as `score`
+])
+def test_close_gives_partial_credit_by_distance(reply, want):
+    assert score_close(reply, "15") == pytest.approx(want)
+
+
+def _bench(task: str, sides: dict[str, list[list[float]]]) -> Bench:
+    b = Bench(command="", steps=0, warmup=0, seeds=[], model="", machine={}, versions={}, rlbus_commit="", task=task)
+    for side, curves in sides.items():
+        b.runs += [SideRun(side, i, ok=True, rewards=c, step_t=[float(k) for k in range(len(c))])
+                   for i, c in enumerate(curves)]
+    return b
+
+
+def test_reward_target_by_the_tasks_rule():
+    # Both sides start at 0.6 (first 10 steps) and end at 0.7 (TRL) and 0.8 (rlbus) over their last 10.
+    b = _bench("adder1", {"trl": [[0.6] * 10 + [0.7] * 10], "rlbus": [[0.6] * 10 + [0.8] * 10]})
+    assert reward_target(b, TASKS["adder1"]) == pytest.approx(0.68)  # 0.6 + 0.8 x (0.7 - 0.6)
+    assert reward_target(b, TASKS["adder"]) == pytest.approx(0.63)  # 0.9 x 0.7
+    assert reward_target(_bench("adder", {}), TASKS["adder"]) == 0.0
+
+
+def test_reward_by_step_splits_each_side_into_equal_spans():
+    b = _bench("adder1", {"trl": [[0.0] * 5 + [1.0] * 5, [0.2] * 10], "rlbus": [[0.5] * 10]})
+    lines = reward_by_step(b, parts=2)
+    assert "| | steps 1-5 | steps 6-10 |" in lines
+    assert "| TRL | 0.100 ± 0.141 | 0.600 ± 0.566 |" in lines and "| rlbus | 0.500 | 0.500 |" in lines
+    assert reward_by_step(_bench("adder1", {"trl": [[0.1] * 3]}), parts=5) == []
+
+
 def test_steady_rate_leaves_out_the_warmup():
     # 3 slow steps (start-up), then one step every 0.5 s: 120 steps/min however long the start took.
     t = [10.0, 11.0, 12.0] + [12.0 + 0.5 * k for k in range(1, 11)]
@@ -53,7 +104,7 @@ def test_time_to_reward_uses_the_running_mean():
 @pytest.mark.parametrize("name", sorted(TASKS))
 def test_rlbus_side_is_the_task(tmp_path, name):
     task = replace(TASKS[name], model=tmp_path / "model")
-    data = write_jsonl(tmp_path / "peer.jsonl", 64, 0, task.system)
+    data = write_jsonl(tmp_path / "peer.jsonl", 64, 0, task.system, task.operands)
     cfg_dict = rlbus_config(task, data, seed=1, steps=100, run_dir=tmp_path / "run", name="peer")
     path = tmp_path / "peer.yaml"
     path.write_text(yaml.safe_dump(cfg_dict))
@@ -68,7 +119,7 @@ def test_rlbus_side_is_the_task(tmp_path, name):
     assert producers_label(task, ["rollout.num_producers=3"]) == "3 producers"
     assert cfg.model.path == str(tmp_path / "model")
     ds = load_dataset(cfg.data)
-    first_q, first_a = problems(1, 0)[0]
+    first_q, first_a = problems(1, 0, task.operands)[0]
     assert ds[0].ground_truth == first_a and ds[0].prompt[-1].content == first_q
     assert [m.content for m in ds[0].prompt] == [m["content"] for m in messages(first_q, task.system)]
     fn = load_reward(cfg.rollout)  # the import path resolves to the task's reward, the one the TRL side scores with
@@ -78,6 +129,8 @@ def test_rlbus_side_is_the_task(tmp_path, name):
     # ... and the TRL side is handed the same task
     args = task.trl_args()
     assert args[args.index("--system") + 1] == task.system and args[args.index("--reward") + 1] == task.reward
+    i = args.index("--operands")
+    assert (int(args[i + 1]), int(args[i + 2])) == task.operands
 
 
 @pytest.mark.parametrize("reply,want", [("27 + 82 = 109", 1.0), ("To find 27+82: 109.", 1.0), ("1090", 0.0),

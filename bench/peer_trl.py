@@ -341,10 +341,10 @@ def mean(xs: list[float]) -> float:
     return statistics.fmean(xs) if xs else float("nan")
 
 
-def run_trl(task: Task, seed: int, steps: int, work: Path, timeout: float) -> SideRun:
+def run_trl(task: Task, seed: int, steps: int, work: Path, timeout: float, threads: int = 0) -> SideRun:
     out = work / f"trl-s{seed}.json"
     argv = [str(TRL_PY), str(TRL_SIDE), "--model", str(task.model), "--out", str(out), "--seed", str(seed),
-            "--steps", str(steps), *task.trl_args()]
+            "--steps", str(steps), *task.trl_args(), "--threads", str(threads)]
     load = os.getloadavg()[0]
     with open(work / f"trl-s{seed}.log", "wb") as log:
         t0 = time.time()
@@ -475,6 +475,7 @@ class Bench:
     versions: dict[str, str]
     rlbus_commit: str
     rlbus_overrides: list[str] = field(default_factory=list)
+    trl_threads: int = 0  # TRL's torch threads; 0 = torch's default (every core)
     runs: list[SideRun] = field(default_factory=list)
     target: float = 0.0
     wall_s: float = 0.0
@@ -566,7 +567,9 @@ def report(b: Bench) -> str:
          f"time to reward {b.target:.3f} (s) | of it after the first step (s) | reward first 5 | reward last 10 |"),
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for name, row in (("TRL 1.16 GRPOTrainer", t), (f"`rlbus up`, {producers_label(task, b.rlbus_overrides)}", r)):
+    trl_name = "TRL 1.16 GRPOTrainer" + (f" ({b.trl_threads} torch thread{'s' if b.trl_threads != 1 else ''})"
+                                         if b.trl_threads else "")
+    for name, row in ((trl_name, t), (f"`rlbus up`, {producers_label(task, b.rlbus_overrides)}", r)):
         lines.append(f"| {name} | {spread(row['steps_per_min'])} | {spread(row['wall_s'])} | "
                      f"{spread(row['startup_s'])} | {spread(row['reach_s'])} | {spread(row['learn_s'])} | "
                      f"{spread(row['first5'], '.3f')} | "
@@ -665,6 +668,7 @@ def main() -> int:
     ap.add_argument("--rlbus-set", nargs="*", default=[], metavar="K=V",
                     help="config overrides of the rlbus side (recorded in the results), e.g. trainer.torch_threads=2")
     ap.add_argument("--model", default="", help="the model directory; '' = the task's")
+    ap.add_argument("--trl-threads", type=int, default=0, help="TRL's torch threads; 0 = torch's default (every core)")
     ap.add_argument("--lr", type=float, default=0.0, help="both sides' learning rate; 0 = the task's")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
     ap.add_argument("--results", default="", help="'' = bench/results/peer_trl.json (adder), "
@@ -704,7 +708,7 @@ def main() -> int:
                   warmup=warmup, seeds=args.seeds, model=str(model.relative_to(ROOT) if model.is_relative_to(ROOT)
                                                              else model),
                   machine=machine(), versions=versions, rlbus_commit=git_commit(), rlbus_overrides=args.rlbus_set,
-                  task=task.name, lr=task.lr)
+                  task=task.name, lr=task.lr, trl_threads=args.trl_threads)
         t0 = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="rlbus-peer-") as tmp:
             work = Path(tmp)
@@ -713,7 +717,7 @@ def main() -> int:
                 order = args.sides if i % 2 == 0 else list(reversed(args.sides))
                 for side in order:
                     print(f"seed {seed}: {side} (load {os.getloadavg()[0]:.1f})", flush=True)
-                    run = (run_trl(task, seed, steps, work, args.timeout) if side == "trl" else
+                    run = (run_trl(task, seed, steps, work, args.timeout, args.trl_threads) if side == "trl" else
                            run_rlbus(task, data, seed, steps, work, args.timeout, tuple(args.rlbus_set)))
                     b.runs.append(run)
                     print(f"  {'ok' if run.ok else 'FAILED ' + run.error}: wall {run.wall_s:.1f}s, "

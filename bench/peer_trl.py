@@ -120,14 +120,17 @@ class Task:
                 "--operands", *map(str, self.operands)]
 
 
+#: The rlbus side's settings on the adders: each producer batches up to 4 tasks per generate call and yields the CPU
+#: to the trainer (nice 10): on 2 shared cores the trainer's update is the run's critical path (docs/benchmarks.md).
+ADDER_RLBUS: dict[str, dict[str, Any]] = {"ray": {"object_store_memory": 500_000_000},
+                                          "rollout": {"max_inflight_tasks": 4, "nice": 10}}
+
 TASKS = {
     "adder": Task(
         name="adder", model=ROOT / ".rlbus" / "models" / "peer-adder", heading="## Against TRL's GRPOTrainer",
         results=ROOT / "bench" / "results" / "peer_trl.json", system=SYSTEM_PROMPT, reward="first", prompts=8, n=8,
         max_new_tokens=8, lr=2e-4, steps=100, warmup=10,
-        # Each producer batches up to 4 tasks per generate call and yields the CPU to the trainer (nice 10): on 2
-        # shared cores the trainer's update is the run's critical path (docs/benchmarks.md).
-        rlbus={"ray": {"object_store_memory": 500_000_000}, "rollout": {"max_inflight_tasks": 4, "nice": 10}},
+        rlbus=ADDER_RLBUS,
         about=("Task (`bench/peer_task.py`): two-digit addition in the quickstart's chat format, reward 1 when the "
                "reply's first number is the sum; 8 prompts x 8 samples per step, at most 8 new tokens, temperature "
                "1, lr 2e-4 constant, no KL, one update per batch, token-mean loss, grad clip 1, {steps} steps. "
@@ -166,7 +169,7 @@ TASKS = {
         heading="## Against TRL's GRPOTrainer on a task that learns: one-digit sums",
         results=ROOT / "bench" / "results" / "peer_trl_adder1.json", system=SYSTEM_PROMPT, reward="close", prompts=8,
         n=8, max_new_tokens=8, lr=2e-4, steps=200, warmup=10, operands=(1, 9), drill_target=0.1, target_rule="gain",
-        rlbus={"ray": {"object_store_memory": 500_000_000}, "rollout": {"max_inflight_tasks": 4, "nice": 10}},
+        rlbus=ADDER_RLBUS,
         about=("Task (`bench/peer_task.py`): one-digit sums (\"What is 7+8?\", both numbers in 1-9) in the "
                "quickstart's chat format, with partial credit: reward 1 - |first number of the reply - sum| / 10, "
                "at least 0 (the `close` reward), so every group has a signal; 8 prompts x 8 samples per step, at "

@@ -24,7 +24,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: the r
 
 import torch
 
-from bench.peer_task import TWO_DIGITS, messages, problems, score
+from bench.peer_task import TWO_DIGITS, add_operands_arg, messages, problems, score
 
 #: The peer model's shape: the quickstart's classes, 6.5x its width x depth (837,760 parameters).
 SPEC = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4}
@@ -117,7 +117,8 @@ def build(out: Path, *, target: float = 0.2, max_steps: int = 3000, eval_every: 
     model.save_pretrained(out, safe_serialization=True)
     (out / "peer_model.json").write_text(json.dumps({
         "spec": SPEC, "warm_steps": WARM_STEPS, "drill_steps": step, "drill_lr": lr, "drill_batch_size": batch_size,
-        "target": target, "operands": list(operands), "accuracy_history": history, "seconds": round(time.perf_counter() - started, 1),
+        "target": target, "operands": list(operands), "accuracy_history": history,
+        "seconds": round(time.perf_counter() - started, 1),
         "num_parameters": sum(p.numel() for p in model.parameters()),
     }, indent=1) + "\n")
     return out
@@ -130,8 +131,7 @@ if __name__ == "__main__":
     ap.add_argument("--max-steps", type=int, default=3000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--start-from", default="", help="reuse this stage-1 (init_model) directory")
-    ap.add_argument("--operands", type=int, nargs=2, default=list(TWO_DIGITS), metavar=("LO", "HI"),
-                    help="the range both numbers of a drilled sum are drawn from")
+    add_operands_arg(ap, "the range both numbers of a drilled sum are drawn from")
     ap.add_argument("--eval-every", type=int, default=100, help="drill steps between accuracy checks")
     args = ap.parse_args()
     print(build(Path(args.out), target=args.target, max_steps=args.max_steps, seed=args.seed,

@@ -49,10 +49,15 @@ def messages(question: str, system: str = SYSTEM_PROMPT) -> list[dict[str, str]]
     return [{"role": "system", "content": system}, {"role": "user", "content": question}]
 
 
+def _first_number(reply: str) -> str | None:
+    """The digits of the reply's first number, after an optional `<answer>` tag and spaces; None if it has none."""
+    m = _LEADING_NUMBER.match(reply)
+    return None if m is None else m.group(1)
+
+
 def score(reply: str, truth: str) -> float:
     """1.0 when the reply's first number (after an optional `<answer>` tag) is `truth`, else 0.0."""
-    m = _LEADING_NUMBER.match(reply)
-    return 1.0 if m is not None and m.group(1) == truth else 0.0
+    return 1.0 if _first_number(reply) == truth else 0.0
 
 
 def score_contains(reply: str, truth: str) -> float:
@@ -63,10 +68,8 @@ def score_contains(reply: str, truth: str) -> float:
 def score_close(reply: str, truth: str) -> float:
     """Partial credit for the reply's first number (as `score` reads it): 1 - |number - truth| / 10, at least 0; 0
     without a number. Every group of samples then has a signal to learn from, not only those with a right sum."""
-    m = _LEADING_NUMBER.match(reply)
-    if m is None:
-        return 0.0
-    return max(0.0, 1.0 - abs(int(m.group(1)) - int(truth)) / 10.0)
+    number = _first_number(reply)
+    return 0.0 if number is None else max(0.0, 1.0 - abs(int(number) - int(truth)) / 10.0)
 
 
 SCORES = {"first": score, "contains": score_contains, "close": score_close}
@@ -87,6 +90,11 @@ def reward_close(response_text: str, ground_truth: str, *, task: Any = None) -> 
     return score_close(response_text, ground_truth)
 
 
+def add_operands_arg(ap: argparse.ArgumentParser, what: str = "the range both numbers of a sum are drawn from") -> None:
+    """`--operands LO HI` (default: two-digit sums), as every script of the bench takes it."""
+    ap.add_argument("--operands", type=int, nargs=2, default=list(TWO_DIGITS), metavar=("LO", "HI"), help=what)
+
+
 def write_jsonl(path: Path, num: int, seed: int, system: str = SYSTEM_PROMPT,
                 operands: tuple[int, int] = TWO_DIGITS) -> Path:
     """The rlbus side's data file, in the layout `data.type=jsonl` reads (verl's keys)."""
@@ -102,6 +110,6 @@ if __name__ == "__main__":
     ap.add_argument("out")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num", type=int, default=2048)
-    ap.add_argument("--operands", type=int, nargs=2, default=list(TWO_DIGITS), metavar=("LO", "HI"))
+    add_operands_arg(ap)
     args = ap.parse_args()
     print(write_jsonl(Path(args.out), args.num, args.seed, operands=tuple(args.operands)))

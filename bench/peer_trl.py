@@ -109,9 +109,8 @@ class Task:
     notes: str = ""  # measurements made apart from the bench, to read its numbers by
     operands: tuple[int, int] = TWO_DIGITS  # both numbers of a sum are drawn from this range
     drill_target: float = 0.2  # the model's build (bench/peer_model.py): stop the drill at this sampled accuracy
-    # The time-to-reward target. "final": 0.9 x the lower of the two sides' mean final reward (a task that starts
-    # near 0). "gain": 80% of the way from where both sides start (their mean reward over the first 10 steps) to the
-    # lower final reward (a task that starts well above 0, where 0.9 x the final would be reached at once).
+    # The time-to-reward target, a key of TARGET_RULES: "final" for a task that starts near 0, "gain" for one that
+    # starts well above 0 (where 0.9 x the final reward would be reached at once).
     target_rule: str = "final"
 
     def trl_args(self) -> list[str]:
@@ -691,7 +690,7 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=0, help="0 = the task's (adder 100, adder1 200, smollm2 12)")
     ap.add_argument("--warmup", type=int, default=-1, help="steps left out of steady-state steps/min; -1 = the "
-                    "task's (adder 10, smollm2 2)")
+                    "task's (adder and adder1 10, smollm2 2)")
     ap.add_argument("--sides", nargs="+", choices=("trl", "rlbus"), default=["trl", "rlbus"])
     ap.add_argument("--rlbus-set", nargs="*", default=[], metavar="K=V",
                     help="config overrides of the rlbus side (recorded in the results), e.g. trainer.torch_threads=2")
@@ -700,7 +699,7 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=0.0, help="both sides' learning rate; 0 = the task's")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
     ap.add_argument("--results", default="", help="'' = bench/results/peer_trl.json (adder), "
-                    "peer_trl_smollm2.json (smollm2)")
+                    "peer_trl_adder1.json (adder1), peer_trl_smollm2.json (smollm2)")
     ap.add_argument("--docs", default=str(DOCS), help="'' to leave docs/benchmarks.md alone")
     ap.add_argument("--from-json", default="", help="only redo the report from a results file")
     args = ap.parse_args()

@@ -32,7 +32,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-from bench.peer_task import SCORES, SYSTEM_PROMPT, TWO_DIGITS, messages, problems
+from bench.peer_task import SCORES, SYSTEM_PROMPT, add_operands_arg, messages, problems
 
 T_IMPORTED = time.time()
 
@@ -64,8 +64,7 @@ def main() -> int:
     ap.add_argument("--data-seed", type=int, default=0)
     ap.add_argument("--system", default=SYSTEM_PROMPT, help="the prompts' system message")
     ap.add_argument("--reward", choices=sorted(SCORES), default="first")
-    ap.add_argument("--operands", type=int, nargs=2, default=list(TWO_DIGITS), metavar=("LO", "HI"),
-                    help="the range both numbers of a sum are drawn from")
+    add_operands_arg(ap)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -421,6 +421,9 @@ class TrainEngine:
             metrics.update(correction_metrics(bypass_sums, None, self.correction))
         timing["timing/step_s"] = time.perf_counter() - t_step
         timing["perf/peak_rss_gb"] = peak_rss_bytes() / 1024**3  # this step's peak, the largest over ranks
+        # The intra-op threads the step ran on (rank 0's, the most): `rlbus replay` runs on as many, since CPU matrix
+        # products reduce in a thread-dependent order.
+        timing["perf/torch_threads"] = float(torch.get_num_threads())
         names = list(timing)
         metrics.update(zip(names, all_reduce([timing[n] for n in names], "max")))
         metrics["perf/tokens_per_s"] = metrics["perf/num_tokens"] / max(metrics["timing/step_s"], 1e-9)

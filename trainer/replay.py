@@ -23,9 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import torch
 from rich.console import Console
 from rich.table import Table
 
+from rlbus.common.threads import apply_torch_threads
 from rlbus.consumers.event_log import RecordError, StepRecord, load_step_batch, read_steps
 from rlbus.schemas.config import RunConfig
 from rlbus.schemas.config_io import load_config
@@ -34,8 +36,9 @@ from rlbus.trainer.engine import TrainEngine
 from rlbus.trainer.guard import set_lr_scale
 from rlbus.trainer.metrics import read_metrics
 
-#: Replayed metrics that depend on wall-clock time or on the process (memory), never compared.
-_TIMING_PREFIXES = ("timing/", "time/", "perf/tokens_per_s", "perf/peak_rss_gb")
+#: Replayed metrics that depend on wall-clock time or on the process (memory, the thread count the replay itself
+#: sets), never compared.
+_TIMING_PREFIXES = ("timing/", "time/", "perf/tokens_per_s", "perf/peak_rss_gb", "perf/torch_threads")
 
 
 class MetricDiff(msgspec.Struct, kw_only=True):
@@ -61,6 +64,7 @@ class ReplayResult(msgspec.Struct, kw_only=True):
     steps: list[int]  # steps compared
     metrics: dict[int, dict[str, float]]  # replayed metrics per compared step
     diffs: list[MetricDiff]
+    torch_threads: int = 0  # intra-op threads the steps ran on (`replay_threads`)
 
     @property
     def identical(self) -> bool:
@@ -89,6 +93,22 @@ def _recorded_metrics(run_dir: Path, records: dict[int, StepRecord]) -> dict[int
     return {s: rows.get(s, rec.metrics) for s, rec in records.items()}
 
 
+def replay_threads(cfg: RunConfig, record: StepRecord, recorded: dict[str, Any], overrides: list[str] = ()) -> int:
+    """Run this process's torch on the intra-op threads the recorded trainer's rank 0 used and return the count.
+
+    CPU matrix products sum in a thread-dependent order, so bit for bit needs the same count. It is the step's
+    `perf/torch_threads` metric where recorded; for older runs, the count the trainer's rank 0 chose (common/threads.py)
+    from its config, here. A `trainer.torch_threads` override wins (a what-if on another thread count).
+    """
+    override = any(o.split("=", 1)[0].strip() == "trainer.torch_threads" for o in overrides)
+    threads = recorded.get("perf/torch_threads") or record.metrics.get("perf/torch_threads")
+    if threads and not override:
+        torch.set_num_threads(int(threads))
+        return int(threads)
+    processes = record.world_size + cfg.rollout.num_producers
+    return apply_torch_threads(cfg.trainer.torch_threads, processes, role="rlbus replay", takes_remainder=True)
+
+
 def replay(run_dir: str | Path, from_step: int, num_steps: int = 1, overrides: list[str] = (),
            *, engine: TrainEngine | None = None) -> tuple[ReplayResult, TrainEngine]:
     """Replay steps `from_step` .. `from_step + num_steps - 1`; returns the comparison and the engine after them.
@@ -109,9 +129,10 @@ def replay(run_dir: str | Path, from_step: int, num_steps: int = 1, overrides: l
     thin = [s for s in needed if records[s].payload != "full"]
     if thin:
         raise RecordError(run_dir, f"steps {thin} were recorded without tensors (logging.record=metadata)")
+    recorded = _recorded_metrics(run_dir, {s: records[s] for s in range(from_step, last + 1)})
+    threads = replay_threads(cfg, records[needed[0]], recorded.get(needed[0], {}), overrides)
     if engine is None:
         engine = build_engine(cfg, ckpt)
-    recorded = _recorded_metrics(run_dir, {s: records[s] for s in range(from_step, last + 1)})
     replayed: dict[int, dict[str, float]] = {}
     diffs: list[MetricDiff] = []
     for s in needed:
@@ -130,7 +151,7 @@ def replay(run_dir: str | Path, from_step: int, num_steps: int = 1, overrides: l
             diffs.append(MetricDiff(step=s, name=name, recorded=None if rec is None else float(rec),
                                     replayed=float(value)))
     return ReplayResult(from_checkpoint=ckpt_step, steps=list(range(from_step, last + 1)), metrics=replayed,
-                        diffs=diffs), engine
+                        diffs=diffs, torch_threads=threads), engine
 
 
 def build_engine(cfg: RunConfig, ckpt: Path | None) -> TrainEngine:
@@ -164,7 +185,8 @@ def _apply_optimizer_overrides(engine: TrainEngine, cfg: RunConfig) -> None:
 
 def render(result: ReplayResult, console: Console, *, show_all: bool = False) -> None:
     title = (f"replay of steps {result.steps[0]}..{result.steps[-1]} from "
-             f"{'checkpoint step ' + str(result.from_checkpoint) if result.from_checkpoint else 'the base model'}")
+             f"{'checkpoint step ' + str(result.from_checkpoint) if result.from_checkpoint else 'the base model'}, "
+             f"{result.torch_threads} torch thread(s)")
     table = Table(title=title)
     for col in ("step", "metric", "recorded", "replayed", "|diff|", ""):
         table.add_column(col, justify="right" if col not in ("metric", "") else "left")

@@ -358,7 +358,7 @@ def _variants_worker(model_dir: str, trainer_cfg: TrainerConfig, algo_cfg: Algor
 def _same_numbers(a: dict, b: dict, *, rel: float, atol: float = 1e-8) -> None:
     def measured(m: dict) -> set[str]:  # what depends on the machine, not on the math
         return {k for k in m if k.startswith("timing/")
-                or k in ("perf/tokens_per_s", "perf/peak_rss_gb", "perf/forward_positions")}  # and on the work done
+                or k in ("perf/tokens_per_s", "perf/peak_rss_gb", "perf/torch_threads", "perf/forward_positions")}
 
     for m_a, m_b in zip(a["metrics"], b["metrics"], strict=True):
         assert set(m_a) - measured(m_a) == set(m_b) - measured(m_b)

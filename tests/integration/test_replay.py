@@ -134,6 +134,34 @@ def test_replay_from_the_base_model_when_no_checkpoint_precedes(recorded: dict[s
     assert result.metrics[1]["actor/pg_loss"] == recorded["rows"][0]["actor/pg_loss"]
 
 
+def test_replay_runs_on_the_thread_count_the_trainer_recorded(recorded: dict[str, Any]) -> None:
+    """The trainer ran on 1 thread (record_run) and says so in every step's `perf/torch_threads`; a replay started
+    in a process with another count switches to the recorded one, so a user need not know it."""
+    import msgspec
+
+    from rlbus.common.threads import choose_threads
+    from rlbus.consumers.event_log import read_steps
+    from rlbus.trainer.replay import replay, replay_config, replay_threads
+
+    assert [r["perf/torch_threads"] for r in recorded["rows"]] == [1.0] * NUM_STEPS
+    torch.set_num_threads(2)
+    try:
+        result, _ = replay(recorded["run_dir"], from_step=3, num_steps=2)
+        assert result.torch_threads == 1 and torch.get_num_threads() == 1
+        assert result.identical, [d for d in result.diffs if not d.equal]
+        # A run recorded before the metric existed: the count its rank 0 chose from the config, as chosen here.
+        old = msgspec.structs.replace(read_steps(recorded["run_dir"])[0], metrics={})
+        cfg = recorded["cfg"]
+        want, _ = choose_threads(cfg.trainer.torch_threads, 1 + cfg.rollout.num_producers, takes_remainder=True)
+        assert replay_threads(cfg, old, {}) == want == torch.get_num_threads()
+        # A what-if on the thread count is the user's to make.
+        what_if = ["trainer.torch_threads=2"]
+        assert replay_threads(replay_config(recorded["run_dir"], what_if), read_steps(recorded["run_dir"])[0], {},
+                              what_if) == 2
+    finally:
+        torch.set_num_threads(1)
+
+
 def test_what_if_replay_reports_differences(recorded: dict[str, Any], tmp_path: Path, capsys) -> None:
     from rlbus.trainer.replay import main
 
@@ -172,7 +200,8 @@ def test_real_run_is_archived_and_replays_bit_for_bit(tmp_path: Path, bus_config
     from tests.support.runs import small_run_config, start_role, stop, wait_exit, write_config
     from rlbus.trainer.metrics import read_metrics
 
-    torch.set_num_threads(1)  # as the trainer ran (OMP_NUM_THREADS=1): CPU GEMMs reduce in a thread-count order
+    # Not the trainer's count (it ran with OMP_NUM_THREADS=1): the replay takes that from the record itself.
+    torch.set_num_threads(2)
     run_dir = tmp_path / "run"
     cfg = small_run_config(run_name, run_dir, tiny_model_dir, bus_config.url, bus_config.creds_file, ray_address,
                            trainer={"total_steps": 4, "groups_per_step": 2, "checkpoint_interval": 2,

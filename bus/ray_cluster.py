@@ -6,8 +6,8 @@
     stop_ray_head(head)
 
 Ray's dashboard, autoscaler monitor, log monitor and Ray Client server are not started (rlbus uses none of them, and
-on a small machine their start-up CPU is the roles' start-up time; the client server has no `ray start` switch, so
-heads run `ray start` through bus/ray_start.py). Three more Ray defaults are overridden for the clusters rlbus starts:
+on a small machine their start-up CPU is the roles' start-up time; the client server has no `ray start` switch, and
+`--include-dashboard=false` still starts a dashboard process, so heads run `ray start` through bus/ray_start.py). Three more Ray defaults are overridden for the clusters rlbus starts:
 - Ray advertises (and binds) the machine's routable IP even for a single-node cluster. Loopback-only is asked for
   here, and Ray's only switch for it is the environment variable `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, read when
   `ray` is imported -- so the head runs as a child process with that variable set.

@@ -118,12 +118,14 @@ def test_the_token_is_on_no_command_line_and_in_no_environment(ray_head):
             assert token.encode() not in path.read_bytes(), path
 
 
-def test_the_head_runs_no_ray_client_server(ray_head):
-    """bus/ray_start.py: nothing of rlbus connects through ray://, so the head runs without its proxy."""
+def test_the_head_runs_no_ray_client_server_and_no_dashboard(ray_head):
+    """bus/ray_start.py: nothing of rlbus connects through ray:// or asks the dashboard, so the head runs without
+    its proxy and without the dashboard process `--include-dashboard=false` would still start."""
     commands = [Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
                 for pid in process_tree(ray_head.pid) if Path(f"/proc/{pid}/cmdline").exists()]
     assert any("gcs_server" in c for c in commands) and any("raylet" in c for c in commands), commands
     assert not [c for c in commands if "ray.util.client.server" in c]
+    assert not [c for c in commands if "dashboard/dashboard.py" in c], commands
 
 
 @pytest.mark.parametrize(

@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import shlex
 import statistics
@@ -322,6 +323,7 @@ class SideRun:
     step_split: dict[str, float] = field(default_factory=dict)  # rlbus: median seconds per step of each part
     clipfrac: float = 0.0  # rlbus: mean actor/clipfrac
     entropy_last: float = 0.0
+    entropy: list[float] = field(default_factory=list)  # per step: the policy's mean entropy over response tokens
     load_before: float = 0.0
     error: str = ""
 
@@ -383,7 +385,8 @@ def run_trl(task: Task, seed: int, steps: int, work: Path, timeout: float, threa
     d = json.loads(out.read_text())
     rows = d["steps"]
     run = SideRun("trl", seed, ok=True, rewards=[r["reward"] for r in rows], step_t=[r["t"] - t0 for r in rows],
-                  wall_s=t_end - t0, load_before=load, entropy_last=rows[-1]["entropy"] if rows else 0.0)
+                  wall_s=t_end - t0, load_before=load, entropy_last=rows[-1]["entropy"] if rows else 0.0,
+                  entropy=[r["entropy"] for r in rows])
     run.startup = {"python + torch + trl imported": d["t_imported"] - t0, "trainer built": d["t_built"] - t0}
     run.startup_s = run.step_t[0] if run.step_t else 0.0
     return run
@@ -483,6 +486,7 @@ def run_rlbus(task: Task, data: Path, seed: int, steps: int, work: Path, timeout
                   shutdown={**{m[2]: stamper.marks[m[2]] - stamper.row_t[-1] for m in SHUTDOWN_MARKS
                                if m[2] in stamper.marks}, "process exited": t_end - t0 - stamper.row_t[-1]},
                   entropy_last=rows[-1].get("actor/entropy", 0.0),
+                  entropy=[r.get("actor/entropy", math.nan) for r in rows],
                   clipfrac=mean([r.get("actor/clipfrac", 0.0) for r in rows]))
     run.step_split = {k: statistics.median(r.get(k, 0.0) for r in rows[5:] or rows) for k in (*STEP_PARTS, "time/step")}
     return run
@@ -612,6 +616,7 @@ def report(b: Bench) -> str:
                      f"{mean(x.rewards[:5]):.3f} -> {mean(x.rewards[-10:]):.3f} (entropy at the end "
                      f"{x.entropy_last:.3f})")
     lines += reward_by_step(b)
+    lines += reward_by_step(b, series="entropy")
     rl = b.side("rlbus")
     if rl:
         stages = sorted({k for x in rl for k in x.startup}, key=lambda k: statistics.fmean(
@@ -643,19 +648,23 @@ def report(b: Bench) -> str:
     return "\n".join(lines)
 
 
-def reward_by_step(b: Bench, parts: int = 5) -> list[str]:
-    """Each side's mean reward (over seeds) in `parts` equal spans of steps: learning per step, apart from speed."""
-    sides = [(name, b.side(side)) for name, side in (("TRL", "trl"), ("rlbus", "rlbus")) if b.side(side)]
-    n = min((len(r.rewards) for _, runs in sides for r in runs), default=0)
+def reward_by_step(b: Bench, parts: int = 5, series: str = "rewards") -> list[str]:
+    """Each side's mean reward (over seeds) in `parts` equal spans of steps: learning per step, apart from speed.
+    `series="entropy"`: the same for the policy's entropy (runs that recorded it)."""
+    sides = [(name, [r for r in b.side(side) if getattr(r, series)]) for name, side in (("TRL", "trl"),
+                                                                                        ("rlbus", "rlbus"))]
+    sides = [(name, runs) for name, runs in sides if runs]
+    n = min((len(getattr(r, series)) for _, runs in sides for r in runs), default=0)
     if n < parts:
         return []
     edges = [round(i * n / parts) for i in range(parts + 1)]
     spans = list(itertools.pairwise(edges))
-    lines = ["", ("Reward by step, mean over seeds ± standard deviation of the seeds' means (learning per step, "
+    what = "Reward" if series == "rewards" else "Entropy (the policy's mean over response tokens)"
+    lines = ["", (f"{what} by step, mean over seeds ± standard deviation of the seeds' means (learning per step, "
                   "whatever the speed):"), "", "| | " + " | ".join(f"steps {a + 1}-{z}" for a, z in spans) + " |",
              "|---|" + "---:|" * len(spans)]
     for name, runs in sides:
-        lines.append(f"| {name} | " + " | ".join(spread([mean(r.rewards[a:z]) for r in runs], ".3f")
+        lines.append(f"| {name} | " + " | ".join(spread([mean(getattr(r, series)[a:z]) for r in runs], ".3f")
                                                  for a, z in spans) + " |")
     return lines
 

@@ -87,6 +87,16 @@ def test_reward_by_step_splits_each_side_into_equal_spans():
     assert reward_by_step(_bench("adder1", {"trl": [[0.1] * 3]}), parts=5) == []
 
 
+def test_entropy_by_step_leaves_out_runs_that_did_not_record_it():
+    b = _bench("adder1", {"trl": [[0.5] * 4, [0.5] * 4], "rlbus": [[0.5] * 4]})
+    b.runs[0].entropy = [0.4, 0.4, 0.2, 0.2]  # the second TRL run predates the field: no entropy
+    b.runs[2].entropy = [0.3, 0.3, 0.1, 0.1]
+    lines = reward_by_step(b, parts=2, series="entropy")
+    assert lines[1].startswith("Entropy")
+    assert "| TRL | 0.400 | 0.200 |" in lines and "| rlbus | 0.300 | 0.100 |" in lines
+    assert reward_by_step(_bench("adder1", {"trl": [[0.5] * 4]}), parts=2, series="entropy") == []
+
+
 def test_steady_rate_leaves_out_the_warmup():
     # 3 slow steps (start-up), then one step every 0.5 s: 120 steps/min however long the start took.
     t = [10.0, 11.0, 12.0] + [12.0 + 0.5 * k for k in range(1, 11)]

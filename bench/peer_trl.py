@@ -225,7 +225,30 @@ TASKS = {
                "earlier rlbus run at this LR (seed 0, the guard at its defaults but with no checkpoint to roll back "
                "to: the bench checkpoints only at the end) collapsed the same way, to 0.0 from step 115. Such a "
                "collapse is not asynchrony's doing (the on-policy peer had one too); what rlbus adds is the guard, "
-               "whose `reward_drop` rollback needs a checkpoint before the fall (`trainer.checkpoint_interval`)."),
+               "whose `reward_drop` rollback needs a checkpoint before the fall (`trainer.checkpoint_interval`). "
+               "More 400-step draws, 4 December, other work on the machine (1-minute load 1.3-5.7 at the runs' "
+               "starts): seeds 5-9 twice (`bench/results/peer_trl_adder1_400_s5-9.json`, "
+               "`peer_trl_adder1_400_s5-9_entropy.json`, which also keeps each step's entropy; TRL repeated its runs "
+               "sample for sample) and synchronous rlbus on seeds 5-9 (`peer_trl_adder1_400_s5-9_sync.json`). Time "
+               "to that bench's target from process start: rlbus 0.90x and 0.86x TRL's (19.4 and 19.6 s against "
+               "21.5 and 22.6 s), so the 1.33x above was the draw, not a rule. Reward by step over every 400-step run "
+               "(80-step spans, mean ± standard error): TRL, 10 seeds, 0.638 ± 0.002 / 0.686 ± 0.003 / 0.698 ± 0.002 "
+               "/ 0.712 ± 0.005 / 0.722 ± 0.006; asynchronous rlbus, 15 runs, 0.635 ± 0.002 / 0.679 ± 0.002 / 0.689 "
+               "± 0.005 / 0.706 ± 0.005 / 0.712 ± 0.009; synchronous rlbus, 5 runs, 0.640 ± 0.004 / 0.681 ± 0.003 / "
+               "0.688 ± 0.007 / 0.714 ± 0.006 / 0.723 ± 0.008. Over the last 10 steps rlbus ended higher (0.729 and "
+               "0.735 against 0.708: TRL's seed 9 fell to 0.554 at the end). So asynchronous rlbus trails TRL by "
+               "0.003-0.010 a span, 1-2 standard errors each, and synchronous rlbus lies level with TRL in three "
+               "spans of five: a staleness cost of about 0.01 reward late in the run is possible and not yet told "
+               "apart from noise at this sample size. Entropy by step (the same spans, the runs that kept it: 5 a "
+               "side) is the same on both sides until step 320 (TRL 0.518 / 0.252 / 0.146 / 0.101 / 0.119, asynchronous rlbus 0.521 / 0.256 / 0.168 "
+               "/ 0.134 / 0.072, synchronous 0.520 / 0.275 / 0.189 / 0.134 / 0.103, standard deviations over seeds "
+               "0.006-0.09). "
+               "That rlbus computes TRL's update on a given batch is shown apart, in the next section. The 200-step "
+               "bench re-run in a loaded hour on the commit that leaves Ray's dashboard process out "
+               "(`bench/results/peer_trl_adder1_loaded.json`, load 1.0-5.2): rlbus 257 ± 10 against TRL's 235 ± 5 "
+               "steps/min (1.09x), start-up 8.9 against 5.1 s, time to reward 1.29x from process start and 1.14x "
+               "after the first step (± 4-5 s over seeds on both sides); reward by step 0.611 / 0.646 / 0.677 / "
+               "0.684 / 0.700 against TRL's 0.617 / 0.652 / 0.684 / 0.689 / 0.688."),
     ),
     "smollm2": Task(
         name="smollm2", model=ROOT / ".rlbus" / "models" / "smollm2-135m-instruct",

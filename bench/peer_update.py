@@ -99,7 +99,7 @@ def rlbus_side(run_dir: Path, records: list, ex: Path) -> list[dict[str, Any]]:
     """Replays the recorded steps (decoupled, as the run trained) and takes the same batches' gradients with no
     importance weight at the same weights; keeps both gradients and the weights before and after each step."""
     cfg = replay_config(run_dir)
-    replay_threads(cfg, records[0], records[0].metrics)  # the trainer's thread count: bit for bit (rlbus replay's)
+    replay_threads(cfg, records[0])  # the trainer's thread count: bit for bit (rlbus replay's)
     engine = build_engine(cfg, None)
     tap = GradTap(engine)
     plain_cfg = replay_config(run_dir, ["algorithm.off_policy=none"])

@@ -93,7 +93,7 @@ def _recorded_metrics(run_dir: Path, records: dict[int, StepRecord]) -> dict[int
     return {s: rows.get(s, rec.metrics) for s, rec in records.items()}
 
 
-def replay_threads(cfg: RunConfig, record: StepRecord, recorded: dict[str, Any], overrides: list[str] = ()) -> int:
+def replay_threads(cfg: RunConfig, record: StepRecord, overrides: list[str] = ()) -> int:
     """Run this process's torch on the intra-op threads the recorded trainer's rank 0 used and return the count.
 
     CPU matrix products sum in a thread-dependent order, so bit for bit needs the same count. It is the step's
@@ -101,7 +101,7 @@ def replay_threads(cfg: RunConfig, record: StepRecord, recorded: dict[str, Any],
     from its config, here. A `trainer.torch_threads` override wins (a what-if on another thread count).
     """
     override = any(o.split("=", 1)[0].strip() == "trainer.torch_threads" for o in overrides)
-    threads = recorded.get("perf/torch_threads") or record.metrics.get("perf/torch_threads")
+    threads = record.metrics.get("perf/torch_threads")
     if threads and not override:
         torch.set_num_threads(int(threads))
         return int(threads)
@@ -129,10 +129,10 @@ def replay(run_dir: str | Path, from_step: int, num_steps: int = 1, overrides: l
     thin = [s for s in needed if records[s].payload != "full"]
     if thin:
         raise RecordError(run_dir, f"steps {thin} were recorded without tensors (logging.record=metadata)")
-    recorded = _recorded_metrics(run_dir, {s: records[s] for s in range(from_step, last + 1)})
-    threads = replay_threads(cfg, records[needed[0]], recorded.get(needed[0], {}), overrides)
+    threads = replay_threads(cfg, records[needed[0]], overrides)
     if engine is None:
         engine = build_engine(cfg, ckpt)
+    recorded = _recorded_metrics(run_dir, {s: records[s] for s in range(from_step, last + 1)})
     replayed: dict[int, dict[str, float]] = {}
     diffs: list[MetricDiff] = []
     for s in needed:

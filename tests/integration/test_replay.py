@@ -153,10 +153,10 @@ def test_replay_runs_on_the_thread_count_the_trainer_recorded(recorded: dict[str
         old = msgspec.structs.replace(read_steps(recorded["run_dir"])[0], metrics={})
         cfg = recorded["cfg"]
         want, _ = choose_threads(cfg.trainer.torch_threads, 1 + cfg.rollout.num_producers, takes_remainder=True)
-        assert replay_threads(cfg, old, {}) == want == torch.get_num_threads()
+        assert replay_threads(cfg, old) == want == torch.get_num_threads()
         # A what-if on the thread count is the user's to make.
         what_if = ["trainer.torch_threads=2"]
-        assert replay_threads(replay_config(recorded["run_dir"], what_if), read_steps(recorded["run_dir"])[0], {},
+        assert replay_threads(replay_config(recorded["run_dir"], what_if), read_steps(recorded["run_dir"])[0],
                               what_if) == 2
     finally:
         torch.set_num_threads(1)

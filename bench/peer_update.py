@@ -53,8 +53,9 @@ BATCH_FIELDS = ("input_ids", "attention_mask", "response_mask", "rollout_log_pro
                 "group_index", "versions")
 
 
-def flat(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    return torch.cat([tensors[k].flatten().double() for k in sorted(tensors)])
+def flat(tensors: dict[str, torch.Tensor], names: list[str] | None = None) -> torch.Tensor:
+    """The tensors named `names` (default: all, sorted) as one float64 vector."""
+    return torch.cat([tensors[k].flatten().double() for k in (names or sorted(tensors))])
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -106,9 +107,9 @@ def rlbus_side(run_dir: Path, records: list, ex: Path) -> list[dict[str, Any]]:
     plain = build_engine(plain_cfg, None)
     plain_tap = GradTap(plain)
     rows = []
+    before = weights(engine)
     for rec in records:
         batch = load_step_batch(run_dir, rec)
-        before = weights(engine)
         save_file(before, str(ex / f"rlbus_before_{rec.step}.safetensors"))
         set_model_state_dict(plain.model, before, options=StateDictOptions(full_state_dict=True))
         plain_metrics = plain.train_step(batch)
@@ -120,18 +121,19 @@ def rlbus_side(run_dir: Path, records: list, ex: Path) -> list[dict[str, Any]]:
             "step": rec.step, "trained_version": rec.trained_version, "stale_tokens": float(stale),
             "tokens": int(mask.sum()), "reward": float(batch["token_level_rewards"].sum(-1).mean()),
             "grad_norm": metrics["actor/grad_norm"], "plain_grad_norm": plain_metrics["actor/grad_norm"],
-            "replay_equal": all(recorded.get(k) == metrics[k] for k in ("actor/pg_loss", "actor/grad_norm")
-                                if k in recorded),
+            "replay_equal": all(recorded.get(k) == metrics[k] for k in ("actor/pg_loss", "actor/grad_norm")),
         })
         save_file(tap.grads, str(ex / f"rlbus_grad_{rec.step}.safetensors"))
         save_file(plain_tap.grads, str(ex / f"plain_grad_{rec.step}.safetensors"))
-        save_file(weights(engine), str(ex / f"rlbus_after_{rec.step}.safetensors"))
+        before = weights(engine)  # after this step, before the next
+        save_file(before, str(ex / f"rlbus_after_{rec.step}.safetensors"))
     return rows
 
 
 def compare(rows: list[dict[str, Any]], ex: Path) -> None:
     """Adds each step's gradient and weight distances to its row."""
     trl = json.loads((ex / "trl_steps.json").read_text())["steps"]
+    start = load_file(str(ex / "rlbus_before_1.safetensors"))
     for row, t in zip(rows, trl):
         k = row["step"]
         g_rl = flat(load_file(str(ex / f"rlbus_grad_{k}.safetensors")))
@@ -140,10 +142,8 @@ def compare(rows: list[dict[str, Any]], ex: Path) -> None:
         g_trl6 = flat(load_file(str(ex / f"trl_grad_{k}_eps1e-06.safetensors")))
         after_rl = load_file(str(ex / f"rlbus_after_{k}.safetensors"))
         after_trl = load_file(str(ex / f"trl_after_{k}.safetensors"))
-        names = sorted(after_trl)
-        w_rl = torch.cat([after_rl[n].flatten().double() for n in names])
-        w_trl = torch.cat([after_trl[n].flatten().double() for n in names])
-        w0 = torch.cat([load_file(str(ex / "rlbus_before_1.safetensors"))[n].flatten().double() for n in names])
+        names = sorted(after_trl)  # TRL's parameters; rlbus's state dict also names the tied output head
+        w_rl, w_trl, w0 = flat(after_rl, names), flat(after_trl, names), flat(start, names)
         row.update({
             "numerics": rel(g_plain, g_trl6),  # same loss, same epsilon: rounding only
             "epsilon": rel(g_trl, g_trl6),  # TRL's 1e-4 against rlbus's 1e-6
@@ -158,12 +158,11 @@ def compare(rows: list[dict[str, Any]], ex: Path) -> None:
 def report(res: dict[str, Any]) -> str:
     rows = res["rows"]
     lines = [
-        "`" + res["command"] + "` (" + machine_line(res["machine"]) + f"; rlbus {res['rlbus_commit']}, TRL "
-        f"{res['trl_versions']['trl']}, transformers {res['trl_versions']['transformers']}; {res['wall_s']:.0f} s).",
+        ("`" + res["command"] + "` (" + machine_line(res["machine"]) + f"; rlbus {res['rlbus_commit']}, TRL "
+         f"{res['trl_versions']['trl']}, transformers {res['trl_versions']['transformers']}; {res['wall_s']:.0f} s)."),
         "",
-        f"One rlbus run of the `{res['task']}` task of `bench/peer_trl.py` (seed {res['seed']}, {len(rows)} steps, "
-        "asynchronous, max_staleness 1, "
-        "`logging.record=full`); each recorded step's batch then goes through rlbus's trainer (replayed from the "
+        (f"One rlbus run of the `{res['task']}` task of `bench/peer_trl.py` (seed {res['seed']}, {len(rows)} steps, "
+        "asynchronous, max_staleness 1, `logging.record=full`); each recorded step's batch then goes through rlbus's trainer (replayed from the "
         "event log) and through TRL's `GRPOTrainer.compute_loss` at the same weights (`bench/peer_update_trl.py`). "
         "Gradients are taken after each side's grad-norm clip (1.0); a distance is |a - b| / |b| over all "
         "parameters. *numerics*: rlbus with `off_policy: none` (no importance weight) against TRL with rlbus's std "
@@ -171,7 +170,7 @@ def report(res: dict[str, Any]) -> str:
         "decoupled importance weight (min(exp(proximal - behaviour), 2) per token, the run's setting) against none. "
         "*rlbus vs TRL*: the run's gradient against TRL's as TRL ships. *weights apart*: after step k, the distance "
         "between rlbus's weights and those of TRL's own AdamW run fed the same batches from the same start, over "
-        "the distance rlbus's weights moved from the start.",
+        "the distance rlbus's weights moved from the start."),
         "",
         "| step | stale tokens | grad norm rlbus / TRL | numerics | epsilon | weight | rlbus vs TRL | cos | weights apart |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",

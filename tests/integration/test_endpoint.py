@@ -48,7 +48,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     # 60 warm-start steps (~10 s): enough for the model to call the calculator in about half of its first turns.
-    return init_model(tmp_path_factory.mktemp("endpoint") / "model", steps=60, num_threads=1, log=lambda *_: None)
+    return init_model(tmp_path_factory.mktemp("endpoint") / "model", steps=60, check_target=0, num_threads=1,
+                      log=lambda *_: None)
 
 
 def run_config(model_dir, function: str = AGENT, **rollout):

@@ -27,7 +27,7 @@ def vllm_model_dir(tmp_path_factory):
 
     spec = TinyModelSpec(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                          num_key_value_heads=2)  # fmt: skip
-    return init_model(tmp_path_factory.mktemp("models") / "tiny-vllm", steps=30, num_threads=1, spec=spec,
+    return init_model(tmp_path_factory.mktemp("models") / "tiny-vllm", steps=30, check_target=0, num_threads=1, spec=spec,
                       log=lambda *_: None)  # fmt: skip
 
 

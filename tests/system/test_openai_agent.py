@@ -46,7 +46,8 @@ def calculator_model_dir(tmp_path_factory):
     turns, with calls the parser reads (the shared tiny_model_dir's wider model, after 30 steps, rarely does)."""
     from rlbus.common.model.init_model import init_model
 
-    return init_model(tmp_path_factory.mktemp("agent") / "model", steps=60, num_threads=1, log=lambda *_: None)
+    return init_model(tmp_path_factory.mktemp("agent") / "model", steps=60, check_target=0, num_threads=1,
+                      log=lambda *_: None)
 
 
 def _train(tmp_path: Path, model_dir: Path, run_name: str, openai: dict) -> Path:

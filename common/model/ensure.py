@@ -50,8 +50,10 @@ def ensure_model(cfg: ModelConfig) -> str:
             else:
                 from rlbus.common.model.init_model import init_model
                 from rlbus.common.model.tiny import TinyModelSpec
+                from rlbus.common.model.warm_start import WarmStartConfig
 
-                init_model(tmp, spec=TinyModelSpec.with_head_dim(cfg.init_head_dim), steps=cfg.init_steps)
+                init_model(tmp, spec=TinyModelSpec.with_head_dim(cfg.init_head_dim), steps=cfg.init_steps,
+                           warm=WarmStartConfig(lr=cfg.init_lr))
             if path.exists():
                 shutil.rmtree(path)
             tmp.rename(path)
@@ -73,12 +75,13 @@ def _warn_if_built_otherwise(path: Path, cfg: ModelConfig) -> None:
     except (OSError, ValueError):
         return  # not one init-model made: nothing to compare
     wanted_spec = msgspec.to_builtins(TinyModelSpec.with_head_dim(cfg.init_head_dim))
-    wanted_steps = cfg.init_steps
-    got_steps = (built.get("warm_start") or {}).get("steps")
-    if built.get("spec") != wanted_spec or got_steps != wanted_steps:
-        log.warning("model %s was built with a warm start of %s steps (shape %s); this config builds %d steps "
-                    "(shape %s): remove the directory to rebuild it", path, got_steps, built.get("spec"),
-                    wanted_steps, wanted_spec)
+    wanted_steps, wanted_lr = cfg.init_steps, cfg.init_lr
+    got = built.get("warm_start") or {}
+    got_steps, got_lr = got.get("steps"), got.get("lr")
+    if built.get("spec") != wanted_spec or got_steps != wanted_steps or (wanted_steps and got_lr != wanted_lr):
+        log.warning("model %s was built with a warm start of %s steps at lr %s (shape %s); this config builds %d "
+                    "steps at lr %g (shape %s): remove the directory to rebuild it", path, got_steps, got_lr,
+                    built.get("spec"), wanted_steps, wanted_lr, wanted_spec)
     elif wanted_steps and "checks" not in built:
         log.warning("model %s was built before the warm start checked its copies, and on some CPUs such a build "
                     "never learns one (RL then stalls near 0.5): check it with `python -m rlbus.producers.evaluate "

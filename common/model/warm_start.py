@@ -59,6 +59,8 @@ class WarmStartConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"check_target: a probability in [0, 1] (0 = no check), got {self.check_target}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts: must be >= 1, got {self.max_attempts}")
+        if not self.lr > 0:
+            raise ValueError(f"lr: must be > 0, got {self.lr}")
         if self.check_every < 0:
             raise ValueError(f"check_every: must be >= 0, got {self.check_every}")
 

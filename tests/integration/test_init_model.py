@@ -64,11 +64,16 @@ def test_init_model_writes_a_loadable_hf_directory(tmp_path):
 
 
 def test_cli_names_a_bad_check_setting(tmp_path, capsys):
-    for flag, value in (("--check-target", "1.5"), ("--check-every", "-1")):
+    for flag, value in (("--check-target", "1.5"), ("--check-every", "-1"), ("--lr", "0")):
         with pytest.raises(SystemExit) as exit_info:
             main([str(tmp_path / "m"), flag, value])
         assert exit_info.value.code == 2 and flag.removeprefix("--").replace("-", "_") in capsys.readouterr().err
     assert not (tmp_path / "m").exists()
+
+
+def test_cli_sets_the_warm_starts_lr(tmp_path):
+    assert main([str(tmp_path / "m"), "--steps", "2", "--lr", "0.005", "--check-target", "0", "--threads", "1"]) == 0
+    assert json.loads((tmp_path / "m" / "warm_start.json").read_text())["warm_start"]["lr"] == 0.005
 
 
 def test_cli_refuses_to_overwrite_without_force(tmp_path, capsys):

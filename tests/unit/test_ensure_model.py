@@ -20,12 +20,13 @@ from rlbus.schemas.config import ModelConfig
 PASSED = {"checks": [{"call": 0.999, "answer": 0.996, "tool_ok": 0.995}], "kept_attempt": 0, "check_passed": True}
 
 
-def _built(path, *, steps: int, spec: TinyModelSpec, check: dict | None = PASSED) -> None:
+def _built(path, *, steps: int, spec: TinyModelSpec, check: dict | None = PASSED,
+           lr: float = WarmStartConfig().lr) -> None:
     path.mkdir()
     (path / "config.json").write_text("{}")
     (path / "model.safetensors").write_bytes(b"")
     (path / "warm_start.json").write_text(json.dumps({"spec": msgspec.to_builtins(spec),
-                                                      "warm_start": {"steps": steps}, **(check or {})}))
+                                                      "warm_start": {"steps": steps, "lr": lr}, **(check or {})}))
 
 
 def test_a_model_built_with_another_warm_start_is_used_with_a_warning(tmp_path, caplog):
@@ -70,8 +71,8 @@ def test_the_configs_warm_start_steps_build_the_model(tmp_path, monkeypatch, cap
     assert ModelConfig(path="x").init_steps == WarmStartConfig().steps  # one default, stated twice across layers
     seen = {}
     monkeypatch.setattr(init_module, "init_model",
-                        lambda out, *, spec, steps: seen.update(steps=steps, head_dim=spec.head_dim) or
-                        _built(out, steps=steps, spec=spec))
+                        lambda out, *, spec, steps, warm: seen.update(steps=steps, head_dim=spec.head_dim) or
+                        _built(out, steps=steps, spec=spec, lr=warm.lr))
     ensure_model(ModelConfig(path=str(tmp_path / "m"), init_if_missing=True, init_head_dim=32, init_steps=3000))
     assert seen == {"steps": 3000, "head_dim": 32}
     with caplog.at_level(logging.WARNING, logger="rlbus.model"):
@@ -81,3 +82,27 @@ def test_the_configs_warm_start_steps_build_the_model(tmp_path, monkeypatch, cap
     assert "warm start of 3000 steps" in caplog.text and "this config builds 1800 steps" in caplog.text
     with pytest.raises(ValueError, match="init_steps"):  # the loader names it model.init_steps
         ModelConfig(path="x", init_steps=-1)
+
+
+def test_the_configs_warm_start_lr_builds_the_model(tmp_path, monkeypatch, caplog):
+    """model.init_lr reaches the warm start (configs/quickstart_vllm.yaml's wider model passes its check only at
+    half the default LR on some CPUs), and a model built at another LR is named in a warning; the rest of the warm
+    start keeps its defaults."""
+    from rlbus.common.model import init_model as init_module
+
+    assert ModelConfig(path="x").init_lr == WarmStartConfig().lr  # one default, stated twice across layers
+    seen = {}
+    monkeypatch.setattr(init_module, "init_model",
+                        lambda out, *, spec, steps, warm: seen.update(warm=warm) or
+                        _built(out, steps=steps, spec=spec, lr=warm.lr))
+    cfg = ModelConfig(path=str(tmp_path / "m"), init_if_missing=True, init_head_dim=32, init_steps=3000, init_lr=5e-3)
+    ensure_model(cfg)
+    assert seen["warm"] == msgspec.structs.replace(WarmStartConfig(), lr=5e-3)
+    with caplog.at_level(logging.WARNING, logger="rlbus.model"):
+        ensure_model(cfg)
+        assert caplog.text == ""
+        ensure_model(msgspec.structs.replace(cfg, init_lr=1e-2))
+    assert "3000 steps at lr 0.005" in caplog.text and "3000 steps at lr 0.01 " in caplog.text
+    for bad in (0.0, -1e-3):
+        with pytest.raises(ValueError, match="init_lr"):
+            ModelConfig(path="x", init_lr=bad)

@@ -413,6 +413,7 @@ class TrainerConfig(_Section):
     warmup_steps: int = 0  # linear LR warmup steps
     min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
     grad_clip: float = 1.0  # max global gradient norm
+    skip_zero_grad_updates: bool = True  # skip an update whose gradient is exactly 0 (AdamW's momentum alone)
     weight_sync_interval: int = 1  # publish weights every N optimizer updates
     checkpoint_interval: int = 5  # steps between checkpoints
     keep_checkpoints: int = 2  # newest checkpoints kept on disk

@@ -47,14 +47,20 @@ def make_scheduler(
 
 
 def clipped_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, max_norm: float
+    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, max_norm: float, *, skip_zero: bool = True
 ) -> tuple[float, float]:
     """One optimizer update of an FSDP2 model: clip its gradients, step AdamW unless their norm is NaN/inf (such a
     gradient would poison the weights and Adam's moments: the update is skipped), step the LR schedule either way.
-    Returns (the norm before clipping, the LR the update used)."""
+
+    With `skip_zero`, an update whose gradient is exactly zero is skipped too: a mini-batch whose groups each scored
+    alike has no advantage and so no signal, yet AdamW would still move every weight by its momentum, a step of up
+    to the LR per weight. Late in a run, when most groups score alike, such updates come several in a row and moved
+    a near-deterministic policy away from what it had learned (docs/benchmarks.md, "updates with no gradient").
+    The norm is global (identical on every rank), so every rank skips alike. Returns (the norm before clipping, the
+    LR the update used)."""
     grad_norm = clip_grad_norm(model, max_norm)
     lr = float(optimizer.param_groups[0]["lr"])
-    if math.isfinite(grad_norm):
+    if math.isfinite(grad_norm) and not (skip_zero and grad_norm == 0.0):
         optimizer.step()
     scheduler.step()
     return grad_norm, lr

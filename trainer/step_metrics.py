@@ -36,6 +36,10 @@ def correction_metrics(
     return algo.mismatch_metrics(total, spec, values_N=values_N)
 
 
+#: Per-update counts, summed over a step's updates rather than averaged.
+COUNTED = ("/skipped_updates", "/zero_grad_updates")
+
+
 class _Accumulator:
     """Sums (value, weight) pairs per metric over a step, then all-reduces them once: sum(value) / sum(weight)."""
 
@@ -49,11 +53,14 @@ class _Accumulator:
         s[1] += weight
 
     def add_update(self, prefix: str, grad_norm: float, lr: float) -> None:
-        """An optimizer update's grad norm and LR (`clipped_step`'s), and whether it was skipped (a NaN/inf norm)."""
+        """An optimizer update's grad norm and LR (`clipped_step`'s); counts those skipped (a NaN/inf norm) and those
+        with no gradient at all (every group of the mini-batch scored alike)."""
         self.add_global(f"{prefix}/grad_norm", grad_norm)
         self.add_global(f"{prefix}/lr", lr)
         if not math.isfinite(grad_norm):
             self.add_global(f"{prefix}/skipped_updates", 1.0)
+        elif grad_norm == 0.0:
+            self.add_global(f"{prefix}/zero_grad_updates", 1.0)
 
     def add_global(self, name: str, value: float) -> None:
         """A value that is already identical on every rank (grad norm, LR): averaged over updates, not ranks."""
@@ -70,7 +77,7 @@ class _Accumulator:
             value, weight = total[2 * i], total[2 * i + 1]
             if n in self.global_names:
                 value, weight = value / world, weight / world
-                out[n] = value if n.endswith("/skipped_updates") else value / max(weight, 1.0)
+                out[n] = value if n.endswith(COUNTED) else value / max(weight, 1.0)
             elif n in ("actor/pg_loss", "critic/vf_loss"):  # summed over ranks = each update's whole-batch loss;
                 # the mean over updates
                 out[n] = value / num_updates

@@ -451,3 +451,40 @@ def test_chunked_output_head_equals_the_whole_logits(tmp_path: Path) -> None:
     # One ulp of a norm weight near 1 (6e-8), as in the packing test above: on an Intel Xeon the two logit orders
     # left model.norm and one input_layernorm element 5.96e-8 apart (on an AMD EPYC they rounded alike).
     _same_numbers(chunked, whole, rel=1e-4, atol=6e-8)
+
+
+def _zero_grad_worker(model_dir: str, skip: bool) -> dict:
+    """A step with signal, then one whose every group scored alike (no advantage, so no gradient)."""
+    from rlbus.trainer.dist import destroy_distributed, init_distributed
+    from rlbus.trainer.engine import TrainEngine
+
+    torch.set_num_threads(1)
+    init_distributed("cpu")
+    cfg = TrainerConfig(micro_batch_size=8, mini_batches=2, lr=1e-2, skip_zero_grad_updates=skip)
+    engine = TrainEngine(model_dir, cfg, AlgorithmConfig(), temperature=1.0)
+    first = engine.train_step(make_batch(seed=0))
+    before = {k: v.clone() for k, v in engine.full_state_dict().items()}
+    uniform = make_batch(seed=1)
+    uniform["token_level_rewards"] = torch.zeros_like(uniform["token_level_rewards"])  # every sample scores 0
+    second = engine.train_step(uniform)
+    after = engine.full_state_dict()
+    out = {"first": first, "second": second, "moved": max((after[k] - before[k]).abs().max().item() for k in before),
+           "scheduler_steps": engine.scheduler.last_epoch}
+    destroy_distributed()
+    return out
+
+
+def test_an_update_with_no_gradient_moves_no_weight(tiny_model: Path) -> None:
+    """trainer.skip_zero_grad_updates: a mini-batch whose groups each scored alike has a gradient of exactly zero;
+    AdamW would still move every weight along its momentum (verl and TRL step anyway: `false`). Skipped, the
+    weights stay bit for bit, the LR schedule goes on, and the step counts the skipped updates."""
+    from rlbus.trainer.dist import spawn_local
+
+    skipped = spawn_local(1, _zero_grad_worker, str(tiny_model), True)[0]
+    stepped = spawn_local(1, _zero_grad_worker, str(tiny_model), False)[0]
+    for run in (skipped, stepped):
+        assert run["first"]["actor/grad_norm"] > 0 and "actor/zero_grad_updates" not in run["first"]
+        assert run["second"]["actor/grad_norm"] == 0.0 and run["second"]["actor/zero_grad_updates"] == 2.0
+        assert run["scheduler_steps"] == 4
+    assert skipped["moved"] == 0.0
+    assert stepped["moved"] > 1e-4  # momentum alone: of the order of the LR

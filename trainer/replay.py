@@ -76,7 +76,9 @@ def replay_config(run_dir: str | Path, overrides: list[str] = ()) -> RunConfig:
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise RecordError(run_dir, f"{path} not found (the trainer writes it at start)")
-    return load_config(path, ["trainer.num_ranks=1", "trainer.device=cpu", *overrides])
+    # A run recorded before trainer.skip_zero_grad_updates existed stepped AdamW on every update: replay it so.
+    older = [] if "skip_zero_grad_updates:" in path.read_text() else ["trainer.skip_zero_grad_updates=false"]
+    return load_config(path, ["trainer.num_ranks=1", "trainer.device=cpu", *older, *overrides])
 
 
 def _checkpoint_before(run_dir: Path, step: int) -> tuple[int, Path | None]:

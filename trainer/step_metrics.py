@@ -52,14 +52,14 @@ class _Accumulator:
         s[0] += value
         s[1] += weight
 
-    def add_update(self, prefix: str, grad_norm: float, lr: float) -> None:
-        """An optimizer update's grad norm and LR (`clipped_step`'s); counts those skipped (a NaN/inf norm) and those
-        with no gradient at all (every group of the mini-batch scored alike)."""
+    def add_update(self, prefix: str, grad_norm: float, lr: float, *, skips_zero: bool = False) -> None:
+        """An optimizer update's grad norm and LR (`clipped_step`'s); counts the updates skipped: for a NaN/inf norm,
+        and, where `skips_zero` (trainer.skip_zero_grad_updates), for a norm of exactly zero."""
         self.add_global(f"{prefix}/grad_norm", grad_norm)
         self.add_global(f"{prefix}/lr", lr)
         if not math.isfinite(grad_norm):
             self.add_global(f"{prefix}/skipped_updates", 1.0)
-        elif grad_norm == 0.0:
+        elif skips_zero and grad_norm == 0.0:
             self.add_global(f"{prefix}/zero_grad_updates", 1.0)
 
     def add_global(self, name: str, value: float) -> None:

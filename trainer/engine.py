@@ -402,9 +402,8 @@ class TrainEngine:
                 acc.add("critic/vf_loss", vf_loss, 1.0)
                 vh.step(self.optimizer, self.scheduler, acc, actor_waits=actor_waits)
             else:
-                skip_zero = self.cfg.skip_zero_grad_updates
                 acc.add_update("actor", *clipped_step(self.model, self.optimizer, self.scheduler, self.cfg.grad_clip,
-                                                      skip_zero=skip_zero), skips_zero=skip_zero)
+                                                      skip_zero=self.cfg.skip_zero_grad_updates))
             self.num_updates += 1
         self.optimizer.zero_grad(set_to_none=True)
         timing["timing/update_s"] = time.perf_counter() - t_update

@@ -48,7 +48,7 @@ def make_scheduler(
 
 def clipped_step(
     model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, max_norm: float, *, skip_zero: bool = True
-) -> tuple[float, float]:
+) -> tuple[float, float, bool]:
     """One optimizer update of an FSDP2 model: clip its gradients, step AdamW unless their norm is NaN/inf (such a
     gradient would poison the weights and Adam's moments: the update is skipped), step the LR schedule either way.
 
@@ -57,13 +57,14 @@ def clipped_step(
     to the LR per weight. Late in a run, when most groups score alike, such updates come several in a row and moved
     a near-deterministic policy away from what it had learned (docs/benchmarks.md, "updates with no gradient").
     The norm is global (identical on every rank), so every rank skips alike. Returns (the norm before clipping, the
-    LR the update used)."""
+    LR the update used, whether AdamW stepped)."""
     grad_norm = clip_grad_norm(model, max_norm)
     lr = float(optimizer.param_groups[0]["lr"])
-    if math.isfinite(grad_norm) and not (skip_zero and grad_norm == 0.0):
+    stepped = math.isfinite(grad_norm) and not (skip_zero and grad_norm == 0.0)
+    if stepped:
         optimizer.step()
     scheduler.step()
-    return grad_norm, lr
+    return grad_norm, lr, stepped
 
 
 def clip_grad_norm(model: nn.Module | list[nn.Parameter], max_norm: float) -> float:

@@ -52,14 +52,15 @@ class _Accumulator:
         s[0] += value
         s[1] += weight
 
-    def add_update(self, prefix: str, grad_norm: float, lr: float, *, skips_zero: bool = False) -> None:
-        """An optimizer update's grad norm and LR (`clipped_step`'s); counts the updates skipped: for a NaN/inf norm,
-        and, where `skips_zero` (trainer.skip_zero_grad_updates), for a norm of exactly zero."""
+    def add_update(self, prefix: str, grad_norm: float, lr: float, stepped: bool = True) -> None:
+        """An optimizer update's grad norm and LR, and whether it stepped (`clipped_step`'s three); counts the updates
+        skipped: for a NaN/inf norm (`skipped_updates`), and otherwise for a norm of exactly zero
+        (`zero_grad_updates`, trainer.skip_zero_grad_updates)."""
         self.add_global(f"{prefix}/grad_norm", grad_norm)
         self.add_global(f"{prefix}/lr", lr)
         if not math.isfinite(grad_norm):
             self.add_global(f"{prefix}/skipped_updates", 1.0)
-        elif skips_zero and grad_norm == 0.0:
+        elif not stepped:
             self.add_global(f"{prefix}/zero_grad_updates", 1.0)
 
     def add_global(self, name: str, value: float) -> None:

@@ -34,7 +34,7 @@ from typing import Literal
 
 import bcrypt
 
-from rlbus.bus.handover import PRODUCERS_KEY
+from rlbus.bus.streams import PRODUCERS_KEY
 from rlbus.schemas.errors import BusError
 from rlbus.schemas.subjects import Subjects, check_run_name
 

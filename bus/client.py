@@ -367,20 +367,59 @@ class Bus(Consuming):
             raise BusError(f"{type(event).__name__} is not an event type (see rlbus.schemas.wire.EVENT_SUBJECT_KIND)")
         return await self.publish(self.subjects.event(kind), event)
 
-    async def _dead_letter(self, msg: Msg, reason: str, consumer: str) -> None:
+    # -- settling deliveries (the Settler of bus/delivery.py) -------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        """How many times the connection was re-established: a delivery fetched at an earlier epoch may be unknown to
+        the server it is settled on (Settler)."""
+        return int(self.nc.stats["reconnects"])
+
+    async def dead_letter(self, msg: Msg, reason: str, consumer: str, epoch: int) -> bool:
+        """Publish the DeadLetter of a delivered message, then terminate it (`settle`'s outcome)."""
         letter = dead_letter_of(msg, reason, consumer=consumer)
         # Publish first: if that fails, the message is still unacked and comes back, rather than vanishing.
         await self.publish(self.subjects.dead_letter, letter)
-        await self._settle(msg, b"+TERM", consumer)
+        termed = await self.settle(msg, b"+TERM", consumer, epoch)
         log.warning("bus %s: dead-lettered %s seq %d: %s", self.name, msg.subject, letter.stream_seq, reason)
+        return termed
 
-    async def _settle(self, msg: Msg, payload: bytes, consumer: str) -> None:
-        # Sent as a request, JetStream answers once it applied the ack/nak/term (like ack_sync), so a caller that
-        # goes on to count pending messages, or exits, sees the effect.
-        # Retried through a failover: a delivery's ack / nak / term applies once, whoever leads its consumer.
-        verb = payload.split()[0].decode()
-        await self._retry(f"{verb} of {msg.subject} seq {msg.metadata.sequence.stream} ({consumer})",
-                          lambda: self.nc.request(msg.reply, payload, timeout=ACK_TIMEOUT_S))
+    async def settle(self, msg: Msg, payload: bytes, consumer: str, epoch: int) -> bool:
+        """Ack / nak / term a delivery (`payload`) and wait for JetStream to confirm it: True. False when the server
+        no longer knows the delivery, found in about a second: the message will be delivered again.
+
+        Sent as a request, JetStream answers once it applied the settle (like ack_sync), so a caller that goes on to
+        count pending messages, or exits, sees the effect; retried through a failover (a settle applies once,
+        whoever leads the consumer). But a nats-server SIGKILLed within milliseconds of a delivery restarts without
+        it (its consumer state reaches the store a moment later), and then answers no +ACK or +TERM of it at all
+        (nats-server consumer.go `processAckMsg`: an ack past the consumer's delivered pointer is dropped
+        unanswered), while it delivers the message again as new. Asking again cannot help until it has re-delivered
+        that message, so once the connection was re-established since the delivery (`epoch`), or an attempt got no
+        answer, the server is asked first how far its consumer delivered: a delivery past that is unknown to it,
+        and the settle stops there (a -NAK is then moot, a +ACK or +TERM left to that redelivery).
+        """
+        meta = msg.metadata
+        seq, verb = meta.sequence.stream, payload.split()[0].decode()
+        what = f"{verb} of {msg.subject} seq {seq} ({consumer})"
+        ask_first = epoch != self.epoch
+        unknown = False
+
+        async def attempt() -> Any:
+            nonlocal ask_first, unknown
+            if ask_first:
+                info = await self.js.consumer_info(meta.stream, meta.consumer)
+                if seq > int(info.delivered.stream_seq or 0):
+                    unknown = True
+                    return None
+            ask_first = True  # an attempt that fails (no answer, a dropped connection) may have met a restarted server
+            return await self.nc.request(msg.reply, payload, timeout=ACK_TIMEOUT_S)
+
+        await self._retry(what, attempt)
+        if unknown:
+            log.warning("bus %s: %s: the server no longer knows this delivery (a restart, or a new consumer leader, "
+                        "lost it) and delivers the message again; not settled", self.name, what)
+            return False
+        return True
 
     # -- KV and status -----------------------------------------------------------------------------------------------
 

@@ -104,25 +104,30 @@ class Consuming:
         self, sub: JetStreamContext.PullSubscription, durable: str, decoder: TypedDecoder, batch: int, timeout: float
     ) -> list[Delivery[Any]]:
         out: list[Delivery[Any]] = []
-        for m in await self._fetch_raw(sub, durable, batch, timeout):
+        msgs, epoch = await self._fetch_raw(sub, durable, batch, timeout)
+        for m in msgs:
             try:
                 data = decoder.decode(m.data)
             except SchemaError as e:
-                await self._dead_letter(m, str(e), durable)
+                await self.dead_letter(m, str(e), durable, epoch)
                 continue
-            out.append(Delivery(data, m, durable, self))
+            out.append(Delivery(data, m, durable, self, epoch))
         return out
 
     async def _fetch_raw(
         self, sub: JetStreamContext.PullSubscription, durable: str, batch: int, timeout: float
-    ) -> list[Msg]:
+    ) -> tuple[list[Msg], int]:
+        """(messages, the connection epoch they were delivered at or after: `Settler`)."""
+        # Messages the server sent on the connection of this epoch or a later one; those left in the inbox by an
+        # earlier fetch (sent as it timed out) may be older still, and are taken as from before any reconnect.
+        epoch = self.epoch if sub.pending_msgs == 0 else -1
         try:
             msgs = await sub.fetch(batch, timeout=timeout)
         except asyncio.TimeoutError:
             # Idle: nothing to deliver within `timeout`. nats-py raises its own TimeoutError (a subclass) or, from a
             # batched fetch whose first probe outlasts the timeout on a loaded machine, asyncio's.
             self._fetch_failing_since.pop(durable, None)
-            return []
+            return [], epoch
         except Exception as e:
             # No consumer leader (an election on a cluster) or a reconnect: nothing to deliver now; try again, for
             # as long as bus.retry_s allows.
@@ -137,9 +142,9 @@ class Consuming:
             if since == now:
                 log.warning("%s: %s; retrying", what, describe_error(e))
             await asyncio.sleep(min(timeout, FETCH_RETRY_WAIT_S))
-            return []
+            return [], epoch
         self._fetch_failing_since.pop(durable, None)
-        return msgs
+        return msgs, epoch
 
     async def watch(self, subject: str, typ: type[T] | Any, *, deliver: DeliverFrom = "new") -> AsyncIterator[T]:
         """Messages of `subject` in order through an ephemeral ordered consumer (nothing to ack)."""
@@ -226,9 +231,10 @@ class Consuming:
             durable=s.advisories_consumer, stream=s.advisories_stream))
         try:
             while True:
-                for m in await self._fetch_raw(sub, s.advisories_consumer, 8, 1.0):
+                msgs, epoch = await self._fetch_raw(sub, s.advisories_consumer, 8, 1.0)
+                for m in msgs:
                     letter = await self._move_exhausted(m, stream, subject, durable)
-                    await self._settle(m, b"+ACK", s.advisories_consumer)
+                    await self.settle(m, b"+ACK", s.advisories_consumer, epoch)
                     if letter is not None:
                         yield letter
         finally:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from rlbus.bus.streams import PRODUCERS_KEY, TRAINER_KEY
 from rlbus.schemas.errors import BusError
 from rlbus.schemas.wire import Unacked
 
@@ -38,10 +39,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rlbus.bus")
 
-#: KV keys of the shared lists: the trainer's, and each named producer's under `unacked.producer.<id>` (a producer's
-#: credential may write those keys and no other: bus/auth.py).
-TRAINER_KEY = "unacked.trainer"
-PRODUCERS_KEY = "unacked.producer"
+# The KV keys live in bus/streams.py (bus/auth.py needs them, and importing this module would import the client).
+__all__ = ["PRODUCERS_KEY", "TRAINER_KEY", "Handover", "producer_key"]
+
 #: What a KV key may hold (a producer id outside it keeps its list in the file only).
 _KEY_TOKEN = re.compile(r"[-_=a-zA-Z0-9]+")
 

@@ -10,7 +10,12 @@ from nats.js.api import AckPolicy, ConsumerConfig, KeyValueConfig, RetentionPoli
 from rlbus.schemas.config import DUPLICATE_WINDOW_S, BusConfig
 from rlbus.schemas.subjects import Subjects
 
-__all__ = ["DUPLICATE_WINDOW_S", "consumer_configs", "kv_config", "stream_configs"]
+__all__ = ["DUPLICATE_WINDOW_S", "PRODUCERS_KEY", "TRAINER_KEY", "consumer_configs", "kv_config", "stream_configs"]
+
+#: KV keys of the unacked lists a role keeps for its successor (bus/handover.py): the trainer's, and each named
+#: producer's under `unacked.producer.<id>` (a producer's credential may write those keys and no other: bus/auth.py).
+TRAINER_KEY = "unacked.trainer"
+PRODUCERS_KEY = "unacked.producer"
 
 
 def stream_configs(s: Subjects, cfg: BusConfig) -> list[StreamConfig]:

@@ -13,6 +13,7 @@ import re
 import msgspec
 
 from rlbus.schemas import config as C
+from rlbus.schemas import env as E
 
 _FIELD = re.compile(r"^    (\w+): [^=]+?(?: = (.+?))?\s*(?:#\s*(.*))?$")
 
@@ -21,6 +22,9 @@ SECTIONS = {
     "rollout": C.RolloutConfig, "rollout.engine (type: hf)": C.HFEngineConfig,
     "rollout.engine (type: vllm)": C.VLLMEngineConfig, "rollout.engine (type: simulated)": C.SimulatedEngineConfig,
     "rollout.openai": C.OpenAIAgentConfig,
+    "env (type: data)": E.DataEnvConfig, "env (type: reasoning_gym)": E.ReasoningGymEnvConfig,
+    "env.tasks[]": E.ReasoningGymTask, "env (type: verifiers)": E.VerifiersEnvConfig,
+    "env (type: gym)": E.GymEnvConfig,
     "algorithm": C.AlgorithmConfig, "trainer": C.TrainerConfig, "critic": C.CriticConfig, "feeder": C.FeederConfig,
     "eval": C.EvalConfig,
     "logging": C.LoggingConfig, "launcher": C.LauncherConfig, "guard": C.GuardConfig,

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from rlbus.common.model.ensure import ensure_model
 from rlbus.producers.agent_loops import AgentLoop, make_agent_loop
 from rlbus.producers.engines import RolloutEngine, make_engine
-from rlbus.producers.rewards import load_reward
+from rlbus.producers.rewards import env_reward
 from rlbus.producers.tools import Tool, load_tools
 from rlbus.schemas.config import RunConfig
 
@@ -32,13 +32,13 @@ class RolloutStack:
 
 
 def build_rollout(cfg: RunConfig, *, seed: int | None = None, instance: str = "") -> RolloutStack:
-    """Everything `cfg.model` and `cfg.rollout` describe, ready to roll out (the model is built first if the config
+    """Everything `cfg.model`, `cfg.env` and `cfg.rollout` describe, ready to roll out (the model is built first if the config
     asks for it). `seed` makes the agent loop's sampling reproducible (the dry run); None leaves it random.
     `instance` (the producer id) tells apart the random streams of engines built from one config."""
     model_path = ensure_model(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     tools = load_tools(cfg.rollout.tools)
     engine = make_engine(cfg, model_path=model_path, instance=instance)
-    agent_loop = make_agent_loop(cfg, engine, tokenizer, tools, load_reward(cfg.rollout), seed=seed)
+    agent_loop = make_agent_loop(cfg, engine, tokenizer, tools, env_reward(cfg), seed=seed)
     return RolloutStack(model_path=model_path, tokenizer=tokenizer, tools=tools, engine=engine,
                         agent_loop=agent_loop)

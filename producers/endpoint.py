@@ -7,7 +7,7 @@
         ...                                                        # conv.capture.trajectories() afterwards
     await endpoint.close()
 
-Routes: `POST /v1/chat/completions` (messages, tools, tool_choice, temperature, top_p, max_tokens /
+Routes: `POST /v1/chat/completions` (messages, tools, tool_choice, temperature, top_p, top_k, max_tokens /
 max_completion_tokens, n, seed, stop, stream, stream_options.include_usage, logprobs), `POST /v1/completions`
 (prompt as text or token ids; the same sampling fields, stop and stream), `GET /v1/models`. Every route needs
 `Authorization: Bearer <key>` of a rollout in flight (401 otherwise); a key dies with its rollout. It listens on
@@ -36,7 +36,8 @@ Requests the endpoint refuses get OpenAI's error JSON:
 
     401 invalid_api_key            no key, or a key of no rollout in flight
     404 model_not_found            a model name other than rollout.openai.model
-    400 (param named)              malformed messages, tools, tool_choice, stop, seed; temperature <= 0
+    400 (param named)              malformed messages, tools, tool_choice, stop, seed; temperature <= 0;
+                                   a temperature, top_p or top_k other than the run's rollout.* (_sampling says why)
     400 context_length_exceeded    a prompt over the model's context, or no room left in rollout.max_response_tokens
     500 engine_error               the engine failed (the rollout then fails with the engine's error)
 
@@ -234,8 +235,13 @@ class Endpoint:
             raise RequestError(400, "stop must be a non-empty string or a list of 1 to 4 of them", param="stop")
         return tuple(stops)
 
-    def _params(self, body: dict, prepared: Prepared, session: Session) -> Call:
-        n = _number(body, "n", 1, lo=1, hi=self.cfg.openai.max_n, integer=True)
+    def _sampling(self, body: dict) -> tuple[float, float, int]:
+        """A request's temperature, top_p and top_k (vLLM's extension, in the client's extra_body): the run's own.
+
+        A request may restate them but not change them. The trainer recomputes every sample's log-probs at
+        rollout.temperature (and the IS correction and mismatch metrics compare against them), so a sample drawn
+        at another temperature would be trained as if drawn at the run's: silently off-policy. Refused instead,
+        naming the parameter (one sampling distribution per run also keeps a GRPO group's samples comparable)."""
         temperature = _number(body, "temperature", self.cfg.temperature, lo=0.0)
         if temperature <= 0:
             raise RequestError(
@@ -247,6 +253,23 @@ class Endpoint:
         top_p = _number(body, "top_p", self.cfg.top_p, lo=0.0, hi=1.0)
         if top_p <= 0:
             raise RequestError(400, "top_p must be > 0", param="top_p")
+        top_k = _number(body, "top_k", self.cfg.top_k, lo=-1, integer=True)
+        top_k = 0 if top_k == -1 else top_k  # vLLM's "off" is -1, the run's is 0
+        for name, asked, run in (("temperature", temperature, self.cfg.temperature), ("top_p", top_p, self.cfg.top_p),
+                                 ("top_k", top_k, self.cfg.top_k)):
+            if abs(asked - run) > 1e-9 * max(1.0, abs(run)):
+                raise RequestError(
+                    400,
+                    f"{name}={asked:g} differs from this run's rollout.{name}={run:g}: the trainer recomputes every "
+                    f"sample's log-probs at the run's sampling parameters, so a sample drawn at another {name} "
+                    f"would be trained as if it had not been. Leave {name} out, or set rollout.{name} to it",
+                    param=name,
+                )
+        return float(temperature), float(top_p), int(top_k)
+
+    def _params(self, body: dict, prepared: Prepared, session: Session, *, prompt_param: str = "messages") -> Call:
+        n = _number(body, "n", 1, lo=1, hi=self.cfg.openai.max_n, integer=True)
+        temperature, top_p, top_k = self._sampling(body)
         seed = body.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise RequestError(400, "seed must be an integer", param="seed")
@@ -260,7 +283,7 @@ class Endpoint:
                 f" of them in this rollout's response) leaves no room: the model's context is "
                 f"{self.context_len} tokens, a rollout's response at most "
                 f"{self.cfg.max_response_tokens}",
-                param="messages",
+                param=prompt_param,
                 code="context_length_exceeded",
             )
         stops = self._stops(body)
@@ -277,9 +300,9 @@ class Endpoint:
         if not isinstance(options, dict):
             raise RequestError(400, "stream_options must be an object", param="stream_options")
         sampling = SamplingParams(
-            temperature=float(temperature),
-            top_p=float(top_p),
-            top_k=self.cfg.top_k,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
             max_new_tokens=min(int(max_tokens), room),
             stop_token_ids=tuple(sorted(stop_ids, key=lambda i: i != self.stop_token_id)),
             seed=seed,
@@ -542,7 +565,7 @@ class Endpoint:
         if not (isinstance(prompt, str) and prompt) and not ok_ids:
             raise RequestError(400, "prompt must be one non-empty text or list of token ids", param="prompt")
         prepared = session.capture.prepare_completion(prompt)
-        call = self._params(body, prepared, session)
+        call = self._params(body, prepared, session, prompt_param="prompt")
         call.logprobs = False  # /v1/completions' logprobs is a number (top-k), not offered here
         text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt, skip_special_tokens=False)
         if call.stream:

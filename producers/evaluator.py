@@ -7,7 +7,7 @@ and AReaL's eval rollouts do, without ever holding the trainer up.
 It follows the weights announcements like a producer, and evaluates version 0, every `eval.interval`-th version
 and the last one (`trainer.total_steps`): it loads that version from the weight store into its own rollout engine
 (the producers' engine and agent loop: the same chat template, tools and reward), rolls out the held-out prompts
-(common/data `load_heldout`: for synthetic data a different seed, no question of the training set) in one batched
+(common/envs `load_heldout_tasks`: the environment's held-out split, no question of the training set) in one batched
 agent loop, greedy by default (`eval.temperature: 0`) or `eval.n` samples each (pass@n), and publishes an
 `EvalCompleted` on `events.eval`. The trainer writes it into metrics.jsonl / TensorBoard as `eval/*`.
 
@@ -30,7 +30,8 @@ from rlbus.bus.client import Bus
 from rlbus.bus.loop import run, serve
 from rlbus.bus.ray_cluster import ensure_ray
 from rlbus.bus.weight_store import WeightStore
-from rlbus.common.data.datasets import example_to_task, load_heldout
+from rlbus.common.data.datasets import example_to_task
+from rlbus.common.envs import load_heldout_tasks
 from rlbus.common.logs import setup_logging
 from rlbus.common.threads import apply_torch_threads
 from rlbus.producers.agent_loops.base import Trajectory
@@ -109,7 +110,7 @@ class Evaluator:
         self.stack = build_rollout(eval_run_config(cfg), seed=cfg.trainer.seed)  # before Ray, as a producer's
         ensure_ray(cfg.ray)
         self.weight_store = WeightStore.connect(cfg.name, cfg.ray)
-        heldout = load_heldout(cfg.data, cfg.eval.num_prompts, self.stack.tokenizer)
+        heldout = load_heldout_tasks(cfg, cfg.eval.num_prompts, self.stack.tokenizer)
         self.tasks = [example_to_task(ex, task_id=f"eval-{ex.index}", n=cfg.eval.n) for ex in heldout]
         await self.bus.publish_event(RoleStarted(role="evaluator", role_id=EVALUATOR_ID, host=socket.gethostname(),
                                                  pid=os.getpid(), detail=f"{len(self.tasks)} held-out prompts"))

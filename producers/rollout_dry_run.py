@@ -23,7 +23,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from rlbus.common.data import DataError, example_to_task, load_dataset
+from rlbus.common.data import DataError, example_to_task
+from rlbus.common.envs import load_tasks
 from rlbus.producers.agent_loops import Trajectory
 from rlbus.producers.build import build_rollout
 from rlbus.schemas.config import RunConfig
@@ -101,7 +102,7 @@ async def run(cfg: RunConfig, *, num_prompts: int, seed: int, console: Console, 
     stack = build_rollout(cfg, seed=seed)
     model_path, tokenizer, tools, engine, loop = (stack.model_path, stack.tokenizer, stack.tools, stack.engine,
                                                   stack.agent_loop)
-    dataset = load_dataset(cfg.data, tokenizer=tokenizer)
+    dataset = load_tasks(cfg, tokenizer=tokenizer)
     indices = random.Random(seed).sample(range(len(dataset)), min(num_prompts, len(dataset)))
     # Text, not markup: paths and tool lists hold square brackets that rich would read as style tags.
     console.print(Text.assemble(("rlbus rollout", "bold"),

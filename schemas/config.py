@@ -17,6 +17,8 @@ from typing import Literal, Union
 
 import msgspec
 
+from rlbus.schemas.env import DataEnvConfig, EnvConfig
+from rlbus.schemas.sections import _need, _Section
 from rlbus.schemas.subjects import check_run_name
 
 #: Window in which JetStream drops a re-published message with the same Nats-Msg-Id (seconds).
@@ -25,16 +27,6 @@ DUPLICATE_WINDOW_S = 300.0
 REDACTED = "<redacted>"
 #: Dotted config keys whose values are secrets.
 SECRET_FIELDS = ("bus.token", "bus.password")
-
-
-def _need(ok: bool, field: str, reason: str) -> None:
-    # msgspec wraps a ValueError raised in __post_init__ and appends the struct's path; the loader joins them.
-    if not ok:
-        raise ValueError(f"{field}: {reason}")
-
-
-class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    pass
 
 
 class BusConfig(_Section):
@@ -229,6 +221,7 @@ class RolloutConfig(_Section):
     in_progress_interval_s: float = 10.0  # how often a producer tells JetStream it still works on a task
     max_inflight_tasks: int = 1  # prompt tasks a producer rolls out at once (the HF engine batches them together)
     tool_timeout_s: float = 30.0  # a tool call running longer answers "error: ... timed out" to the model
+    episode_timeout_s: float = 600.0  # a group's episodes (turns, environment steps, scoring) running longer fail the task
     torch_threads: int = 0  # torch CPU threads of each producer; 0 = auto (OMP_NUM_THREADS, else CPUs / processes)
     nice: int = 0  # CPU priority of each producer (nice, 0-19): > 0 lets a trainer on the same CPUs preempt it
     partial_rollout: bool = True  # restart just the samples the staleness bound no longer admits, not the group
@@ -247,6 +240,7 @@ class RolloutConfig(_Section):
         _need(self.in_progress_interval_s > 0, "in_progress_interval_s", "must be > 0")
         _need(self.max_inflight_tasks >= 1, "max_inflight_tasks", "must be >= 1")
         _need(self.tool_timeout_s > 0, "tool_timeout_s", "must be > 0")
+        _need(self.episode_timeout_s > 0, "episode_timeout_s", "must be > 0")
         _need(self.torch_threads >= 0, "torch_threads", "must be >= 0 (0 = auto)")
         _need(0 <= self.nice <= 19, "nice", "must be in [0, 19] (a role may lower its own priority, not raise it)")
         _need(self.agent_loop != "openai" or bool(self.openai.function or self.openai.command), "openai.function",
@@ -555,6 +549,7 @@ class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ray: RayConfig = msgspec.field(default_factory=RayConfig)
     model: ModelConfig
     data: DataConfig = msgspec.field(default_factory=DataConfig)
+    env: EnvConfig = msgspec.field(default_factory=DataEnvConfig)  # where tasks, episodes and scores come from
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)

@@ -35,7 +35,7 @@ from rlbus.bus.client import Bus
 from rlbus.bus.loop import raise_if_failed, run
 from rlbus.bus.ray_cluster import ensure_ray
 from rlbus.bus.weight_store import WeightStore
-from rlbus.common.data import load_dataset
+from rlbus.common.envs import load_tasks
 from rlbus.common.logs import setup_logging
 from rlbus.common.model.ensure import ensure_model
 from rlbus.common.threads import apply_torch_threads
@@ -116,7 +116,7 @@ class TrainerService:
             self.guard.load_state_dict(extra["guard"])
         self.recorder = Recorder(run_dir, cfg.logging.record, resume_step=self.step)
         await self.recorder.start(self.bus)
-        dataset = load_dataset(cfg.data, self.worker.tokenizer)  # drops prompts over data.max_prompt_tokens
+        dataset = load_tasks(cfg, self.worker.tokenizer)  # drops prompts over data.max_prompt_tokens
         # Admission and the batcher use the staleness bound in force for the next step (the guard may lower it).
         bound = lambda: self.guard.effective_max_staleness(self.step + 1)  # noqa: E731
         self.feeder = Feeder(cfg, dataset, self.bus, lambda: self.version,

@@ -204,7 +204,7 @@ def load_heldout(cfg: DataConfig, num_examples: int, tokenizer: Any = None) -> P
     held_cfg = msgspec.structs.replace(cfg, seed=cfg.seed + HELDOUT_SEED_OFFSET, num_examples=num_examples)
     examples = _synthetic(held_cfg, exclude=frozenset(train))
     if tokenizer is not None:
-        examples = _drop_long(examples, cfg.max_prompt_tokens, tokenizer, "held-out")
+        examples = drop_long(examples, cfg.max_prompt_tokens, tokenizer, "held-out")
     for i, ex in enumerate(examples):
         ex.index = i
     return PromptDataset(examples, f"synthetic held-out(seed={held_cfg.seed}, n={len(examples)})")
@@ -223,13 +223,13 @@ def load_dataset(cfg: DataConfig, tokenizer: Any = None) -> PromptDataset:
         if not examples:
             raise DataError(str(path), None, "holds no rows")
     if tokenizer is not None:
-        examples = _drop_long(examples, cfg.max_prompt_tokens, tokenizer, name)
+        examples = drop_long(examples, cfg.max_prompt_tokens, tokenizer, name)
     for i, ex in enumerate(examples):
         ex.index = i
     return PromptDataset(examples, name)
 
 
-def _drop_long(examples: list[Example], max_tokens: int, tokenizer: Any, name: str) -> list[Example]:
+def drop_long(examples: list[Example], max_tokens: int, tokenizer: Any, name: str) -> list[Example]:
     kept = [ex for ex in examples if len(prompt_token_ids(tokenizer, ex.prompt)) <= max_tokens]
     if len(kept) < len(examples):
         log.warning("%s: skipped %d of %d prompts longer than data.max_prompt_tokens=%d",

@@ -32,7 +32,8 @@ from rlbus.producers.engines.base import Generation, RolloutEngine, SamplingPara
 from rlbus.producers.rewards.registry import RewardFn
 from rlbus.producers.tools.registry import Tool
 from rlbus.schemas import staleness
-from rlbus.schemas.config import RolloutConfig, RunConfig, TrainerConfig
+from rlbus.schemas.config import RolloutConfig, TrainerConfig
+from rlbus.schemas.errors import RlbusError
 from rlbus.schemas.staleness import NO_VERSION, generated_span
 from rlbus.schemas.wire import ChatMessage, PromptTask, SampleMeta
 
@@ -67,6 +68,7 @@ class Trajectory:
     reward_time_s: float = 0.0
     restarts: int = 0  # times the sample was begun again because its tokens grew too stale (partial rollout)
     num_prompt_messages: int = -1  # messages of the prompt (restart() keeps them); -1 = all of `messages`
+    env_return: float = 0.0  # rewards an environment paid along the episode (gym: the sum of step rewards)
 
     def __post_init__(self) -> None:
         if self.num_prompt_messages < 0:
@@ -88,6 +90,7 @@ class Trajectory:
         self.response_ids, self.response_mask, self.log_probs, self.versions = [], [], [], []
         self.messages = self.messages[:self.num_prompt_messages]
         self.num_tool_calls = self.num_turns = 0
+        self.env_return = 0.0
         self.finish_reason = None
         self.restarts += 1
         return dropped
@@ -136,6 +139,14 @@ class Trajectory:
             tool_time_s=self.tool_time_s,
             reward_time_s=self.reward_time_s,
         )
+
+
+class EpisodeTimeout(RlbusError):
+    """A group's episodes ran past rollout.episode_timeout_s: the task fails (given back, or dead-lettered)."""
+
+
+class ChatTemplateError(RlbusError):
+    """The tokenizer's chat template cannot be extended turn by turn (rendering is not prefix-stable)."""
 
 
 class StalenessWatch:
@@ -218,8 +229,12 @@ class AgentLoop(abc.ABC):
         """Release what the loop holds besides the engine (the openai loop's endpoint)."""
 
     async def rollout_group(self, task: PromptTask, n: int) -> list[Trajectory]:
-        """Roll out `task` n times together and score every trajectory."""
-        return (await self.rollout_many([task], n))[0]
+        """Roll out `task` n times together and score every trajectory, within rollout.episode_timeout_s."""
+        try:
+            return (await asyncio.wait_for(self.rollout_many([task], n), self.cfg.episode_timeout_s))[0]
+        except asyncio.TimeoutError:
+            raise EpisodeTimeout(f"the episodes did not end within rollout.episode_timeout_s="
+                                 f"{self.cfg.episode_timeout_s:g}s (a hung environment, tool or reward?)") from None
 
     async def rollout_many(self, tasks: list[PromptTask], n: int) -> list[list[Trajectory]]:
         """A group for each task (the evaluator's held-out set, a producer's task): every turn is one engine call
@@ -367,6 +382,23 @@ class AgentLoop(abc.ABC):
             traj.finish_reason = "length"
         return text
 
+    def inserted_ids(self, messages: list[ChatMessage], new: list[ChatMessage]) -> list[int]:
+        """Token ids the template puts between the model's closing eos and the next assistant turn's content, when
+        the environment answers with `new` (tool responses, an observation): what gets inserted with mask 0."""
+        before = self.render(messages, add_generation_prompt=False)
+        after = self.render(messages + new, add_generation_prompt=True)
+        if not after.startswith(before):
+            raise ChatTemplateError(
+                f"the chat template renders earlier turns differently once a {new[0].role} message follows; "
+                "multi-turn rollouts need a prefix-stable template"
+            )
+        eos = self.tokenizer.eos_token
+        end = before.rfind(eos)
+        if end < 0:
+            raise ChatTemplateError(f"the chat template does not end assistant turns with eos {eos!r}")
+        # What the template writes after the eos the model generated (ChatML: "\n") is inserted too.
+        return self.encode(before[end + len(eos):] + after[len(before):])
+
     async def score(self, task: PromptTask, trajs: list[Trajectory]) -> None:
         """Reward every trajectory (concurrently: a reward may be an async call to a verifier)."""
 
@@ -376,19 +408,3 @@ class AgentLoop(abc.ABC):
             traj.reward_time_s = time.perf_counter() - t0
 
         await asyncio.gather(*(one(t) for t in trajs))
-
-
-def make_agent_loop(cfg: RunConfig, engine: RolloutEngine, tokenizer: Any, tools: Mapping[str, Tool],
-                    reward_fn: RewardFn, *, seed: int | None = None) -> AgentLoop:
-    """The agent loop `rollout.agent_loop` names."""
-    if cfg.rollout.agent_loop == "openai":
-        from rlbus.producers.agent_loops.openai_agent import OpenAIAgentLoop
-
-        return OpenAIAgentLoop(cfg.rollout, engine, tokenizer, tools, reward_fn, seed=seed)
-    if cfg.rollout.agent_loop == "single_turn":
-        from rlbus.producers.agent_loops.single_turn import SingleTurnAgentLoop
-
-        return SingleTurnAgentLoop(cfg.rollout, engine, tokenizer, tools, reward_fn, seed=seed)
-    from rlbus.producers.agent_loops.tool import ToolAgentLoop
-
-    return ToolAgentLoop(cfg.rollout, engine, tokenizer, tools, reward_fn, seed=seed)

@@ -48,7 +48,8 @@ from rlbus.producers.agent_loops.base import AgentLoop, Trajectory
 from rlbus.producers.endpoint import Endpoint, model_context
 from rlbus.producers.engines.base import RolloutEngine
 from rlbus.producers.rewards.registry import RewardFn
-from rlbus.producers.tools.registry import Tool, import_object
+from rlbus.common.imports import import_object
+from rlbus.producers.tools.registry import Tool
 from rlbus.schemas.config import RolloutConfig
 from rlbus.schemas.errors import ConfigError, RlbusError
 from rlbus.schemas.wire import PromptTask
@@ -125,9 +126,15 @@ class OpenAIAgentLoop(AgentLoop):
         reward_fn: RewardFn,
         *,
         seed: int | None = None,
+        agent: AgentFn | None = None,
+        agent_name: str = "",
     ):
+        """`agent` (named `agent_name`) is an environment's own agent function (producers/agents/verifiers.py);
+        without one, the agent is what rollout.openai names."""
         super().__init__(cfg, engine, tokenizer, tools, reward_fn, seed=seed)
-        if cfg.openai.command:
+        if agent is not None:
+            self.agent, self.agent_name = agent, agent_name or getattr(agent, "__qualname__", "agent")
+        elif cfg.openai.command:
             self.agent = command_agent(list(cfg.openai.command), cfg.openai.model)
             self.agent_name = " ".join(cfg.openai.command)
         else:

@@ -19,14 +19,9 @@ import asyncio
 import time
 
 from rlbus.common.chat import ANSWER_START
-from rlbus.producers.agent_loops.base import AgentLoop, Trajectory
+from rlbus.producers.agent_loops.base import AgentLoop, ChatTemplateError, Trajectory
 from rlbus.producers.agent_loops.tool_parser import ToolCall, parse_tool_calls
-from rlbus.schemas.errors import RlbusError
 from rlbus.schemas.wire import ChatMessage
-
-
-class ChatTemplateError(RlbusError):
-    """The tokenizer's chat template cannot be extended turn by turn (rendering is not prefix-stable)."""
 
 
 __all__ = ["ChatTemplateError", "ToolAgentLoop", "ToolCall", "parse_tool_calls"]
@@ -55,7 +50,7 @@ class ToolAgentLoop(AgentLoop):
         traj.tool_time_s += time.perf_counter() - t0
         traj.num_tool_calls += len(calls)
         tool_msgs = [ChatMessage(role="tool", content=self._truncate(r)) for r in results]
-        inserted = self._inserted_ids(traj.messages, tool_msgs)
+        inserted = self.inserted_ids(traj.messages, tool_msgs)
         if len(traj.response_ids) + len(inserted) >= self.cfg.max_response_tokens:
             traj.finish_reason = "length"  # no room left for even one more generated token
             return
@@ -88,19 +83,3 @@ class ToolAgentLoop(AgentLoop):
                 return cut
             k -= 1
         return text if len(ids) <= cap else ""
-
-    def _inserted_ids(self, messages: list[ChatMessage], tool_msgs: list[ChatMessage]) -> list[int]:
-        """Token ids the template puts between the model's closing eos and the next assistant turn's content."""
-        before = self.render(messages, add_generation_prompt=False)
-        after = self.render(messages + tool_msgs, add_generation_prompt=True)
-        if not after.startswith(before):
-            raise ChatTemplateError(
-                "the chat template renders earlier turns differently once a tool message follows; "
-                "multi-turn rollouts need a prefix-stable template"
-            )
-        eos = self.tokenizer.eos_token
-        end = before.rfind(eos)
-        if end < 0:
-            raise ChatTemplateError(f"the chat template does not end assistant turns with eos {eos!r}")
-        # What the template writes after the eos the model generated (ChatML: "\n") is inserted too.
-        return self.encode(before[end + len(eos):] + after[len(before):])

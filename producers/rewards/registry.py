@@ -1,7 +1,8 @@
 """Reward functions by name ("math") or import path ("pkg.module:fn"), normalised to one async signature.
 
 A reward function is `fn(response_text: str, ground_truth: str, *, task: PromptTask) -> float`, sync or async.
-`load_reward(cfg.rollout)` returns an async callable of that signature; sync functions run inline (rewards are
+`load_reward(cfg.rollout)` returns an async callable of that signature (`env_reward(cfg)`: the environment's own
+scorer where it has one); sync functions run inline (rewards are
 expected to be cheap; a slow one should be written async).
 
     .venv/bin/python -m pytest -q tests/unit/test_rewards.py
@@ -14,8 +15,9 @@ import math
 from typing import Any, Callable, Protocol
 
 from rlbus.producers.rewards.math import compute_score
-from rlbus.producers.tools.registry import import_object
-from rlbus.schemas.config import RolloutConfig
+from rlbus.common.imports import import_object
+from rlbus.schemas.config import RolloutConfig, RunConfig
+from rlbus.schemas.env import ReasoningGymEnvConfig
 from rlbus.schemas.errors import ConfigError, RlbusError
 from rlbus.schemas.wire import PromptTask
 
@@ -44,10 +46,8 @@ def _resolve(cfg: RolloutConfig) -> Callable[..., Any]:
     return fn
 
 
-def load_reward(cfg: RolloutConfig) -> RewardFn:
-    """The run's reward as an async callable; its result is checked to be a finite float."""
-    fn = _resolve(cfg)
-    name = cfg.reward
+def checked(fn: Callable[..., Any], name: str) -> RewardFn:
+    """`fn` as an async reward whose result is checked to be a finite float (RewardError names `name` otherwise)."""
 
     async def reward(response_text: str, ground_truth: str, *, task: PromptTask) -> float:
         value: Any = fn(response_text, ground_truth, task=task)
@@ -61,4 +61,20 @@ def load_reward(cfg: RolloutConfig) -> RewardFn:
     return reward
 
 
-__all__ = ["RewardError", "RewardFn", "load_reward"]
+def load_reward(cfg: RolloutConfig) -> RewardFn:
+    """The run's reward as an async callable; its result is checked to be a finite float."""
+    return checked(_resolve(cfg), cfg.reward)
+
+
+def env_reward(cfg: RunConfig) -> RewardFn:
+    """The reward of the run's environment: a reasoning-gym task's own scorer, else rollout.reward (a gym or
+    verifiers environment scores its episodes itself; this one then scores only what the environment leaves
+    unscored)."""
+    if isinstance(cfg.env, ReasoningGymEnvConfig):
+        from rlbus.common.envs.reasoning_gym import ReasoningGymScorer
+
+        return checked(ReasoningGymScorer(cfg.env, cfg.rollout.format_reward), "reasoning_gym")
+    return load_reward(cfg.rollout)
+
+
+__all__ = ["RewardError", "RewardFn", "checked", "env_reward", "load_reward"]

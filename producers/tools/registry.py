@@ -9,10 +9,10 @@ name -> Tool mapping the agent loop dispatches `<tool_call>` names to. A user to
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any, Callable, Protocol, runtime_checkable
 
+from rlbus.common.imports import import_object
 from rlbus.producers.tools.calculator import CALCULATOR
 from rlbus.schemas.errors import ConfigError
 
@@ -29,21 +29,7 @@ class Tool(Protocol):
 
 BUILTIN_TOOLS: dict[str, Callable[[], Tool]] = {"calculator": lambda: CALCULATOR}
 
-
-def import_object(path: str, field: str) -> Any:
-    """Resolve "pkg.module:attr" (attr may be dotted), raising ConfigError(field, ...) saying what failed."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(field, f"{path!r} is neither a built-in name nor an import path 'pkg.module:attr'")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(field, f"cannot import module {module_name!r} for {path!r}: {e}") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(field, f"{path!r}: {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    return obj
+__all__ = ["BUILTIN_TOOLS", "Tool", "import_object", "load_tool", "load_tools"]
 
 
 def load_tool(spec: str) -> Tool:

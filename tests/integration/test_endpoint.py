@@ -11,6 +11,7 @@ tokens; a bad request gets the error the client raises for it; a key works only 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -68,17 +69,32 @@ def run_config(model_dir, function: str = AGENT, **rollout):
     )
 
 
-@pytest.fixture(scope="module")
-async def stack(model_dir):
+@contextlib.asynccontextmanager
+async def started(model_dir, **rollout):
     """(config, engine, agent loop) with the endpoint started; the engine's sampling is seeded."""
-    cfg = run_config(model_dir)
+    cfg = run_config(model_dir, **rollout)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     engine = HFEngine(str(model_dir), HFEngineConfig(), seed=0)
     loop = make_agent_loop(cfg, engine, tokenizer, {}, load_reward(cfg.rollout))
     await loop._ensure_started()
-    yield cfg, engine, loop
-    await loop.close()
-    await engine.close()
+    try:
+        yield cfg, engine, loop
+    finally:
+        await loop.close()
+        await engine.close()
+
+
+@pytest.fixture(scope="module")
+async def stack(model_dir):
+    async with started(model_dir) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+async def hot_stack(model_dir):
+    """A run sampling at temperature 3: the model rarely picks its eos, so replies run long."""
+    async with started(model_dir, temperature=3.0) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -146,21 +162,21 @@ async def test_tool_calling_conversations_are_captured_token_exact(model_dir, st
     )
 
 
-async def test_n_temperature_and_logprobs_of_one_call(stack, policy):
-    _, _, loop = stack
-    endpoint = loop.endpoint
-    with endpoint.conversation() as session:
-        async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=session.key, max_retries=0) as client:
-            out = await client.chat.completions.create(
-                model="policy",
-                messages=prompt_messages("What is 12*31?"),
-                tools=[CALCULATOR_TOOL],
-                n=3,
-                temperature=0.7,
-                logprobs=True,
-                max_tokens=12,
-            )
-            models = await client.models.list()
+async def test_n_temperature_and_logprobs_of_one_call(model_dir, policy):
+    async with started(model_dir, temperature=0.7) as (_, _, loop):
+        endpoint = loop.endpoint
+        with endpoint.conversation() as session:
+            async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=session.key, max_retries=0) as client:
+                out = await client.chat.completions.create(
+                    model="policy",
+                    messages=prompt_messages("What is 12*31?"),
+                    tools=[CALCULATOR_TOOL],
+                    n=3,
+                    temperature=0.7,  # the run's own: a request may restate it
+                    logprobs=True,
+                    max_tokens=12,
+                )
+                models = await client.models.list()
     assert [m.id for m in models.data] == ["policy"]
     assert len(out.choices) == 3 and out.usage.completion_tokens <= 36
     trajs = session.capture.trajectories()
@@ -412,17 +428,16 @@ async def test_a_streamed_completion(stack):
 
 
 async def _long_story(client):
-    """A streamed call whose reply runs long (temperature 3: the model rarely picks its eos)."""
+    """A streamed call whose reply runs long (on hot_stack, at temperature 3: the model rarely picks its eos)."""
     return await client.chat.completions.create(
-        model="policy", messages=prompt_messages("Tell me a long story."), max_tokens=100, temperature=3.0, seed=4,
-        stream=True,
+        model="policy", messages=prompt_messages("Tell me a long story."), max_tokens=100, seed=4, stream=True,
     )
 
 
-async def test_a_stream_sends_text_while_the_reply_is_sampled(stack):
+async def test_a_stream_sends_text_while_the_reply_is_sampled(hot_stack):
     """The first content delta reaches the client before the call is over (its capture is recorded when the engine
     returns), and later deltas keep coming: the reply is streamed, not sampled whole and then sent."""
-    _, _, loop = stack
+    _, _, loop = hot_stack
     endpoint = loop.endpoint
     with endpoint.conversation() as session:
         async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=session.key, max_retries=0) as client:
@@ -453,7 +468,7 @@ class FailsMidway(HFEngine):
 
 async def test_a_failure_after_the_first_delta_ends_the_stream_with_an_error(model_dir):
     """The client raises OpenAI's APIError from the error event; the rollout carries the engine's error."""
-    cfg = run_config(model_dir)
+    cfg = run_config(model_dir, temperature=3.0)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     engine = FailsMidway(str(model_dir), HFEngineConfig(), seed=0)
     endpoint = Endpoint(engine, tokenizer, cfg.rollout)
@@ -476,10 +491,10 @@ async def test_a_failure_after_the_first_delta_ends_the_stream_with_an_error(mod
         await engine.close()
 
 
-async def test_a_client_that_hangs_up_cancels_its_call(stack):
+async def test_a_client_that_hangs_up_cancels_its_call(hot_stack):
     """A stream closed after its first delta: the call is cancelled (nothing of it captured), the endpoint answers
     the next call."""
-    _, _, loop = stack
+    _, _, loop = hot_stack
     endpoint = loop.endpoint
     with endpoint.conversation() as session:
         async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=session.key, max_retries=0) as client:
@@ -609,3 +624,39 @@ def test_an_agent_process_dies_with_its_producer(tmp_path, monkeypatch):
             break
         assert time.monotonic() < deadline, f"agent {agent} outlived its producer"
         time.sleep(0.1)
+
+
+@pytest.mark.parametrize(
+    "asked, param",
+    [({"temperature": 0.5}, "temperature"), ({"top_p": 0.9}, "top_p"), ({"extra_body": {"top_k": 20}}, "top_k")],
+)
+async def test_sampling_parameters_other_than_the_runs_are_refused(stack, asked, param):
+    """The trainer recomputes every sample at rollout.temperature / top_p / top_k: a request asking for other values
+    is refused with OpenAI's error naming the parameter, and nothing is sampled or captured; restating the run's
+    own values is fine, on both routes."""
+    cfg, _, loop = stack
+    endpoint = loop.endpoint
+    with endpoint.conversation() as session:
+        async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=session.key, max_retries=0) as client:
+            with pytest.raises(openai.BadRequestError) as e:
+                await client.chat.completions.create(model="policy", messages=prompt_messages("1+1?"), max_tokens=4,
+                                                     **asked)
+            assert e.value.param == param and f"rollout.{param}" in str(e.value)
+            with pytest.raises(openai.BadRequestError) as e:
+                await client.completions.create(model="policy", prompt="<|im_start|>user\n1+1?", max_tokens=4, **asked)
+            assert e.value.param == param
+            assert session.capture.num_calls == 0
+            same = {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
+                    "extra_body": {"top_k": cfg.rollout.top_k}}
+            await client.chat.completions.create(model="policy", messages=prompt_messages("1+1?"), max_tokens=4, **same)
+            assert session.capture.num_calls == 1
+
+
+async def test_an_over_long_completion_prompt_names_the_prompt(stack):
+    _, _, loop = stack
+    endpoint = loop.endpoint
+    with endpoint.conversation() as session:
+        async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=session.key, max_retries=0) as client:
+            with pytest.raises(openai.BadRequestError) as e:
+                await client.completions.create(model="policy", prompt="7+" * 3000, max_tokens=4)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "prompt"

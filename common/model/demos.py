@@ -16,7 +16,8 @@ import json
 import random
 from typing import Literal
 
-from rlbus.common.model.tokenizer import ANSWER_END, ANSWER_START, TOOL_CALL_END, TOOL_CALL_START, render_chat
+from rlbus.common.chat import ANSWER_END, ANSWER_START, TOOL_CALL_END, TOOL_CALL_START
+from rlbus.common.model.chatml import render_chat
 
 QUICKSTART_SYSTEM_PROMPT = "Solve the arithmetic problem. You may call the calculator tool."
 

@@ -19,7 +19,7 @@ Built and saved by `rlbus init-model OUT_DIR` (common/model/init_model.py); load
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -32,10 +32,15 @@ from rlbus.common.chat import (
     TOOL_RESPONSE_END,
     TOOL_RESPONSE_START,
 )
-
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"  # end of every turn; also the eos token (an assistant turn stops on it)
-ENDOFTEXT = "<|endoftext|>"  # padding
+from rlbus.common.model.chatml import (  # noqa: F401 - the chat format, re-exported with the tokenizer it belongs to
+    CHAT_TEMPLATE,
+    ENDOFTEXT,
+    IM_END,
+    IM_START,
+    generation_prompt,
+    render_chat,
+    render_message,
+)
 
 #: Control tokens (never produced by BPE merges): ids 0.. in this order.
 CONTROL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
@@ -51,40 +56,8 @@ QWEN2_PRETOKENIZE_REGEX = (
 #: Upper bound of the vocabulary (256 byte symbols + 9 special tokens + BPE merges).
 VOCAB_SIZE = 448
 
-#: The chat template (Jinja), ChatML as in Qwen; a tool result is a user turn wrapped in <tool_response> tags.
-#: `render_chat` below is the same thing in Python; tests check that they agree.
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'tool' -%}"
-    "{{- '<|im_start|>user\\n<tool_response>' + (message['content'] or '') + '</tool_response><|im_end|>\\n' -}}"
-    "{%- else -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
-
-
-def render_message(role: str, content: str) -> str:
-    """One turn in the chat format (a "tool" message becomes a user turn holding a <tool_response>)."""
-    if role == "tool":
-        return f"{IM_START}user\n{TOOL_RESPONSE_START}{content}{TOOL_RESPONSE_END}{IM_END}\n"
-    return f"{IM_START}{role}\n{content}{IM_END}\n"
-
-
-def generation_prompt() -> str:
-    """What opens an assistant turn for the model to complete."""
-    return f"{IM_START}assistant\n"
-
-
-def render_chat(messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = False) -> str:
-    """The chat template in plain Python (for building corpora without a tokenizer)."""
-    text = "".join(render_message(m["role"], m.get("content") or "") for m in messages)
-    return text + (generation_prompt() if add_generation_prompt else "")
-
-
 def _default_corpus() -> list[str]:
-    from rlbus.common.model.demos import demonstration_corpus  # lazy: demos imports this module
+    from rlbus.common.model.demos import demonstration_corpus  # lazy: building demonstrations is work
 
     return demonstration_corpus(num_examples=512, seed=0)
 

@@ -24,7 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from rlbus.common.data import DataError, example_to_task
-from rlbus.common.envs import load_tasks
+from rlbus.common.envs import env_type, load_tasks
 from rlbus.producers.agent_loops import Trajectory
 from rlbus.producers.build import build_rollout
 from rlbus.schemas.config import RunConfig
@@ -106,9 +106,10 @@ async def run(cfg: RunConfig, *, num_prompts: int, seed: int, console: Console, 
     indices = random.Random(seed).sample(range(len(dataset)), min(num_prompts, len(dataset)))
     # Text, not markup: paths and tool lists hold square brackets that rich would read as style tags.
     console.print(Text.assemble(("rlbus rollout", "bold"),
-                                f": model {model_path}, data {dataset.name} ({len(dataset)} prompts), "
-                                f"agent loop {cfg.rollout.agent_loop}, tools {sorted(tools)}, "
-                                f"reward {cfg.rollout.reward}, n={cfg.rollout.n}"))
+                                f": model {model_path}, env {env_type(cfg)}, tasks {dataset.name} ({len(dataset)}), "
+                                f"agent loop {type(loop).__name__}, tools {sorted(tools)}, "
+                                f"reward {cfg.rollout.reward if env_type(cfg) == 'data' else env_type(cfg)}, "
+                                f"n={cfg.rollout.n}"))
     results = []
     started = time.perf_counter()
     try:

@@ -23,7 +23,7 @@ from rlbus.schemas.sections import _need, _Section
 
 #: reasoning_gym's default instruction: the answer on a line of its own, after "Answer:" (a format a small chat
 #: model already writes now and then, so the format reward has something to reinforce from the first step).
-ANSWER_INSTRUCTION = "Think briefly, then give your final answer on the last line as: Answer: <answer>"
+ANSWER_INSTRUCTION = "End your reply with the line: Answer: <answer>"
 
 
 class DataEnvConfig(_Section, tag="data", tag_field="type"):

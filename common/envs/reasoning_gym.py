@@ -12,9 +12,10 @@ from `env.seed` and the task's position; the examples are interleaved. A release
 deterministic and cheap) and scores the response with the data set that made it, so nothing but names and numbers
 crosses the bus, and a producer whose reasoning-gym generates something else says so instead of scoring nonsense.
 
-The answer is read from the response as `env.answer_format` says (the text after the last "Answer:", or the last
-<answer>...</answer>); `rollout.format_reward` is added to the score when it is found there. With `env.lenient`, a
-response with no answer in that format is scored on its last line, with no format reward.
+The answer is read from the response (its chat control tokens, such as the closing <|im_end|>, removed) as
+`env.answer_format` says (the text after the last "Answer:", or the last <answer>...</answer>);
+`rollout.format_reward` is added to the score when it is found there. With `env.lenient`, a response with no
+answer in that format is scored on its last line from its last "=" or ":" on, with no format reward.
 
 reasoning-gym needs `pycosat` (a C extension, no binary wheel) for one generator, zebra_puzzles, and imports it
 with every task. Where it is missing (rlbus installs reasoning-gym without a compiler), the import goes on without
@@ -43,6 +44,8 @@ from rlbus.schemas.wire import ChatMessage, PromptTask
 HELDOUT_SEED_OFFSET = 1000
 _ANSWER_LINE = re.compile(r"answer\s*:", re.IGNORECASE)
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+#: A chat template's control tokens as text (<|im_end|>, <|endoftext|>, ...): the response is decoded keeping them.
+_CONTROL = re.compile(r"<\|[^|<>]{1,40}\|>")
 
 
 class TaskMismatch(RlbusError):
@@ -172,8 +175,11 @@ def _clean(answer: str) -> str:
 
 
 def last_line(text: str) -> str:
+    """The lenient reading: the response's last line, from its last "=" or ":" on ("5 + 8 = 13", "The answer is: 13")."""
     lines = [line for line in text.strip().splitlines() if line.strip()]
-    return _clean(lines[-1]) if lines else ""
+    if not lines:
+        return ""
+    return _clean(re.split(r"[=:]", lines[-1])[-1])
 
 
 class ReasoningGymScorer:
@@ -204,6 +210,7 @@ class ReasoningGymScorer:
 
     def __call__(self, response_text: str, ground_truth: str, *, task: PromptTask) -> float:
         ds, entry = self.entry(task)
+        response_text = _CONTROL.sub("", response_text)
         answer = extract_answer(response_text, self.cfg.answer_format)
         bonus = self.format_reward if answer is not None else 0.0
         if answer is None and self.cfg.lenient:

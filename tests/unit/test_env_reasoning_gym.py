@@ -101,3 +101,15 @@ def test_bad_task_settings_are_config_errors_naming_the_key(tasks, field):
 def test_without_pycosat_only_the_task_that_needs_it_fails():
     with pytest.raises(ImportError, match="zebra_puzzles needs pycosat"):
         load_tasks(_cfg([{"name": "zebra_puzzles"}]))
+
+
+async def test_the_lenient_reading_of_what_a_small_chat_model_writes():
+    cfg = _cfg([{"name": "basic_arithmetic", "config": {"max_terms": 2, "max_digits": 1}}])
+    ex = load_tasks(cfg)[0]
+    task, truth = example_to_task(ex, task_id="t0", n=1), ex.ground_truth
+    reward = env_reward(cfg)
+    question = ex.prompt[-1].content.split("\n")[0].removeprefix("Calculate ").rstrip(".")
+    # As decoded: the closing control token kept. A right result after "=" or ":" on the last line counts.
+    assert await reward(f"{question} = {truth}<|im_end|>", truth, task=task) == 1.0
+    assert await reward(f"Sure.\nThe answer is: {truth}<|im_end|>", truth, task=task) == 1.0
+    assert await reward(f"Answer: {truth}<|im_end|>", truth, task=task) == pytest.approx(1.1)

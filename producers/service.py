@@ -74,6 +74,14 @@ def default_producer_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
+def task_error_message(task_id: str, error: BaseException) -> str:
+    """An ErrorRaised message for a failed task: `task <id>: <error>`, the id once. Errors raised for a task often
+    name it already (an agent loop's AgentFailed: "task <id>: the agent ... raised ..."); errors.jsonl read
+    "task X: task X: ..." before."""
+    text, prefix = str(error), f"task {task_id}: "
+    return text if text.startswith(prefix) else prefix + text
+
+
 def check_producer_id(producer_id: str) -> str:
     """A producer id is a subject token: no dots, spaces or wildcards."""
     bad = set(producer_id) & set(". *>\t\n")
@@ -297,7 +305,8 @@ class Producer:
             log.exception("task %s failed", task.task_id)
             await self._free(unpublished)
             await self.bus.publish_event(ErrorRaised(role="producer", role_id=self.producer_id,
-                                                     error=type(e).__name__, message=f"task {task.task_id}: {e}"))
+                                                     error=type(e).__name__,
+                                                     message=task_error_message(task.task_id, e)))
             if delivery.num_delivered >= max_deliver:
                 await delivery.dead_letter(f"producer {self.producer_id}: {type(e).__name__}: {e}")
             else:

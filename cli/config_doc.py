@@ -1,8 +1,8 @@
 """The config reference as Markdown, generated from schemas/config.py (field, default, the field's comment).
 
-    rlbus config reference            # the README's "Config reference" section is this output
+    rlbus config reference            # the table of docs/config.md is this output
 
-Generated, not hand-written, so the README cannot drift from the code (tests/unit/test_docs.py checks it).
+Generated, not hand-written, so the docs cannot drift from the code (tests/unit/test_docs.py checks it).
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ linked in), so a block may use what an earlier one wrote. What each kind of bloc
   ...` and `rlbus rollout ...` run for real, the rollout with the config's model swapped for a random-weights one of
   the quickstart's tokenizer (the plumbing is the same; the answers are noise) and with the command's own
   environment (`PYTHONPATH=.`: the `rlbus` command, like this test, does not put the current directory on the
-  path). `python -m rlbus.X ...` and `python bench/X.py ...` are parsed by that module's parser; `make T` needs a
-  target T in the Makefile; `pip install ... '.[E]'` an extra E in pyproject.toml. Any other command needs the
-  block marked.
+  path). `python -m rlbus.X ...` and `python bench/X.py ...` (or `examples/X.py`) are parsed by that module's
+  parser; `make T` needs a target T in the Makefile; `pip install ... '.[E]'` an extra E in pyproject.toml. Any other
+  command needs the block marked.
 - `yaml`: parsed; a run config fragment (top-level keys that are config sections) is validated as a config.
 - `json`: parsed.
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import importlib.util
 import inspect
 import io
 import json
@@ -145,6 +146,19 @@ def _parse_with(main, argv: list[str], what: str) -> argparse.Namespace:
     pytest.fail(f"{what}: its main() returned without parsing arguments")
 
 
+def _script_main(relative: str):
+    """The `main` of a script of the repository, imported from its file (sys.path as it was, whatever it does)."""
+    saved = list(sys.path)
+    try:
+        spec = importlib.util.spec_from_file_location(f"_docs_{Path(relative).stem}", ROOT / relative)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = saved
+    return module.main
+
+
 def _argv_main(main):
     """A bench script's main as `main(argv)`, whether it takes argv or reads sys.argv."""
     if inspect.signature(main).parameters:
@@ -260,8 +274,8 @@ def _check_command(line: str, ws: Path, model_dir) -> str | None:
             assert extras <= _extras(), f"{what}: no extra {sorted(extras - _extras())} in pyproject.toml"
     elif head == "python" and words[1:2] == ["-m"] and words[2].startswith("rlbus."):
         _parse_with(importlib.import_module(words[2]).main, words[3:], what)
-    elif head == "python" and re.fullmatch(r"bench/\w+\.py", words[1]):
-        _parse_with(_argv_main(importlib.import_module(f"bench.{Path(words[1]).stem}").main), words[2:], what)
+    elif head == "python" and re.fullmatch(r"(bench|examples)/\w+\.py", words[1]):
+        _parse_with(_argv_main(_script_main(words[1])), words[2:], what)
     else:
         return f"{what} is not a command this test can check"
     return None

@@ -16,7 +16,8 @@ for the feeder's log and length filter; the prompt the model sees is the one the
 Held-out rows: with `num_heldout`, the last `num_heldout` rows of the taskset, which training then leaves out;
 without, the environment's own eval split: a load function with a `split` parameter is called with
 split="train" for training and split="eval" for the evaluator (verifiers 0.4 has no split of its own). Either
-way a held-out row whose key is a training row's is dropped.
+way a held-out row with a training row's content (its task data but the position) is dropped: verifiers' own key
+holds the position, so it alone would let a row in at another index.
 
     .venv/bin/python -m pytest -q tests/integration/test_env_verifiers.py
 """
@@ -87,6 +88,13 @@ def rows(env: Any) -> list[Any]:
     return list(env.taskset)
 
 
+def _content(task: Any) -> str:
+    """A row's identity apart from its position: the hash of its task data without `idx`."""
+    from verifiers.v1.task import task_key
+
+    return task_key(task.data.model_dump(mode="json", exclude_none=True, exclude={"idx"}))
+
+
 def _prompt(data: Any) -> list[ChatMessage]:
     from verifiers.v1.types import content_text
 
@@ -120,10 +128,12 @@ def examples(cfg: VerifiersEnvConfig, split: str = "train", num: int = 0) -> lis
     kept = len(train) - cfg.num_heldout
     if split == "train":
         return [_example(env, "train", i, task) for i, task in enumerate(train[:kept])]
-    seen = {task.key for task in train[:kept]}
+    seen = {_content(task) for task in train[:kept]}
     if cfg.num_heldout:
-        held = [_example(env, "train", i, task) for i, task in enumerate(train) if i >= kept and task.key not in seen]
+        held = [_example(env, "train", i, task) for i, task in enumerate(train)
+                if i >= kept and _content(task) not in seen]
     else:
         eval_env = load_environment(cfg, "eval")
-        held = [_example(eval_env, "eval", i, task) for i, task in enumerate(rows(eval_env)) if task.key not in seen]
+        held = [_example(eval_env, "eval", i, task) for i, task in enumerate(rows(eval_env))
+                if _content(task) not in seen]
     return held[:num] if num > 0 else held

@@ -79,28 +79,28 @@ def _check_seats(env: Any, cfg: RunConfig) -> None:
     from verifiers.v1.configs.agent import agent_config_fields
     from verifiers.v1.utils.loaders import harness_class
 
-    rollout, where = cfg.rollout, f"env.load ({cfg.env.load})"
-    harnesses = env.config.agent_harnesses()
+    rollout, harnesses = cfg.rollout, env.config.agent_harnesses()
     for name, seat in agent_config_fields(env.config).items():
-        harness = harnesses[name]
+        at, harness = f"{env.config.env_id!r}, seat {name!r}", harnesses[name]
         if harness_class(harness.id).NEEDS_CONTAINER:
-            raise ConfigError(where, f"seat {name!r} plays harness {harness.id!r}, a program that needs a container; "
-                                     "rlbus runs environments on the producer, offline: use harness null or bash")
+            raise ConfigError("env.load", f"{at} plays harness {harness.id!r}, a program that needs a container; "
+                                          "rlbus runs environments on the producer, offline: use harness null or bash")
         if seat.runtime.type != "subprocess":
-            raise ConfigError(where, f"seat {name!r} runs in runtime {seat.runtime.type!r} (a sandbox elsewhere); "
-                                     "rlbus runs environments on the producer, offline: runtime {type: subprocess}")
+            raise ConfigError("env.load", f"{at} runs in runtime {seat.runtime.type!r} (a sandbox elsewhere); rlbus "
+                                          "runs environments on the producer, offline: runtime {type: subprocess}")
         if seat.retries.max_retries:
-            raise ConfigError(where, f"seat {name!r} retries its rollouts; an abandoned attempt's model calls "
-                                     "would be trained with the retry's reward: retries.max_retries must be 0")
+            raise ConfigError("env.load", f"{at} retries its rollouts; an abandoned attempt's model calls would be "
+                                          "trained with the retry's reward: retries.max_retries must be 0")
         asked = seat.sampling.model_dump(exclude_none=True) if seat.sampling is not None else {}
         for key in ("temperature", "top_p", "top_k"):
-            if key in asked and asked[key] != getattr(rollout, key):
-                raise ConfigError(where, f"seat {name!r} samples at {key}={asked[key]}, the run at rollout.{key}="
-                                         f"{getattr(rollout, key)}: the trainer recomputes log-probs at the run's; "
-                                         "leave it out of the seat's sampling or set rollout's to it")
+            run = getattr(rollout, key)
+            if key in asked and asked[key] != run:
+                raise ConfigError("env.load", f"{at} samples at {key}={asked[key]}, the run at rollout.{key}={run}: "
+                                              "the trainer recomputes log-probs at the run's; leave it out of the "
+                                              "seat's sampling or set rollout's to it")
         if asked.get("max_tokens", 0) > rollout.max_new_tokens:
-            raise ConfigError(where, f"seat {name!r} asks max_tokens={asked['max_tokens']}, over rollout."
-                                     f"max_new_tokens={rollout.max_new_tokens}")
+            raise ConfigError("env.load", f"{at} asks max_tokens={asked['max_tokens']}, over rollout.max_new_tokens="
+                                          f"{rollout.max_new_tokens}")
 
 
 @contextlib.contextmanager

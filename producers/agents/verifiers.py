@@ -45,8 +45,6 @@ from rlbus.schemas.env import VerifiersEnvConfig
 from rlbus.schemas.errors import ConfigError, RlbusError
 from rlbus.schemas.wire import PromptTask
 
-log = logging.getLogger(__name__)
-
 
 class EpisodeFailed(RlbusError):
     """A verifiers episode ended in an error, ran no single policy trace, or its rubric gave no finite reward."""
@@ -74,13 +72,19 @@ def _offline_chat_program() -> None:
     SubprocessRuntime._interpreters.setdefault(str(path), sys.executable)
 
 
-def _check_seats(env: Any, cfg: RunConfig) -> None:
-    """Every seat of the environment runs here, offline, at the run's sampling, once per rollout."""
+def _check_runnable(env: Any, cfg: RunConfig) -> None:
+    """The environment runs here: one seat, offline, at the run's sampling, one run per rollout."""
     from verifiers.v1.configs.agent import agent_config_fields
     from verifiers.v1.utils.loaders import harness_class
 
-    rollout, harnesses = cfg.rollout, env.config.agent_harnesses()
-    for name, seat in agent_config_fields(env.config).items():
+    rollout, harnesses, seats = cfg.rollout, env.config.agent_harnesses(), agent_config_fields(env.config)
+    if len(seats) != 1:
+        raise ConfigError("env.load", f"{env.config.env_id!r} has seats {sorted(seats)}; rlbus trains one agent per "
+                                      "episode (multi-agent environments are not supported)")
+    if env.taskset.toolsets(env.taskset.config):
+        raise ConfigError("env.load", f"{env.config.env_id!r}: its taskset serves shared tools (Taskset.toolsets), "
+                                      "which rlbus does not start; give them per task (Task.toolsets)")
+    for name, seat in seats.items():
         at, harness = f"{env.config.env_id!r}, seat {name!r}", harnesses[name]
         if harness_class(harness.id).NEEDS_CONTAINER:
             raise ConfigError("env.load", f"{at} plays harness {harness.id!r}, a program that needs a container; "
@@ -135,13 +139,18 @@ class VerifiersAgent:
         self.sampling = vf.SamplingConfig(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
                                           max_tokens=rollout.max_new_tokens)
         self._splits = {}
+        # verifiers logs each episode's interception server and rollout at INFO, and its relay (aiohttp, httpx)
+        # each request: some six lines an episode in a producer's log. Warnings still show; a level set stays.
+        for noisy in ("verifiers", "aiohttp.access", "httpx"):
+            if logging.getLogger(noisy).level == logging.NOTSET:
+                logging.getLogger(noisy).setLevel(logging.WARNING)
         _offline_chat_program()
         self._split("train")  # loaded now: a bad environment fails the producer's start, not its first task
 
     def _split(self, split: str) -> tuple[Any, list[Any]]:
         if split not in self._splits:
             env = load_environment(self.env_cfg, split)
-            _check_seats(env, self.cfg)
+            _check_runnable(env, self.cfg)
             self._splits[split] = (env, rows(env))
         return self._splits[split]
 

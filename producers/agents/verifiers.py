@@ -159,12 +159,12 @@ class VerifiersAgent:
         info = task.extra_info
         split, index, key = info.get("vf_split"), info.get("vf_idx"), info.get("vf_key")
         if split not in SPLITS or not isinstance(index, int) or isinstance(index, bool):
-            raise EpisodeFailed(f"task {task.task_id} names no verifiers row (extra_info vf_split, vf_idx): was it "
-                                "released by a verifiers environment?")
+            raise EpisodeFailed("the task names no verifiers row (extra_info vf_split, vf_idx): was it released by a "
+                                "verifiers environment?")
         env, tasks = self._split(str(split))
         if not 0 <= index < len(tasks) or tasks[index].key != key:
-            raise EpisodeFailed(f"task {task.task_id}: row {index} of {env.config.env_id!r} ({split}) is not the row "
-                                "the feeder released (the environment differs between machines?)")
+            raise EpisodeFailed(f"row {index} of {env.config.env_id!r} ({split}) is not the row the feeder released "
+                                "(the environment differs between machines?)")
         return env, tasks[index]
 
     async def __call__(self, client: Any, task: PromptTask) -> float:
@@ -174,28 +174,29 @@ class VerifiersAgent:
             endpoint = vf.EvalClientConfig(base_url=str(client.base_url), api_key_var=variable)
             ctx = vf.ModelContext(model=self.cfg.rollout.openai.model, client=endpoint, sampling=self.sampling)
             episode = await env.run_episode(row, ctx)
-        return self.reward(env, task, episode)
+        return self.reward(env, episode)
 
     @staticmethod
-    def reward(env: Any, task: PromptTask, episode: Any) -> float:
-        """The episode's reward: its one trace's rubric score, which must be finite."""
+    def reward(env: Any, episode: Any) -> float:
+        """The episode's reward: its one trace's rubric score, which must be finite. (The agent loop's error names
+        the task.)"""
         name = env.config.env_id
         if not episode.ok:
             errors = [*episode.errors, *(e for t in episode.traces for e in t.errors)]
             last = errors[-1] if errors else None
             what = f"{last.type}: {last.message}" if last is not None else "it did not complete"
-            raise EpisodeFailed(f"task {task.task_id}: the episode of {name!r} failed: {what}")
+            raise EpisodeFailed(f"the episode of {name!r} failed: {what}")
         if len(episode.traces) != 1:
-            raise EpisodeFailed(f"task {task.task_id}: {name!r} ran {len(episode.traces)} agent runs in one episode; "
+            raise EpisodeFailed(f"{name!r} ran {len(episode.traces)} agent runs in one episode; "
                                 "rlbus trains one agent per episode (multi-agent environments are not supported)")
         [trace] = episode.traces
         rubric = f"the rubric of {name!r} ({', '.join(trace.rewards) or 'no rewards'})"
         if not trace.rewards:
-            raise EpisodeFailed(f"task {task.task_id}: {rubric} recorded no reward (a task @vf.reward, a judge, or "
+            raise EpisodeFailed(f"{rubric} recorded no reward (a task @vf.reward, a judge, or "
                                 "trace.record_reward in the environment's run)")
         reward = trace.reward
         if not math.isfinite(reward):
-            raise EpisodeFailed(f"task {task.task_id}: {rubric} scored {reward!r}; a reward must be finite")
+            raise EpisodeFailed(f"{rubric} scored {reward!r}; a reward must be finite")
         return float(reward)
 
 

@@ -18,6 +18,7 @@ import os
 import re
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -29,7 +30,7 @@ from rlbus.common.envs import load_heldout_tasks, load_tasks
 from rlbus.common.model.init_model import init_model
 from rlbus.producers.agent_loops import make_agent_loop
 from rlbus.producers.agent_loops.openai_agent import AgentFailed
-from rlbus.producers.agents.verifiers import verifiers_agent
+from rlbus.producers.agents.verifiers import EpisodeFailed, verifiers_agent
 from rlbus.producers.engines.hf import HFEngine
 from rlbus.producers.rewards import load_reward
 from rlbus.schemas.config import HFEngineConfig
@@ -137,6 +138,18 @@ def test_a_seat_the_producer_cannot_run_as_trained_is_refused_at_load(model_dir,
     with pytest.raises(ConfigError) as e:
         verifiers_agent(run_config(model_dir, load))
     assert e.value.field == "env.load" and expect in str(e.value)
+
+
+def test_a_task_whose_row_is_not_the_producers_is_refused(model_dir):
+    """A producer whose environment gives another row at the released index (versions differ) scores nothing."""
+    agent, _ = verifiers_agent(run_config(model_dir, "single"))
+    released = load_tasks(run_config(model_dir, "single"))[3]
+    task = example_to_task(released, task_id="t3", n=1)
+    assert agent.row(task)[1].data.prompt == released.prompt[-1].content
+    for info, expect in [({**task.extra_info, "vf_key": "another"}, "is not the row the feeder released"),
+                         ({"rg_index": 3}, "names no verifiers row")]:
+        with pytest.raises(EpisodeFailed, match=expect):
+            agent.row(msgspec.structs.replace(task, extra_info=info))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ module (the current directory and PYTHONPATH first), so a run started from a pro
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Any
 
 from rlbus.schemas.errors import ConfigError
@@ -17,6 +19,10 @@ def import_object(path: str, field: str) -> Any:
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(field, f"{path!r} is neither a built-in name nor an import path 'pkg.module:attr'")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        # The `rlbus` console script puts its own bin/ first, not the current directory (as `python -m` would): a
+        # user's `my_agent:rollout` beside the config is found all the same.
+        sys.path.append(os.getcwd())
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as e:

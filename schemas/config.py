@@ -487,7 +487,7 @@ def _rollback_on_reward_drop() -> dict[str, list[str]]:
 
 
 class GuardConfig(_Section):
-    # Defaults come from healthy quickstart runs (bench/results/quickstart_seeds*.json; README "Stability guard";
+    # Defaults come from healthy quickstart runs (bench/results/quickstart_seeds*.json; docs/debugging.md "The stability guard";
     # the 20 healthy runs of tests/fixtures/guard/quickstart_healthy_seeds.json): the largest healthy values seen are
     # mismatch/kl_k3 0.058 (mostly at the step after warm-up, when the LR is first at full size), actor/clipfrac
     # 0.018, a grad norm of 7.2 at 14x the median, a fall of the 5-step reward mean of 0.18 below its best (0.23 on

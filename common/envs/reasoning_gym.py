@@ -53,13 +53,18 @@ class TaskMismatch(RlbusError):
     differ between machines): scoring it would reward the wrong answer."""
 
 
-class _MissingPycosat(types.ModuleType):
-    """Stands for `pycosat` where it is not installed: importing reasoning-gym works, and the one generator that
-    solves SAT (zebra_puzzles) fails when it is used, naming what is missing."""
+def _missing_pycosat() -> types.ModuleType:
+    """Stands for `pycosat` while reasoning-gym imports where it is not installed: the one generator that solves
+    SAT (zebra_puzzles) fails when it is used, naming what is missing. It is taken out of `sys.modules` again once
+    reasoning-gym holds it, so nothing else finds a `pycosat` that is not there."""
 
-    def __getattr__(self, name: str) -> Any:
-        raise ImportError(f"pycosat.{name}: reasoning-gym's zebra_puzzles needs pycosat, a C extension with no "
-                          "binary wheel (pip install pycosat, with a C compiler)")
+    def unavailable(*args: Any, **kwargs: Any) -> Any:
+        raise ImportError("reasoning-gym's zebra_puzzles needs pycosat, a C extension with no binary wheel "
+                          "(pip install pycosat, with a C compiler)")
+
+    module = types.ModuleType("pycosat", "missing: reasoning-gym's zebra_puzzles needs it")
+    module.itersolve = module.solve = unavailable  # type: ignore[attr-defined]
+    return module
 
 
 def import_reasoning_gym() -> Any:
@@ -73,10 +78,13 @@ def import_reasoning_gym() -> Any:
                                           "reasoning-gym==0.1.25 (docs/environments.md)") from None
         if e.name != "pycosat":
             raise
-    sys.modules.setdefault("pycosat", _MissingPycosat("pycosat"))
     for name in [m for m in sys.modules if m == "reasoning_gym" or m.startswith("reasoning_gym.")]:
         del sys.modules[name]  # the half-imported package, so that it imports again whole
-    return importlib.import_module("reasoning_gym")
+    sys.modules["pycosat"] = _missing_pycosat()
+    try:
+        return importlib.import_module("reasoning_gym")
+    finally:
+        del sys.modules["pycosat"]
 
 
 def _task_sizes(cfg: ReasoningGymEnvConfig, total: int) -> list[int]:

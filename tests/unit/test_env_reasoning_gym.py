@@ -7,6 +7,7 @@ split disjoint from training, and each task's own scorer as the reward (the real
 from __future__ import annotations
 
 import importlib.util
+import sys
 from collections import Counter
 
 import pytest
@@ -101,6 +102,13 @@ def test_bad_task_settings_are_config_errors_naming_the_key(tasks, field):
 def test_without_pycosat_only_the_task_that_needs_it_fails():
     with pytest.raises(ImportError, match="zebra_puzzles needs pycosat"):
         load_tasks(_cfg([{"name": "zebra_puzzles"}]))
+    # The stand-in is reasoning-gym's alone: nothing else imports a pycosat that is not there, and tools that walk
+    # sys.modules asking each module for its file (hypothesis, vLLM) are not answered with an ImportError.
+    assert "pycosat" not in sys.modules
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("pycosat")
+    for module in list(sys.modules.values()):
+        getattr(module, "__file__", None)
 
 
 async def test_the_lenient_reading_of_what_a_small_chat_model_writes():

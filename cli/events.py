@@ -36,6 +36,7 @@ from rlbus.consumers.event_log import (
     StepRecord,
     iter_step_samples,
     load_rank_batch,
+    mask_spans,
     read_entries,
     read_steps,
 )
@@ -201,17 +202,6 @@ def _tokenizer(run_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(load_config(cfg_path).model.path)
 
 
-def _spans(mask: list[int]) -> list[tuple[int, int, int]]:
-    """Runs of equal mask values: (value, start, end)."""
-    out: list[tuple[int, int, int]] = []
-    for i, m in enumerate(mask):
-        if out and out[-1][0] == m:
-            out[-1] = (m, out[-1][1], i + 1)
-        else:
-            out.append((m, i, i + 1))
-    return out
-
-
 def decode_samples(run_dir: Path, step_rec: StepRecord, group_id: str, tok: Any) -> list[dict[str, Any]]:
     """Each trajectory of `group_id` in `step_rec`: prompt text, turns (assistant = trained, tool = masked out),
     the response mask over the response tokens, reward and versions."""
@@ -228,7 +218,7 @@ def decode_samples(run_dir: Path, step_rec: StepRecord, group_id: str, tok: Any)
         mask = [int(x) for x in b["response_mask"][row, p:n].tolist()]
         versions = b["versions"][row, p:n].tolist()
         turns = [{"role": "assistant" if m else "tool", "tokens": e - s,
-                  "text": tok.decode(ids[p + s:p + e], skip_special_tokens=False)} for m, s, e in _spans(mask)]
+                  "text": tok.decode(ids[p + s:p + e], skip_special_tokens=False)} for m, s, e in mask_spans(mask)]
         out.append({
             "group_id": group_id, "step": step_rec.step, "rank": rank, "row": row, "key": meta.key,
             "producer_id": group.producer_id, "reward": meta.reward, "prompt_len": p, "response_len": meta.response_len,

@@ -182,6 +182,7 @@ class Launcher:
     trainer: Child | None
     producers: list[Child]  # running and supervised, oldest first
     evaluator: Child | None  # the held-out evaluation role, when eval.interval > 0
+    ui: Child | None  # the web inspector (`rlbus up --ui`), stopped with the run
     retiring: dict[str, asyncio.Task]  # producer id -> its stop, for producers scaled away (never restarted)
     _server: RoleServer | None  # the fork server of the roles (launcher.preload)
     _launch: Path | None  # the children's config file
@@ -192,9 +193,11 @@ class Launcher:
     _stop: asyncio.Event
     _console: Console
 
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, *, ui: bool = False):
         self.cfg = cfg
         self.run_dir = cfg.run_dir
+        self.want_ui = ui
+        self.ui = None
         self.server = self.ray_head = self.trainer = None
         self.producers, self.retiring = [], {}
         self.evaluator = None
@@ -292,6 +295,8 @@ class Launcher:
         # A missing optional package or W&B login fails here, not in a trainer restarted again and again.
         require_wandb(self.cfg.logging, check_login=True)
         await asyncio.to_thread(ensure_model, self.cfg.model)  # once, before children race to build it
+        if self.want_ui:
+            self._start_ui()
         child_cfg = self._start_infrastructure()
         # Started after the Ray head's env is set (the server imports Ray with it), and now, so that its imports
         # overlap the head's start and the streams' set-up; the first role's start waits for them.
@@ -320,7 +325,21 @@ class Launcher:
             return await self._supervise(child_cfg)
         finally:
             await self._stop_children()
+            if self.ui is not None:
+                await self.ui.stop(timeout=10.0)
             self._stop_infrastructure()
+
+    def _start_ui(self) -> None:
+        """`rlbus ui RUN_DIR` beside the run, on a free loopback port; the URL with the run's token goes to this
+        console only (the inspector's own log names the token's file, not the token)."""
+        from rlbus.bus.ray_cluster import free_port
+        from rlbus.cli.ui import ui_token
+
+        port, token = free_port(), ui_token(self.run_dir)  # the token first: the child reads the same file
+        self.ui = Child("ui", [sys.executable, "-m", "rlbus.cli", "ui", str(self.run_dir), "--port", str(port),
+                               "--hide-token"], self.run_dir / "logs" / "ui.log", role_id="ui")
+        self.ui.start()
+        self._console.print(f"[bold]inspector[/bold] http://127.0.0.1:{port}/?token={token}")
 
     async def _supervise(self, child_cfg: RunConfig) -> int:
         loop = asyncio.get_running_loop()
@@ -527,8 +546,8 @@ class Launcher:
         return 0
 
 
-def main(cfg: RunConfig) -> int:
-    return run(Launcher(cfg).run())
+def main(cfg: RunConfig, *, ui: bool = False) -> int:
+    return run(Launcher(cfg, ui=ui).run())
 
 
 def scale_main(run_dir: Path, n: int, *, wait: bool, timeout: float) -> int:

@@ -80,7 +80,7 @@ def cmd_trainer(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from rlbus.cli.launcher import main as up_main
 
-    return up_main(_load(args))
+    return up_main(_load(args), ui=args.ui)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -158,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
                         add_help=False)
     rp.add_argument("rest", nargs=argparse.REMAINDER)
     rp.set_defaults(func=cmd_replay)
+    ui = sub.add_parser("ui", help="a web inspector of a live or finished run directory (loopback, token)",
+                        add_help=False)
+    ui.add_argument("rest", nargs=argparse.REMAINDER)
+    ui.set_defaults(func=cmd_ui)
     sc = sub.add_parser("schema", help="the wire contract: JSON Schema of every wire type, docs/wire.md",
                         add_help=False)
     sc.add_argument("rest", nargs=argparse.REMAINDER)
@@ -169,8 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev = with_config(sub.add_parser("evaluator", help="score weight versions on held-out prompts (eval.interval)"))
     ev.set_defaults(func=cmd_evaluator)
     with_config(sub.add_parser("trainer", help="run the trainer (and the prompt feeder)")).set_defaults(func=cmd_trainer)
-    with_config(sub.add_parser("up", help="all in one: bus, Ray, trainer and producers, supervised, with progress")
-                ).set_defaults(func=cmd_up)
+    upp = with_config(sub.add_parser("up", help="all in one: bus, Ray, trainer and producers, supervised, "
+                                                "with progress"))
+    upp.add_argument("--ui", action="store_true", help="also serve the web inspector (rlbus ui) beside the run")
+    upp.set_defaults(func=cmd_up)
     with_config(sub.add_parser("status", help="show a live run's state, read from the bus")).set_defaults(func=cmd_status)
 
     scl = sub.add_parser("scale", help="add or remove producers of a running `rlbus up` (no restart)")
@@ -202,6 +208,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return int(replay_main(args.rest) or 0)
 
 
+def cmd_ui(args: argparse.Namespace) -> int:
+    from rlbus.cli.ui import main as ui_main
+
+    return int(ui_main(args.rest) or 0)
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     from rlbus.cli.schema import main as schema_main
 
@@ -210,7 +222,7 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 #: Subcommands whose modules own all their flags; their arguments are handed over untouched (`--help` included).
 PASSTHROUGH = {"init-model": cmd_init_model, "rollout": cmd_rollout, "events": cmd_events, "replay": cmd_replay,
-               "schema": cmd_schema}
+               "schema": cmd_schema, "ui": cmd_ui}
 
 
 def main(argv: list[str] | None = None) -> int:

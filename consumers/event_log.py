@@ -37,9 +37,6 @@ from pathlib import Path
 from typing import Any, Generic, Iterator, Literal, TypeVar, Union
 
 import msgspec
-import torch
-from safetensors.torch import load_file
-from tensordict import TensorDict
 
 from rlbus.schemas.errors import RlbusError
 from rlbus.schemas.wire import (
@@ -176,6 +173,11 @@ def read_steps(run_dir: str | os.PathLike) -> list[StepRecord]:
 
 def load_rank_batch(run_dir: str | os.PathLike, step: int, rank: int) -> Any:
     """The TensorDict rank `rank` trained on at `step`."""
+    # Imported here: the metadata readers (rlbus events, the inspector's index) need no torch, whose import costs
+    # seconds of a command's start.
+    from safetensors.torch import load_file
+    from tensordict import TensorDict
+
     path = shard_path(run_dir, step, rank)
     if not path.is_file():
         raise RecordError(run_dir, f"no tensors for step {step} rank {rank} ({path}); was the run recorded with "
@@ -186,12 +188,15 @@ def load_rank_batch(run_dir: str | os.PathLike, step: int, rank: int) -> Any:
 
 def load_step_batch(run_dir: str | os.PathLike, record: StepRecord) -> Any:
     """The whole step's batch: every rank's shard concatenated in rank order, padded to the longest T."""
+    import torch
+    from tensordict import TensorDict
+
     parts = [load_rank_batch(run_dir, record.step, r) for r, rows in enumerate(record.shards) if rows]
     if len(parts) == 1:
         return parts[0]
     T = max(p["input_ids"].shape[1] for p in parts)
     fill = {"versions": -1}  # collate's padding value of each [B, T] field; every other field pads with 0
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Any] = {}
     for k in parts[0].keys():
         pieces = []
         for p in parts:
@@ -202,6 +207,17 @@ def load_step_batch(run_dir: str | os.PathLike, record: StepRecord) -> Any:
             pieces.append(t)
         out[k] = torch.cat(pieces)
     return TensorDict(out, batch_size=[sum(p.batch_size[0] for p in parts)])
+
+
+def mask_spans(mask: list[int]) -> list[tuple[int, int, int]]:
+    """Runs of equal `response_mask` values over a response: (value, start, end); 1 = sampled, 0 = inserted."""
+    out: list[tuple[int, int, int]] = []
+    for i, m in enumerate(mask):
+        if out and out[-1][0] == m:
+            out[-1] = (m, out[-1][1], i + 1)
+        else:
+            out.append((m, i, i + 1))
+    return out
 
 
 def iter_step_samples(record: StepRecord) -> Iterator[tuple[int, int, TrajectoryGroup, SampleMeta]]:

@@ -1,0 +1,105 @@
+"""The inspector's index (cli/ui_index.py) follows a run directory written by the real recorder: steps appended
+while it is open appear on refresh, a run cut back by a resume or a rollback is read again, samples page and sort in
+SQL, and a read-only run directory is indexed elsewhere.
+
+    .venv/bin/python -m pytest -q tests/unit/test_ui_index.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+from rlbus.cli.ui_index import RunIndex
+from rlbus.cli.ui_views import compare, overview, samples_page
+from rlbus.consumers.recorder import Recorder
+from rlbus.schemas.wire import ChatMessage, PromptTask, SampleMeta, TrajectoryGroup
+
+
+def _record(run_dir: Path, rec: Recorder, step: int, *, groups: int = 2, n: int = 3) -> None:
+    gs = []
+    for g in range(groups):
+        task = f"e0-i{step * 10 + g}-a0"
+        rec.prompt(PromptTask(task_id=task, n=n, prompt=[ChatMessage(role="user", content=f"what is {step}+{g}?")]))
+        gs.append(TrajectoryGroup(group_id=task, task_id=task, producer_id=f"p{g}", samples=[
+            SampleMeta(key=f"{task}/{s}", prompt_len=4, response_len=10 + s, reward=float(s == 0),
+                       min_version=max(0, step - 1 - s), max_version=step - 1) for s in range(n)]))
+    shards = [[(s, gi) for gi, g in enumerate(gs) for s in g.samples]]
+    row = {"step": step, "version": step, "reward/mean": step / 10, "actor/entropy": 1.0 / step}
+    rec.step(step=step, version=step, groups=gs, shards=shards, metrics=row)
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def test_the_index_follows_appends_and_cut_backs(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    rec = Recorder(run, "metadata")
+    for step in (1, 2, 3):
+        _record(run, rec, step)
+    index = RunIndex.open(run)
+    assert index.path == run / "ui" / "index.sqlite"
+    assert overview(index)["series"]["step"] == [1, 2, 3]
+    assert index.db.execute("SELECT count(*) FROM samples").fetchone()[0] == 3 * 6
+    # staleness = the version the step trained from minus the sample's oldest token version
+    assert {r[0] for r in index.db.execute("SELECT staleness FROM samples WHERE step=3")} == {0, 1, 2}
+
+    _record(run, rec, 4)  # the live run goes on: only the new lines are read
+    assert index.refresh()
+    got = overview(index, since=3)
+    assert got["series"]["step"] == [4] and got["series"]["reward/mean"] == [0.4]
+    assert not index.refresh()  # nothing new
+
+    generation = index.generation
+    rec.cut_back(2)  # a guard rollback to step 2: steps 3 and 4 are redone
+    lines = (run / "metrics.jsonl").read_text().splitlines()[:2]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    _record(run, rec, 3)
+    index.refresh()
+    assert index.generation > generation
+    assert overview(index)["series"]["step"] == [1, 2, 3]
+    assert [r[0] for r in index.db.execute("SELECT DISTINCT step FROM samples ORDER BY step")] == [1, 2, 3]
+    index.close()
+
+    again = RunIndex.open(run)  # cached: nothing re-read, same answers
+    assert overview(again)["series"]["step"] == [1, 2, 3]
+
+
+def test_samples_page_sorts_filters_and_pages_on_the_server(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    rec = Recorder(run, "metadata")
+    for step in range(1, 6):
+        _record(run, rec, step)
+    index = RunIndex.open(run)
+    page = samples_page(index, {"sort": "length", "desc": "1", "limit": "4", "offset": "0"})
+    assert page["total"] == 30 and len(page["rows"]) == 4
+    assert [r["response_len"] for r in page["rows"]] == [12, 12, 12, 12]
+    last = samples_page(index, {"sort": "length", "desc": "1", "limit": "4", "offset": "28"})
+    assert [r["response_len"] for r in last["rows"]] == [10, 10]
+    assert samples_page(index, {"step": "2:3"})["total"] == 12
+    assert samples_page(index, {"step": "4"})["total"] == 6
+    assert samples_page(index, {"producer": "p1", "min_reward": "1"})["total"] == 5
+    found = samples_page(index, {"q": "what is 4+1"})
+    assert found["total"] == 3 and {r["group_id"] for r in found["rows"]} == {"e0-i41-a0"}
+    assert found["rows"][0]["prompt"] == "user: what is 4+1?"
+    assert samples_page(index, {"min_staleness": "2"})["total"] == 3 * 2  # steps 3..5: each group's third sample
+    cmp = compare(index, 2, 5)
+    assert {m["metric"]: (m["a"], m["b"]) for m in cmp["metrics"]}["reward/mean"] == (0.2, 0.5)
+    assert cmp["samples"]["a"]["samples"] == 6
+
+
+def test_a_read_only_run_directory_is_indexed_elsewhere(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    rec = Recorder(run, "metadata")
+    _record(run, rec, 1)
+    mode = run.stat().st_mode
+    os.chmod(run, stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        if os.access(run, os.W_OK):  # root writes anyway: nothing to check here
+            return
+        index = RunIndex.open(run)
+        assert run not in index.path.parents
+        assert overview(index)["series"]["step"] == [1]
+    finally:
+        os.chmod(run, mode)

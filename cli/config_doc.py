@@ -14,11 +14,12 @@ import msgspec
 
 from rlbus.schemas import config as C
 from rlbus.schemas import env as E
+from rlbus.schemas import lora as L
 
 _FIELD = re.compile(r"^    (\w+): [^=]+?(?: = (.+?))?\s*(?:#\s*(.*))?$")
 
 SECTIONS = {
-    "bus": C.BusConfig, "ray": C.RayConfig, "model": C.ModelConfig, "data": C.DataConfig,
+    "bus": C.BusConfig, "ray": C.RayConfig, "model": C.ModelConfig, "model.lora": L.LoraConfig, "data": C.DataConfig,
     "rollout": C.RolloutConfig, "rollout.engine (type: hf)": C.HFEngineConfig,
     "rollout.engine (type: vllm)": C.VLLMEngineConfig, "rollout.engine (type: simulated)": C.SimulatedEngineConfig,
     "rollout.openai": C.OpenAIAgentConfig,

@@ -30,6 +30,7 @@ from rlbus.bus.client import Bus
 from rlbus.bus.loop import run, serve
 from rlbus.bus.ray_cluster import ensure_ray
 from rlbus.bus.weight_store import WeightStore
+from rlbus.producers.weight_sync import WeightSync
 from rlbus.common.data.datasets import example_to_task
 from rlbus.common.envs import load_heldout_tasks
 from rlbus.common.logs import setup_logging
@@ -87,6 +88,7 @@ class Evaluator:
     cfg: RunConfig
     bus: Bus | None
     weight_store: WeightStore | None
+    weight_sync: WeightSync | None
     tasks: list[PromptTask]
     evaluated: set[int]
     _pending: WeightsPublished | None  # the newest due announcement not evaluated yet
@@ -96,7 +98,7 @@ class Evaluator:
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
-        self.bus = self.weight_store = None
+        self.bus = self.weight_store = self.weight_sync = None
         self.stack = None
         self.tasks, self.evaluated = [], set()
         self._pending = None
@@ -110,6 +112,7 @@ class Evaluator:
         self.stack = build_rollout(eval_run_config(cfg), seed=cfg.trainer.seed)  # before Ray, as a producer's
         ensure_ray(cfg.ray)
         self.weight_store = WeightStore.connect(cfg.name, cfg.ray)
+        self.weight_sync = WeightSync(self.stack.engine, self.weight_store, self.stack.model_path)
         heldout = load_heldout_tasks(cfg, cfg.eval.num_prompts, self.stack.tokenizer)
         self.tasks = [example_to_task(ex, task_id=f"eval-{ex.index}", n=cfg.eval.n) for ex in heldout]
         await self.bus.publish_event(RoleStarted(role="evaluator", role_id=EVALUATOR_ID, host=socket.gethostname(),
@@ -145,14 +148,12 @@ class Evaluator:
 
     async def _evaluate(self, published: WeightsPublished) -> None:
         t0 = time.perf_counter()
-        engine = self.stack.engine
         if not (published.version == 0 and not self._loaded) and published.checksum != self._loaded:
             try:
-                state_dict = await self.weight_store.get(published.version, expect=published.checksum)
+                await self.weight_sync.load(published)
             except (WeightsMissing, WeightsChecksumMismatch) as e:
                 log.warning("cannot evaluate v%d: %s", published.version, e)
                 return
-            await engine.load_weights(state_dict, published.version)
         self._loaded = published.checksum
         groups = await self.stack.agent_loop.rollout_many(self.tasks, self.cfg.eval.n)
         seconds = time.perf_counter() - t0

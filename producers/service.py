@@ -32,6 +32,7 @@ from rlbus.bus.loop import raise_if_failed, run, serve
 from rlbus.bus.ray_cluster import ensure_ray
 from rlbus.bus.transfer_queue import TransferQueue
 from rlbus.bus.weight_store import WeightStore
+from rlbus.producers.weight_sync import WeightSync
 from rlbus.common.logs import setup_logging
 from rlbus.common.threads import apply_torch_threads, lower_priority
 from rlbus.producers.agent_loops import AgentLoop
@@ -99,6 +100,7 @@ class Producer:
     bus: Bus | None
     tq: TransferQueue | None
     weight_store: WeightStore | None
+    weight_sync: WeightSync | None  # fetches announced versions into the engine (full, or an adapter on the base)
     engine: RolloutEngine | None
     agent_loop: AgentLoop | None
     trainer_version: int  # newest version the trainer announced
@@ -123,7 +125,7 @@ class Producer:
         self._named = bool(producer_id)  # a given id: a restart under it takes over what this one held
         self._handover = None
         self._unsettled = {}
-        self.bus = self.tq = self.weight_store = self.engine = self.agent_loop = None
+        self.bus = self.tq = self.weight_store = self.weight_sync = self.engine = self.agent_loop = None
         self.trainer_version = 0
         self.groups_done = self.groups_abandoned = self.tokens_generated = self.tokens_discarded = 0
         self._inflight = {}
@@ -156,6 +158,7 @@ class Producer:
         ensure_ray(cfg.ray)  # from the main thread: a head it starts lives as long as this process
         self.tq = TransferQueue.connect(cfg.name, cfg.ray)
         self.weight_store = WeightStore.connect(cfg.name, cfg.ray)
+        self.weight_sync = WeightSync(self.engine, self.weight_store, stack.model_path)
         latest = await self.bus.kv_get("latest", WeightsPublished)  # a late joiner starts from the newest weights
         if latest is not None:
             await self._load_version(latest)
@@ -412,8 +415,7 @@ class Producer:
                 self._loaded_checksum = published.checksum  # the base model the engine was built from
                 return
             # Raises WeightsChecksumMismatch unless the store's bytes are the ones announced.
-            state_dict = await self.weight_store.get(published.version, expect=published.checksum)
-            await self.engine.load_weights(state_dict, published.version)  # waits for the chunk in flight
+            await self.weight_sync.load(published)  # waits for the chunk in flight
             self._loaded_checksum = published.checksum
             log.info("loaded weights v%d", published.version)
 

@@ -18,6 +18,7 @@ from typing import Literal, Union
 import msgspec
 
 from rlbus.schemas.env import DataEnvConfig, EnvConfig
+from rlbus.schemas.lora import LoraConfig, check_lora
 from rlbus.schemas.sections import _need, _Section
 from rlbus.schemas.subjects import check_run_name
 
@@ -96,6 +97,7 @@ class ModelConfig(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # trainer parameter dtype
     trust_remote_code: bool = False  # let transformers run code shipped with the model
     gradient_checkpointing: bool = False  # recompute activations in backward (less memory, more compute)
+    lora: LoraConfig = msgspec.field(default_factory=LoraConfig)  # train a low-rank adapter (schemas/lora.py)
 
     def __post_init__(self) -> None:
         _need(bool(self.path), "path", "is required (a local Hugging Face model directory)")
@@ -565,6 +567,7 @@ class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             check_run_name(self.name)
         except ValueError as e:
             raise ValueError(f"name: {e}") from None
+        check_lora(self.model.lora, self.algorithm.adv_estimator, self.critic.backbone)
         t = self.trainer
         # Weights published every N steps leave a producer's tokens up to N - 1 versions behind at best: beyond
         # max_staleness, the drop policy would discard every group and the run would never train.

@@ -116,6 +116,10 @@ class WeightsPublished(Wire, tag="weights_published"):
     dtype: str = "float32"  # their dtype
     store: str = ""  # name of the weight-store actor holding it
     created_at: float = msgspec.field(default_factory=now)
+    # The payload: every weight ("full"), or model.lora's adapter alone ("adapter": a producer applies it to the base
+    # weights of model.path it was built from, W + adapter_scale * B A per layer).
+    encoding: str = "full"  # "full" | "adapter"
+    adapter_scale: float = 0.0  # "adapter": model.lora alpha / rank
 
 
 class StepCompleted(Wire, tag="step_completed"):

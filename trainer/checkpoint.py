@@ -8,6 +8,7 @@ Layout under a checkpoint root (`<run_dir>/checkpoints`):
         extra.json            the service's blob (step, version, feeder position, trained group ids, ...)
         rng/rank_00000.pt     each rank's RNG states
         hf/config.json        the model's Hugging Face config, for export_hf
+        adapter/adapter_config.json  model.lora's adapter (peft's config; its tensors are in the shards)
         critic_hf/config.json the value model's (adv_estimator: gae; its state is under "critic" in the shards, or,
                               with critic.backbone: shared, the head's under "model" as value_head.*)
     latest                    the name of the newest complete checkpoint (replaced atomically)
@@ -27,6 +28,7 @@ Tests: `pytest tests/integration/test_fsdp.py -k checkpoint`, `pytest tests/inte
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import random
@@ -53,6 +55,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from rlbus.schemas.errors import RlbusError
 from rlbus.trainer.critic import BACKBONE_KEY, VALUE_HEAD
 from rlbus.trainer.dist import all_reduce, barrier, rank
+from rlbus.trainer.lora import ADAPTER_DIR
 
 if TYPE_CHECKING:  # the engine imports FSDP and transformers' models; checkpoints need only its attributes
     from rlbus.trainer.engine import TrainEngine
@@ -316,6 +319,10 @@ def save_checkpoint(engine: TrainEngine, root: str | os.PathLike, step: int, ext
     if rank() == 0:
         (tmp / "extra.json").write_bytes(msgspec.json.encode(extra))
         AutoConfig.from_pretrained(engine.model_path).save_pretrained(tmp / "hf")
+        if getattr(engine, "lora", None) is not None and engine.lora.enabled:
+            from rlbus.trainer.lora import save_adapter_config
+
+            save_adapter_config(engine.lora, tmp / ADAPTER_DIR, engine.model_path)
         critic = getattr(engine, "critic", None) or getattr(engine, "value_head", None)
         if critic is not None:
             critic.save_config(tmp / CRITIC_HF)
@@ -372,6 +379,7 @@ def load_checkpoint(engine: TrainEngine, path: str | os.PathLike, extra_type: ty
         raise refused or CheckpointError(path, "another rank refused its RNG state file (see that rank's error)")
     metadata = _read_metadata(path)
     _check_critic_layout(engine, path, metadata)
+    _check_lora_layout(engine, path, metadata)
     state = engine.state_dict()
     _dcp_load(state, path, metadata)
     engine.load_state_dict(state)
@@ -409,6 +417,29 @@ def _check_critic_layout(engine: TrainEngine, ckpt: Path, metadata: Metadata) ->
             "resume under the settings it was saved with, or start a new run (another logging.run_dir)")
 
 
+def _check_lora_layout(engine: TrainEngine, ckpt: Path, metadata: Metadata) -> None:
+    """Refuse a checkpoint whose adapter does not fit the run's model.lora (with or without one, another rank or
+    other target modules): DCP would say only which keys are missing or do not fit."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    saved = sorted(k for k in metadata.state_dict_metadata if k.startswith("model.") and ".lora_A." in k)
+    live = get_model_state_dict(engine.model)  # this rank's shards under the checkpoint's names (no collective)
+    run = sorted(k for k in live if ".lora_A." in k)
+    lora = getattr(engine, "lora", None)
+    if [f"model.{k}" for k in run] != saved:
+        have = f"an adapter on {len(saved)} layers" if saved else "no adapter (full fine-tuning)"
+        want = f"model.lora.rank={lora.rank} on {len(run)} layers" if run else "model.lora.rank=0"
+        raise CheckpointError(ckpt, f"it was saved with {have}, and this run's config has {want}; resume under the "
+                              "settings it was saved with, or start a new run (another logging.run_dir)")
+    if run:
+        shapes = {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if k in saved}
+        wrong = [k for k in run if tuple(live[k].shape) != shapes[f"model.{k}"]]
+        if wrong:
+            raise CheckpointError(ckpt, f"its adapter has another rank than this run's model.lora.rank={lora.rank} "
+                                  f"({wrong[0]}: saved {shapes[f'model.{wrong[0]}']}); resume under the settings "
+                                  "it was saved with")
+
+
 def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, tokenizer_src: str | os.PathLike) -> Path:
     """Write a Hugging Face model directory (config, safetensors weights, tokenizer) from a trainer checkpoint.
 
@@ -423,9 +454,12 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, tokenizer
         raise CheckpointError(ckpt_dir, "not a complete trainer checkpoint (needs .metadata and hf/config.json)")
     config = AutoConfig.from_pretrained(ckpt_dir / "hf")
     model = AutoModelForCausalLM.from_config(config)
-    state = {"model": model.state_dict()}
-    _dcp_load(state, ckpt_dir)
-    model.load_state_dict(state["model"])
+    if (ckpt_dir / ADAPTER_DIR / "adapter_config.json").is_file():
+        _export_adapter(ckpt_dir, model, out_dir)
+    else:
+        state = {"model": model.state_dict()}
+        _dcp_load(state, ckpt_dir)
+        model.load_state_dict(state["model"])
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(tokenizer_src).save_pretrained(out_dir)
@@ -446,3 +480,17 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, tokenizer
             critic.load_state_dict(state["critic"]["model"])
         critic.save_pretrained(out_dir / "critic")
     return out_dir
+
+
+def _export_adapter(ckpt_dir: Path, model: torch.nn.Module, out_dir: Path) -> None:
+    """A LoRA checkpoint: load its adapter's merge into `model`, and write the adapter alone as a peft directory
+    in `out_dir/adapter` (`peft.PeftModel.from_pretrained(base, out_dir / "adapter")` loads it)."""
+    from rlbus.trainer import lora
+
+    cfg = lora.load_adapter_config(ckpt_dir / ADAPTER_DIR)
+    trained = lora.apply_lora(AutoModelForCausalLM.from_config(model.config), cfg)
+    state = {"model": trained.state_dict()}
+    _dcp_load(state, ckpt_dir)
+    model.load_state_dict(lora.merged_state_dict(state["model"], cfg.scale))
+    base = json.loads((ckpt_dir / ADAPTER_DIR / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    lora.save_adapter_dir(lora.adapter_tensors(state["model"]), cfg, out_dir / ADAPTER_DIR, base or "")

@@ -29,8 +29,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from transformers import AutoModelForCausalLM
 
 from rlbus.schemas.config import AlgorithmConfig, CriticConfig, RunConfig, TrainerConfig
+from rlbus.schemas.lora import LoraConfig
 from rlbus.trainer import algorithms as algo
-from rlbus.trainer import logprobs, packing
+from rlbus.trainer import logprobs, lora, packing
 from rlbus.trainer.critic import (
     VALUE_HEAD,
     Critic,
@@ -110,8 +111,10 @@ class TrainEngine:
         dtype: str = "float32",
         gradient_checkpointing: bool = False,
         critic_cfg: CriticConfig | None = None,
+        lora_cfg: LoraConfig | None = None,
     ) -> None:
         self.cfg = trainer_cfg
+        self.lora = lora_cfg or LoraConfig()
         self.algo = algo_cfg
         self.temperature = float(temperature)
         self.model_path = model_path
@@ -122,7 +125,7 @@ class TrainEngine:
         self.critic_cfg = critic_cfg or CriticConfig()
         shared = algo_cfg.adv_estimator == "gae" and self.critic_cfg.backbone == "shared"
         torch.manual_seed(trainer_cfg.seed)
-        self.model = self._load(model_path, dtype, gradient_checkpointing, value_head=shared)
+        self.model = self._load(model_path, dtype, gradient_checkpointing, value_head=shared, adapter=True)
         self.hidden_size = int(self.model.config.hidden_size)
         self.forward_positions = 0  # token-positions the forwards of this step ran (the metric perf/forward_positions)
         # Rows per recorded rank of the next step's batch (trainer/replay.py, for a run recorded on several ranks);
@@ -155,12 +158,15 @@ class TrainEngine:
         """
         return cls(model_path or cfg.model.path, cfg.trainer, cfg.algorithm, temperature=cfg.rollout.temperature,
                    dtype=cfg.model.dtype, gradient_checkpointing=cfg.model.gradient_checkpointing,
-                   critic_cfg=cfg.critic)  # fmt: skip
+                   critic_cfg=cfg.critic, lora_cfg=cfg.model.lora)  # fmt: skip
 
-    def _load(self, path: str, dtype: str, gradient_checkpointing: bool, *, value_head: bool = False) -> nn.Module:
+    def _load(self, path: str, dtype: str, gradient_checkpointing: bool, *, value_head: bool = False,
+              adapter: bool = False) -> nn.Module:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype])
         model.config.use_cache = False
         logprobs.install(model)
+        if adapter and self.lora.enabled:  # model.lora: the policy trains an adapter (the reference is the base)
+            lora.apply_lora(model, self.lora)
         if value_head:  # critic.backbone: shared; before sharding, so that the root unit holds it
             attach_value_head(model)
         return parallelize(
@@ -376,8 +382,9 @@ class TrainEngine:
             update_loss = vf_loss = 0.0
             for idx in self._micro_batches(part):
                 mb = None if idx is None else self._rows(data, idx)
-                out = self._forward(self.model, mb, with_entropy=not actor_waits, values=vh is not None,
-                                    value_grad=not actor_waits)  # fmt: skip
+                with lora.dropout_active(self.model, self.lora.dropout > 0):
+                    out = self._forward(self.model, mb, with_entropy=not actor_waits, values=vh is not None,
+                                        value_grad=not actor_waits)  # fmt: skip
                 loss = out.zero
                 if idx is not None and not actor_waits:
                     mask_bT = loss_mask_BT[idx]
@@ -438,7 +445,7 @@ class TrainEngine:
         kl_in_reward = self.ref_model is not None and not self.algo.use_kl_loss
         return (self.fuse_proximal and algo.needs_proximal(self.algo.off_policy) and self.cfg.mini_batches == 1
                 and not kl_in_reward and not self.correction.needs_whole_batch
-                and self.value_head is None)  # fmt: skip
+                and self.value_head is None and not self.lora.dropout)  # fmt: skip
 
     def _actor_waits(self) -> bool:
         """verl's critic_warmup: the actor first updates at step critic.critic_warmup (steps count from 1)."""
@@ -518,9 +525,24 @@ class TrainEngine:
         A collective: every rank must call it.
         """
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.lora.enabled:  # the adapter merged into the base weights, under the plain model's names
+            return lora.merged_state_dict(full, self.lora.scale) if full else {}
         if self.value_head is None:
             return full
         return {k: v for k, v in full.items() if not k.startswith(f"{VALUE_HEAD}.")}
+
+    def publish_state_dict(self) -> dict[str, torch.Tensor]:
+        """What a weight version publishes (rank 0; {} elsewhere): model.lora's adapter alone under `sync: adapter`,
+        else the full weights (merged under `sync: merged`). A collective."""
+        if self.lora.enabled and self.lora.sync == "adapter":
+            return self.adapter_state_dict()
+        return self.full_state_dict()
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """model.lora's adapter alone, whole, on CPU on rank 0 ({} elsewhere), in wire names
+        (`...q_proj.lora_A.weight`; trainer/lora.py). A collective."""
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+        return lora.adapter_tensors(get_model_state_dict(self.model, options=opts))
 
     def critic_full_state_dict(self) -> dict[str, torch.Tensor]:
         """The critic's full weights on CPU on rank 0 ({} elsewhere): the separate value model's (Hugging Face names),

@@ -45,6 +45,7 @@ from rlbus.schemas import staleness
 from rlbus.schemas.config import RunConfig
 from rlbus.schemas.config_io import to_yaml
 from rlbus.schemas.errors import BusError
+from rlbus.schemas.lora import weights_encoding
 from rlbus.schemas.wire import (
     ErrorRaised,
     EvalCompleted,
@@ -400,7 +401,7 @@ class TrainerService:
         info = await self.weight_store.put(self.version, state_dict)
         msg = WeightsPublished(version=self.version, step=self.step, num_bytes=info.num_bytes,
                                checksum=info.checksum, num_tensors=info.num_tensors, dtype=info.dtype,
-                               store=f"{self.cfg.name}")
+                               store=f"{self.cfg.name}", **weights_encoding(self.cfg.model.lora))
         # The id names this trainer process too: a trainer resumed from a checkpoint republishes that checkpoint's
         # version, and JetStream must not drop it as a duplicate of the dead process's announcement (whose
         # timeline is gone); within one process the id still de-duplicates a retried publish.

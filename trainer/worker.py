@@ -131,7 +131,7 @@ class StepWorker:
         state_dict = None
         if plan.publish:
             t0 = time.perf_counter()
-            state_dict = self.engine.full_state_dict()
+            state_dict = self.engine.publish_state_dict()
             timings["time/gather_weights"] = time.perf_counter() - t0
         if plan.checkpoint is not None:
             t0 = time.perf_counter()

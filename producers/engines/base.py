@@ -64,8 +64,15 @@ class RolloutEngine(abc.ABC):
         tokens as they are sampled (an engine that samples a call whole tells it once per prompt at the end)."""
 
     @abc.abstractmethod
-    async def load_weights(self, state_dict: Mapping[str, "torch.Tensor"], version: int) -> None:
-        """Load a full state dict (names as in the Hugging Face model) and hold `version` from the next chunk on."""
+    async def load_weights(self, state_dict: Mapping[str, "torch.Tensor"], version: int, *,
+                           partial: bool = False) -> None:
+        """Load a full state dict (names as in the Hugging Face model) and hold `version` from the next chunk on.
+        `partial` (an engine whose `loads_partial` is True): `state_dict` holds some tensors, the rest stay."""
+
+    @property
+    def loads_partial(self) -> bool:
+        """Whether `load_weights(..., partial=True)` replaces the tensors given and keeps the others."""
+        return False
 
     @property
     def updates_in_flight(self) -> bool:

@@ -264,10 +264,11 @@ class HFEngine(RolloutEngine):
 
         return lambda *step: loop.call_soon_threadsafe(deliver, *step)
 
-    def _load_sync(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+    def _load_sync(self, state_dict: Mapping[str, torch.Tensor], version: int, partial: bool = False) -> None:
         with self._load_lock:  # one load at a time; generation goes on while the new weights are copied
             own = self.model.state_dict(keep_vars=True)  # the Parameter / buffer objects themselves
-            missing = [k for k in own if k not in state_dict]
+            # partial: an adapter's layers, merged (producers/weight_sync.py); the other tensors stay as they are
+            missing = [] if partial else [k for k in own if k not in state_dict]
             # A tied lm_head is the embedding itself; senders may leave it out.
             if getattr(self.model.config, "tie_word_embeddings", False):
                 missing = [k for k in missing if k != "lm_head.weight"]
@@ -317,8 +318,13 @@ class HFEngine(RolloutEngine):
                 self.last_load_pause_s = time.perf_counter() - t0
                 self.last_load_work_s = staging_s + self.last_load_pause_s
 
-    async def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        await asyncio.to_thread(self._load_sync, state_dict, version)
+    async def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int, *,
+                           partial: bool = False) -> None:
+        await asyncio.to_thread(self._load_sync, state_dict, version, partial)
+
+    @property
+    def loads_partial(self) -> bool:
+        return True
 
     async def close(self) -> None:
         with self._lock:

@@ -97,6 +97,7 @@ class SimulatedEngine(RolloutEngine):
                 on_tokens(i, list(g.token_ids), list(g.log_probs))
         return out
 
-    async def load_weights(self, state_dict: Mapping[str, "torch.Tensor"], version: int) -> None:
+    async def load_weights(self, state_dict: Mapping[str, "torch.Tensor"], version: int, *,
+                           partial: bool = False) -> None:
         self._version = version
         self._loads.append((time.monotonic(), version))

@@ -344,8 +344,11 @@ class VLLMEngine(RolloutEngine):
                                  f"rollout.engine.load_timeout_s={self._cfg.load_timeout_s:g}s")
         return task.result()
 
-    async def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
+    async def load_weights(self, state_dict: Mapping[str, Any], version: int, *, partial: bool = False) -> None:
         from vllm.v1.engine.exceptions import EngineDeadError
+
+        if partial:  # the direct path fuses sibling projections (q, k, v): it needs every tensor
+            raise ValueError("vllm engine: loads whole state dicts only (loads_partial is False)")
 
         async with self._load_lock:
             t0 = time.perf_counter()

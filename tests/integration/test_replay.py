@@ -55,8 +55,8 @@ def make_groups(step: int, producers: tuple[str, ...] = ("p0", "p1")) -> tuple[l
 def run_config(run_dir: Path, model_dir: Path, mode: str = "full", **sections: dict) -> RunConfig:
     return from_dict({
         "name": "replaytest",
-        "model": {"path": str(model_dir)},
         **sections,
+        "model": {"path": str(model_dir), **sections.get("model", {})},
         "trainer": {"total_steps": NUM_STEPS, "groups_per_step": GROUPS_PER_STEP, "micro_batch_size": 3,
                     "mini_batches": 2, "lr": 1e-3, "checkpoint_interval": 2, "keep_checkpoints": 4},
         "rollout": {"n": GROUP_SIZE, "temperature": 0.9},

@@ -157,7 +157,8 @@ def teardown(run: str, cfg: RayConfig) -> list[str]:
         a["name"]
         for a in ray.util.list_named_actors(all_namespaces=True)
         if a["namespace"] == cfg.namespace
-        and (a["name"] == actor_name(run, "weights") or a["name"].startswith(actor_name(run, "tq-")))
+        and (a["name"] in (actor_name(run, "weights"), actor_name(run, "deltas"))
+             or a["name"].startswith(actor_name(run, "tq-")))
     ]
     for name in names:
         ray.kill(ray.get_actor(name, namespace=cfg.namespace), no_restart=True)

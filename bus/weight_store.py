@@ -89,9 +89,11 @@ class WeightStore:
         self._last: int | None = None  # the version this client put last
 
     @classmethod
-    def connect(cls, run: str, cfg: RayConfig) -> WeightStore:
+    def connect(cls, run: str, cfg: RayConfig, *, what: str = "weights") -> WeightStore:
+        """The run's store of full versions, or (`what="deltas"`) of the deltas between them
+        (trainer.weight_sync.encoding: delta), one actor each."""
         ensure_ray(cfg)
-        name = actor_name(run, "weights")
+        name = actor_name(run, what)
         actor = _WeightStoreActor.options(
             name=name, namespace=cfg.namespace, lifetime="detached", get_if_exists=True
         ).remote(cfg.weight_versions_kept, name)

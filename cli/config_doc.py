@@ -26,7 +26,8 @@ SECTIONS = {
     "env (type: data)": E.DataEnvConfig, "env (type: reasoning_gym)": E.ReasoningGymEnvConfig,
     "env.tasks[]": E.ReasoningGymTask, "env (type: verifiers)": E.VerifiersEnvConfig,
     "env (type: gym)": E.GymEnvConfig,
-    "algorithm": C.AlgorithmConfig, "trainer": C.TrainerConfig, "critic": C.CriticConfig, "feeder": C.FeederConfig,
+    "algorithm": C.AlgorithmConfig, "trainer": C.TrainerConfig, "trainer.weight_sync": L.WeightSyncConfig,
+    "critic": C.CriticConfig, "feeder": C.FeederConfig,
     "eval": C.EvalConfig,
     "logging": C.LoggingConfig, "launcher": C.LauncherConfig, "guard": C.GuardConfig,
 }

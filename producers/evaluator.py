@@ -30,7 +30,7 @@ from rlbus.bus.client import Bus
 from rlbus.bus.loop import run, serve
 from rlbus.bus.ray_cluster import ensure_ray
 from rlbus.bus.weight_store import WeightStore
-from rlbus.producers.weight_sync import WeightSync
+from rlbus.producers.weight_sync import WeightSync, connect_deltas
 from rlbus.common.data.datasets import example_to_task
 from rlbus.common.envs import load_heldout_tasks
 from rlbus.common.logs import setup_logging
@@ -112,7 +112,8 @@ class Evaluator:
         self.stack = build_rollout(eval_run_config(cfg), seed=cfg.trainer.seed)  # before Ray, as a producer's
         ensure_ray(cfg.ray)
         self.weight_store = WeightStore.connect(cfg.name, cfg.ray)
-        self.weight_sync = WeightSync(self.stack.engine, self.weight_store, self.stack.model_path)
+        self.weight_sync = WeightSync(self.stack.engine, self.weight_store, self.stack.model_path,
+                                      deltas=connect_deltas(cfg))
         heldout = load_heldout_tasks(cfg, cfg.eval.num_prompts, self.stack.tokenizer)
         self.tasks = [example_to_task(ex, task_id=f"eval-{ex.index}", n=cfg.eval.n) for ex in heldout]
         await self.bus.publish_event(RoleStarted(role="evaluator", role_id=EVALUATOR_ID, host=socket.gethostname(),
@@ -148,13 +149,13 @@ class Evaluator:
 
     async def _evaluate(self, published: WeightsPublished) -> None:
         t0 = time.perf_counter()
-        if not (published.version == 0 and not self._loaded) and published.checksum != self._loaded:
+        if not (published.version == 0 and not self._loaded) and published.weights_checksum != self._loaded:
             try:
                 await self.weight_sync.load(published)
             except (WeightsMissing, WeightsChecksumMismatch) as e:
                 log.warning("cannot evaluate v%d: %s", published.version, e)
                 return
-        self._loaded = published.checksum
+        self._loaded = published.weights_checksum
         groups = await self.stack.agent_loop.rollout_many(self.tasks, self.cfg.eval.n)
         seconds = time.perf_counter() - t0
         metrics = eval_metrics(groups)

@@ -32,7 +32,7 @@ from rlbus.bus.loop import raise_if_failed, run, serve
 from rlbus.bus.ray_cluster import ensure_ray
 from rlbus.bus.transfer_queue import TransferQueue
 from rlbus.bus.weight_store import WeightStore
-from rlbus.producers.weight_sync import WeightSync
+from rlbus.producers.weight_sync import WeightSync, connect_deltas
 from rlbus.common.logs import setup_logging
 from rlbus.common.threads import apply_torch_threads, lower_priority
 from rlbus.producers.agent_loops import AgentLoop
@@ -158,7 +158,7 @@ class Producer:
         ensure_ray(cfg.ray)  # from the main thread: a head it starts lives as long as this process
         self.tq = TransferQueue.connect(cfg.name, cfg.ray)
         self.weight_store = WeightStore.connect(cfg.name, cfg.ray)
-        self.weight_sync = WeightSync(self.engine, self.weight_store, stack.model_path)
+        self.weight_sync = WeightSync(self.engine, self.weight_store, stack.model_path, deltas=connect_deltas(cfg))
         latest = await self.bus.kv_get("latest", WeightsPublished)  # a late joiner starts from the newest weights
         if latest is not None:
             await self._load_version(latest)
@@ -409,14 +409,20 @@ class Producer:
 
     async def _load(self, published: WeightsPublished) -> None:
         async with self._load_lock:
-            if (published.version, published.checksum) == (self.engine.version, self._loaded_checksum):
+            if (published.version, published.weights_checksum) == (self.engine.version, self._loaded_checksum):
                 return
             if published.version == self.engine.version == 0 and not self._loaded_checksum:
-                self._loaded_checksum = published.checksum  # the base model the engine was built from
+                self._loaded_checksum = published.weights_checksum  # the base model the engine was built from
                 return
             # Raises WeightsChecksumMismatch unless the store's bytes are the ones announced.
-            await self.weight_sync.load(published)  # waits for the chunk in flight
-            self._loaded_checksum = published.checksum
+            fallback = await self.weight_sync.load(published)  # waits for the chunk in flight
+            self._loaded_checksum = published.weights_checksum
+            if fallback is not None:  # a delta this producer could not apply: it loaded the full copy
+                message = f"producer {self.producer_id}: weights v{published.version} loaded as a full copy, not " \
+                          f"as the delta from v{published.base_version}: {fallback}"
+                log.warning("%s", message)
+                await self.bus.publish_event(ErrorRaised(role="producer", role_id=self.producer_id,
+                                                         error="WeightsDeltaFallback", message=message, fatal=False))
             log.info("loaded weights v%d", published.version)
 
     async def _watch_engine(self) -> None:

@@ -18,7 +18,7 @@ from typing import Literal, Union
 import msgspec
 
 from rlbus.schemas.env import DataEnvConfig, EnvConfig
-from rlbus.schemas.lora import LoraConfig, check_lora
+from rlbus.schemas.lora import LoraConfig, WeightSyncConfig, check_lora
 from rlbus.schemas.sections import _need, _Section
 from rlbus.schemas.subjects import check_run_name
 
@@ -411,6 +411,7 @@ class TrainerConfig(_Section):
     grad_clip: float = 1.0  # max global gradient norm
     skip_zero_grad_updates: bool = True  # skip an update whose gradient is exactly 0 (AdamW's momentum alone)
     weight_sync_interval: int = 1  # publish weights every N optimizer updates
+    weight_sync: WeightSyncConfig = msgspec.field(default_factory=WeightSyncConfig)  # what a version publishes
     checkpoint_interval: int = 5  # steps between checkpoints
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
     seed: int = 0  # torch seed of the trainer
@@ -567,7 +568,7 @@ class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             check_run_name(self.name)
         except ValueError as e:
             raise ValueError(f"name: {e}") from None
-        check_lora(self.model.lora, self.algorithm.adv_estimator, self.critic.backbone)
+        check_lora(self.model.lora, self.algorithm.adv_estimator, self.critic.backbone, self.trainer.weight_sync)
         t = self.trainer
         # Weights published every N steps leave a producer's tokens up to N - 1 versions behind at best: beyond
         # max_staleness, the drop policy would discard every group and the run would never train.

@@ -8,6 +8,9 @@ adapter alone (`sync: adapter`, a few MB) or the merged weights (`sync: merged`,
     rlbus config show configs/quickstart.yaml model.lora.rank=8 model.lora.alpha=16     # docs/lora.md
 
 Needs the `lora` extra (`pip install 'rlbus[lora]'`, which is `peft`).
+
+Also here, the other side of what a version publishes under full fine-tuning: `trainer.weight_sync`, every weight or
+what changed since the version before (common/delta.py), in the dtype the producers' engines run.
 """
 
 from __future__ import annotations
@@ -50,8 +53,16 @@ class LoraConfig(_Section):
         return self.alpha / self.rank if self.rank else 0.0
 
 
-def check_lora(lora: LoraConfig, adv_estimator: str, backbone: str) -> None:
+class WeightSyncConfig(_Section):
+    encoding: Literal["full", "delta"] = "full"  # full fine-tuning: every weight, or what changed since the last version
+    dtype: Literal["float32", "bfloat16"] = "float32"  # versions are published in this dtype (the engines' own)
+
+
+def check_lora(lora: LoraConfig, adv_estimator: str, backbone: str, sync: WeightSyncConfig) -> None:
     """Refuse what LoRA cannot be combined with (raised as a ValueError naming the field, as a section's checks)."""
+    if lora.enabled and sync.encoding == "delta":
+        raise ValueError("trainer.weight_sync.encoding: delta is for full fine-tuning; with model.lora a version "
+                         "publishes the adapter alone (model.lora.sync: adapter), a few MB")
     if lora.enabled and adv_estimator == "gae" and backbone == "shared":
         raise ValueError("critic.backbone: shared puts the value head on the policy's transformer, which "
                          "model.lora freezes; use critic.backbone: separate (its own, fully trained model) with LoRA")

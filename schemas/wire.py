@@ -116,10 +116,19 @@ class WeightsPublished(Wire, tag="weights_published"):
     dtype: str = "float32"  # their dtype
     store: str = ""  # name of the weight-store actor holding it
     created_at: float = msgspec.field(default_factory=now)
-    # The payload: every weight ("full"), or model.lora's adapter alone ("adapter": a producer applies it to the base
-    # weights of model.path it was built from, W + adapter_scale * B A per layer).
-    encoding: str = "full"  # "full" | "adapter"
+    # The payload: every weight ("full"), model.lora's adapter alone ("adapter": a producer applies it to the base
+    # weights of model.path it was built from, W + adapter_scale * B A per layer), or what changed since version
+    # base_version ("delta", common/delta.py; the full copy is in the store too, for a producer that cannot apply it).
+    encoding: str = "full"  # "full" | "adapter" | "delta"
     adapter_scale: float = 0.0  # "adapter": model.lora alpha / rank
+    base_version: int = -1  # "delta": the version it applies to
+    base_checksum: str = ""  # "delta": that version's full checksum (the link a producer's weights must match)
+    full_checksum: str = ""  # under trainer.weight_sync.encoding delta: the full weights' checksum of this version
+
+    @property
+    def weights_checksum(self) -> str:
+        """The checksum of the weights this version stands for (a delta's own `checksum` is of the delta)."""
+        return self.full_checksum or self.checksum
 
 
 class StepCompleted(Wire, tag="step_completed"):

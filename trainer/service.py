@@ -34,7 +34,7 @@ import yaml
 from rlbus.bus.client import Bus
 from rlbus.bus.loop import raise_if_failed, run
 from rlbus.bus.ray_cluster import ensure_ray
-from rlbus.bus.weight_store import WeightStore
+from rlbus.trainer.publish import WeightPublisher
 from rlbus.common.envs import load_tasks
 from rlbus.common.logs import setup_logging
 from rlbus.common.model.ensure import ensure_model
@@ -45,7 +45,6 @@ from rlbus.schemas import staleness
 from rlbus.schemas.config import RunConfig
 from rlbus.schemas.config_io import to_yaml
 from rlbus.schemas.errors import BusError
-from rlbus.schemas.lora import weights_encoding
 from rlbus.schemas.wire import (
     ErrorRaised,
     EvalCompleted,
@@ -78,7 +77,7 @@ class TrainerService:
     version: int
     # Set by start(); None before (close() releases whatever start() got to).
     bus: Bus | None
-    weight_store: WeightStore | None
+    weight_store: WeightPublisher | None  # puts versions in the run's weight store (full, adapter or delta)
     feeder: Feeder | None
     batcher: Batcher | None
     metrics: MetricsLog | None
@@ -109,7 +108,7 @@ class TrainerService:
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
         self.bus = await Bus.connect(cfg.bus, cfg.name, name="trainer")
         await self.bus.ensure_streams(traj_max_ack_pending=cfg.traj_max_ack_pending)
-        self.weight_store = WeightStore.connect(cfg.name, cfg.ray)
+        self.weight_store = WeightPublisher(cfg)
         extra = self.worker.restored
         self.step = int(extra.get("step", 0))
         self.version = int(extra.get("version", 0))
@@ -254,8 +253,11 @@ class TrainerService:
         self._step_groups[self.step] = [g.group_id for g in groups]
         if publish:
             t0 = time.perf_counter()
-            await self._publish_weights(result.state_dict)
+            msg = await self._publish_weights(result.state_dict)
             row["time/publish_weights"] = time.perf_counter() - t0 + result.timings.get("time/gather_weights", 0.0)
+            row["weights/num_bytes"] = float(msg.num_bytes)  # what each producer fetches for this version
+            if self.weight_store.last_delta_density is not None:
+                row["weights/delta_density"] = self.weight_store.last_delta_density
         # The engine reports its train step's peak over ranks; this process also gathered and published weights.
         row["perf/peak_rss_gb"] = max(row.get("perf/peak_rss_gb", 0.0), peak_rss_bytes() / 1024**3)
         row["step"], row["version"] = self.step, self.version
@@ -397,11 +399,8 @@ class TrainerService:
         row.pop("time/gather_weights", None)
         return row
 
-    async def _publish_weights(self, state_dict: dict) -> None:
-        info = await self.weight_store.put(self.version, state_dict)
-        msg = WeightsPublished(version=self.version, step=self.step, num_bytes=info.num_bytes,
-                               checksum=info.checksum, num_tensors=info.num_tensors, dtype=info.dtype,
-                               store=f"{self.cfg.name}", **weights_encoding(self.cfg.model.lora))
+    async def _publish_weights(self, state_dict: dict) -> WeightsPublished:
+        msg = await self.weight_store.put(self.version, self.step, state_dict)
         # The id names this trainer process too: a trainer resumed from a checkpoint republishes that checkpoint's
         # version, and JetStream must not drop it as a duplicate of the dead process's announcement (whose
         # timeline is gone); within one process the id still de-duplicates a retried publish.
@@ -411,6 +410,7 @@ class TrainerService:
                                msg_id=f"weights-v{self.version}-s{self.step}-{self._incarnation}"
                                       + (f"-r{rollbacks}" if rollbacks else ""))
         await self.bus.kv_put("latest", msg)
+        return msg
 
     async def _checkpoint(self) -> None:
         trained = sorted(self.batcher.trained_ids())

@@ -87,3 +87,11 @@ def test_trainer_names_become_wire_names() -> None:
     assert set(merged) == {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.bias",
                            "model.embed_tokens.weight"}  # fmt: skip
     assert torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], torch.full((3, 2), 2.0))
+
+
+def test_delta_sync_is_for_full_fine_tuning() -> None:
+    with pytest.raises(ConfigError) as e:
+        from_dict({"model": {"path": "m", "lora": {"rank": 8}}, "trainer": {"weight_sync": {"encoding": "delta"}}})
+    assert "trainer.weight_sync.encoding" in str(e.value)
+    ok = from_dict({"model": {"path": "m"}, "trainer": {"weight_sync": {"encoding": "delta", "dtype": "bfloat16"}}})
+    assert ok.trainer.weight_sync.dtype == "bfloat16"

@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm-installed
 
-.PHONY: setup vllm run run-vllm test test-fast bench bench-trl clean
+.PHONY: setup vllm chromium run run-vllm test test-fast bench bench-trl clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,12 @@ $(VLLM_STAMP): $(STAMP)
 
 vllm: $(VLLM_STAMP)
 
+# Debian's Chromium for the inspector's browser tests (tests/support/browser.py; Playwright's own browser download is
+# not used), installed only when missing: a machine without it fails those tests, it does not skip them.
+chromium:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+		(apt-get update -q && apt-get install -y -q chromium)
+
 run: $(STAMP)
 	$(VENV)/bin/rlbus up configs/quickstart.yaml
 
@@ -50,11 +56,11 @@ run-vllm: $(VLLM_STAMP)
 # The vLLM engine's tests run on CPU: RLBUS_REQUIRE_VLLM makes a missing vllm a failure, not a skip. The suite runs
 # as two pytest processes at once (tests/shards.py: the system tests, mostly waiting, beside the rest); each shard's
 # whole output is in .pytest-shards/.
-test: $(VLLM_STAMP)
+test: $(VLLM_STAMP) chromium
 	RLBUS_REQUIRE_VLLM=1 $(PY) tests/shards.py -q -ra --durations=30
 
 # The tests not marked slow (no system test): the unit tests beside the integration tests, two processes at once.
-test-fast: $(VLLM_STAMP)
+test-fast: $(VLLM_STAMP) chromium
 	RLBUS_REQUIRE_VLLM=1 $(PY) tests/shards.py --fast -q -ra --durations=30
 
 # The quick benchmarks (a few minutes); bench/pipeline.py (about 20 minutes) runs on its own.

@@ -34,6 +34,7 @@ function merge(got) {
 }
 
 function drawOverview() {
+  if (!document.getElementById("chart")) return; // the user went to another view meanwhile
   const n = ROWS.length + 1, gap = 0.02, h = (1 - gap * (n - 1)) / n;
   const layout = { height: 150 * n, margin: { t: 20, l: 70, r: 20, b: 40 }, showlegend: true,
     legend: { orientation: "h", y: 1.04 }, xaxis: { title: { text: "step" }, anchor: "y" + n }, shapes: [] };

@@ -1,0 +1,147 @@
+"""`rlbus ui` in a real browser (Debian's Chromium, Playwright) on a run recorded by the real trainer and recorder
+(tests/integration/test_replay.py's record_run: a tiny Qwen2 trained 4 steps, tensors recorded, a checkpoint at
+step 2): no request passes without the run's token, every page loads without console errors, the sample page
+shows exactly the recorded tokens and masks of a known trajectory, and a replay started from the page returns the
+metrics `rlbus replay` returns.
+
+    .venv/bin/python -m pytest -q tests/integration/test_inspector.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlbus.consumers.event_log import load_rank_batch, read_steps
+from tests.integration.test_replay import GROUP_SIZE, GROUPS_PER_STEP, NUM_STEPS, record_run
+from tests.support.browser import (  # noqa: F401 (chromium: a fixture)
+    chromium,
+    http_status,
+    new_page,
+    replay_from_page,
+    replay_on_the_command_line,
+    ui_server,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return record_run(tmp_path_factory.mktemp("inspected"))
+
+
+@pytest.fixture(scope="module")
+def server(recorded: dict[str, Any]) -> Any:
+    with ui_server(recorded["run_dir"]) as (url, token):
+        yield url, token
+
+
+def test_nothing_answers_without_the_runs_token(server: tuple[str, str], recorded: dict[str, Any]) -> None:
+    url, token = server
+    for path in ("", "api/overview", "api/samples", "api/sample/1", "static/plotly.min.js", "static/app.js"):
+        assert http_status(url + path) == 401, path
+        assert http_status(url + path, {"Authorization": "Bearer not-the-token"}) == 401, path
+        assert http_status(url + path, {"Cookie": "rlbus_ui=wrong"}) == 401, path
+    assert http_status(url + "api/overview", {"Authorization": f"Bearer {token}"}) == 200
+    assert http_status(f"{url}?token={token}") == 302  # the printed URL: sets the cookie, drops the token
+    # the token lives in a private file of the run directory, and the server listens on loopback only
+    creds = recorded["run_dir"] / "creds" / "ui.json"
+    assert creds.stat().st_mode & 0o777 == 0o600 and creds.parent.stat().st_mode & 0o777 == 0o700
+    assert url.startswith("http://127.0.0.1:")
+
+
+def test_pages_load_and_the_sample_view_shows_the_recorded_tokens(chromium: Any, server: tuple[str, str],  # noqa: F811
+                                                                   recorded: dict[str, Any]) -> None:
+    url, token = server
+    errors: list[str] = []
+    page = new_page(chromium, errors)
+    page.goto(f"{url}?token={token}")
+    assert page.url == url  # the token left the address bar
+    page.wait_for_selector("#chart .main-svg")
+    assert page.inner_text("#last-step") == str(NUM_STEPS)
+    assert f"{NUM_STEPS} steps, {NUM_STEPS * GROUPS_PER_STEP * GROUP_SIZE} samples" in page.inner_text("#summary")
+
+    page.goto(url + "#samples")
+    page.wait_for_selector("#page-range")
+    assert page.inner_text("#page-range") == f"1–{NUM_STEPS * GROUPS_PER_STEP * GROUP_SIZE} of " \
+                                             f"{NUM_STEPS * GROUPS_PER_STEP * GROUP_SIZE}"
+    page.fill("input[name=step]", "3")
+    page.click("form#filters button")
+    page.wait_for_function("document.querySelector('#page-range').textContent.endsWith(' of 8')")
+
+    # A known trajectory: step 3, group 1, sample 2, as the trainer's batch holds it.
+    record = read_steps(recorded["run_dir"])[2]
+    (row,) = [i for i, r in enumerate(record.shards[0]) if (r.group, r.sample) == (1, 2)]
+    meta = record.groups[1].samples[2]
+    batch = load_rank_batch(recorded["run_dir"], 3, 0)
+    p, n = meta.prompt_len, meta.prompt_len + meta.response_len
+    ids, mask = batch["input_ids"][row, p:n].tolist(), batch["response_mask"][row, p:n].tolist()
+    versions = batch["versions"][row, p:n].tolist()
+    group = record.groups[1].group_id
+    sample_id = page.evaluate(f"""async () => (await (await fetch('/api/samples?step=3&group={group}'
+        + '&sort=step&limit=10')).json()).rows.find((r) => r.spos === 2).id""")
+    page.goto(f"{url}#sample/{sample_id}")
+    page.wait_for_selector(".tokens .tok")
+    spans = page.eval_on_selector_all(".tokens .tok", "xs => xs.map((x) => [x.textContent, x.className])")
+    assert [t.strip() for t, _ in spans] == [f"t{i}" if i > 1 else ("<eos>" if i == 1 else "<pad>") for i in ids]
+    assert [int(c.split(" m")[1]) for _, c in spans] == mask
+    assert mask[3:5] == [0, 0] and sum(mask) == len(mask) - 2  # the tool output the recording masked out
+    page.hover(".tokens .tok[data-i='5']")
+    info = page.inner_text("#tok-info")
+    assert f"id {ids[5]}" in info and f"version {versions[5]}" in info and "advantage" in info
+
+    page.goto(f"{url}#group/{sample_id}")
+    page.wait_for_function(f"document.querySelectorAll('.side > div').length === {GROUP_SIZE}")
+    for view in ("producers", "compare/3/4", "overview"):
+        page.goto(f"{url}#{view}")
+        page.wait_for_load_state("networkidle")
+    assert errors == []
+
+
+def test_replay_from_the_page_equals_rlbus_replay(chromium: Any, server: tuple[str, str],  # noqa: F811
+                                                  recorded: dict[str, Any], tmp_path: Path) -> None:
+    url, token = server
+    errors: list[str] = []
+    page = new_page(chromium, errors)
+    page.goto(f"{url}?token={token}")
+    page.goto(f"{url}#compare/3/4")
+    page.wait_for_selector("#rp textarea")
+    shown = replay_from_page(page, "trainer.lr=5e-3", timeout_ms=240_000)
+    verdict = page.inner_text("#replay-verdict")
+    expected = replay_on_the_command_line(recorded["run_dir"], 3, ["trainer.lr=5e-3"], tmp_path / "replay.json")
+    assert shown == expected
+    assert "differs from the recorded run" in verdict  # another LR: a what-if, not the recorded step
+    assert any(m == "actor/pg_loss" for _, m, _ in shown)
+    assert errors == []
+
+
+def test_proximal_log_probs_recomputed_from_the_page_give_the_recorded_mismatch(
+        chromium: Any, server: tuple[str, str], recorded: dict[str, Any]) -> None:  # noqa: F811
+    """Proximal log-probs are not recorded; the page recomputes a step's by replay (cli/ui_proximal.py), and the
+    behaviour/proximal mismatch of the step's tokens it then shows averages to the step's recorded
+    `mismatch/kl_k1` (sum of mask * (log mu - log pi_prox) over the step's tokens, over their count)."""
+    url, token = server
+    errors: list[str] = []
+    page = new_page(chromium, errors)
+    page.goto(f"{url}?token={token}")
+    ids = page.evaluate("async () => (await (await fetch('/api/samples?step=3&limit=50')).json())"
+                        ".rows.map((r) => r.id)")
+    page.goto(f"{url}#sample/{ids[0]}")
+    page.wait_for_selector("#prox")
+    page.click("#prox")
+    page.wait_for_function("document.querySelector('#prox') === null && document.querySelector('.tokens .tok')",
+                           timeout=240_000)
+    page.select_option("#by", "mismatch")
+    page.hover(".tokens .tok[data-i='0']")
+    assert "proximal - ·" not in page.inner_text("#tok-info")  # a number, not the dash of a missing value
+    tokens = page.evaluate("async (ids) => (await Promise.all(ids.map(async (i) => (await (await fetch("
+                           "'/api/sample/' + i)).json()).tokens))).flat()", ids)
+    trained = [t for t in tokens if t["mask"] == 1]
+    assert trained and all(t["proximal"] is not None for t in trained)
+    k1 = sum(t["logprob"] - t["proximal"] for t in trained) / len(trained)
+    recorded_k1 = recorded["rows"][2]["mismatch/kl_k1"]
+    assert k1 == pytest.approx(recorded_k1, rel=1e-4, abs=1e-6)
+    assert errors == []

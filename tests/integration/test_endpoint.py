@@ -11,7 +11,6 @@ tokens; a bad request gets the error the client raises for it; a key works only 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import os
@@ -22,107 +21,28 @@ from pathlib import Path
 
 import openai
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlbus.common.data.datasets import load_dataset
 from rlbus.common.model.demos import prompt_messages
-from rlbus.common.model.init_model import init_model
 from rlbus.producers.agent_loops import make_agent_loop
 from rlbus.producers.agent_loops.openai_agent import AgentFailed
 from rlbus.producers.agents.calculator import CALCULATOR_TOOL
-from rlbus.producers.endpoint import Endpoint
-from rlbus.producers.engines.hf import HFEngine
 from rlbus.producers.rewards import load_reward
-from rlbus.schemas.config import HFEngineConfig
-from rlbus.schemas.config_io import from_dict
-from rlbus.schemas.wire import PromptTask
-from rlbus.trainer.engine import token_log_probs
+from tests.support.endpoint import (  # noqa: F401 - fixtures among them
+    AGENT,
+    assert_token_exact,
+    chat,
+    hot_stack,
+    model_dir,
+    policy,
+    run_config,
+    stack,
+    started,
+    tasks,
+    trainer_log_probs,
+)
 from tests.support.engines import one_torch_thread  # noqa: F401 - a fixture (pytestmark below)
 
-AGENT = "rlbus.producers.agents.calculator:rollout"
-
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    # 60 warm-start steps (~10 s): enough for the model to call the calculator in about half of its first turns.
-    return init_model(tmp_path_factory.mktemp("endpoint") / "model", steps=60, check_target=0, num_threads=1,
-                      log=lambda *_: None)
-
-
-def run_config(model_dir, function: str = AGENT, **rollout):
-    return from_dict(
-        {
-            "model": {"path": str(model_dir)},
-            "data": {"type": "synthetic", "num_examples": 16},
-            "rollout": {
-                "agent_loop": "openai",
-                "openai": {"function": function},
-                "max_new_tokens": 40,
-                "max_response_tokens": 120,
-                **rollout,
-            },
-        }
-    )
-
-
-@contextlib.asynccontextmanager
-async def started(model_dir, **rollout):
-    """(config, engine, agent loop) with the endpoint started; the engine's sampling is seeded."""
-    cfg = run_config(model_dir, **rollout)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    engine = HFEngine(str(model_dir), HFEngineConfig(), seed=0)
-    loop = make_agent_loop(cfg, engine, tokenizer, {}, load_reward(cfg.rollout))
-    await loop._ensure_started()
-    try:
-        yield cfg, engine, loop
-    finally:
-        await loop.close()
-        await engine.close()
-
-
-@pytest.fixture(scope="module")
-async def stack(model_dir):
-    async with started(model_dir) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-async def hot_stack(model_dir):
-    """A run sampling at temperature 3: the model rarely picks its eos, so replies run long."""
-    async with started(model_dir, temperature=3.0) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def policy(model_dir):
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-def tasks(cfg, k: int) -> list[PromptTask]:
-    data = load_dataset(cfg.data, None)
-    return [PromptTask(task_id=f"t{i}", prompt=data[i].prompt, ground_truth=data[i].ground_truth) for i in range(k)]
-
-
-def trainer_log_probs(policy, traj, temperature: float) -> torch.Tensor:
-    """What the trainer computes for the sequence (trainer/engine.py), at the response positions."""
-    ids_BT = torch.tensor([traj.prompt_ids + traj.response_ids])
-    with torch.no_grad():
-        logits_BTV = policy(input_ids=ids_BT).logits
-    return token_log_probs(logits_BTV, ids_BT, temperature)[0, len(traj.prompt_ids) :]
-
-
-def assert_token_exact(policy, traj, temperature: float = 1.0) -> None:
-    mask = torch.tensor(traj.response_mask).bool()
-    captured = torch.tensor(traj.log_probs)
-    recomputed = trainer_log_probs(policy, traj, temperature)
-    assert (recomputed[mask] - captured[mask]).abs().max() < 1e-4  # importance weight 1 at the same version
-    assert captured[~mask].eq(0).all() and all(v == -1 for v, m in zip(traj.versions, traj.response_mask) if not m)
-    assert all(v == 0 for v, m in zip(traj.versions, traj.response_mask) if m)
-
 
 def agents_sdk(function: str = "rollout") -> str:
     pytest.importorskip("agents", reason="the OpenAI Agents SDK is the optional extra rlbus[agents]")
@@ -286,9 +206,6 @@ def _is_json_object(text: str) -> bool:
         return False
 
 
-async def _chat(endpoint, session, **kwargs):
-    async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=session.key, max_retries=0) as client:
-        return await client.chat.completions.create(model="policy", **kwargs)
 
 
 async def test_tool_choice_forces_a_call_of_the_right_function_and_none_forbids_one(stack, policy):
@@ -299,7 +216,7 @@ async def test_tool_choice_forces_a_call_of_the_right_function_and_none_forbids_
     endpoint, tok = loop.endpoint, loop.tokenizer
     ask = {"messages": prompt_messages("What is 12*31?"), "n": 8, "seed": 3, "max_tokens": 40}
     with endpoint.conversation() as auto_session:
-        auto = await _chat(endpoint, auto_session, tools=[CALCULATOR_TOOL], **ask)
+        auto = await chat(endpoint, auto_session, tools=[CALCULATOR_TOOL], **ask)
     calls = [bool(c.message.tool_calls) for c in auto.choices]
     assert 0 < sum(calls) < 8, calls  # the model left to itself both calls and answers
     for choice, tools, name in [
@@ -307,7 +224,7 @@ async def test_tool_choice_forces_a_call_of_the_right_function_and_none_forbids_
         ({"type": "function", "function": {"name": "lookup"}}, [CALCULATOR_TOOL, LOOKUP_TOOL], "lookup"),
     ]:
         with endpoint.conversation() as session:
-            out = await _chat(endpoint, session, tools=tools, tool_choice=choice, **ask)
+            out = await chat(endpoint, session, tools=tools, tool_choice=choice, **ask)
         for c in out.choices:
             assert [t.function.name for t in c.message.tool_calls] == [name] and c.message.content is None
             # A call cut by max_tokens says so (the unknown "lookup" sends the tiny model rambling).
@@ -322,7 +239,7 @@ async def test_tool_choice_forces_a_call_of_the_right_function_and_none_forbids_
             assert traj.prompt_ids[-len(opening) :] == opening and all(traj.response_mask)
             assert_token_exact(policy, traj)
     with endpoint.conversation() as session:
-        none = await _chat(endpoint, session, tools=[CALCULATOR_TOOL], tool_choice="none", **ask)
+        none = await chat(endpoint, session, tools=[CALCULATOR_TOOL], tool_choice="none", **ask)
     assert all(c.message.tool_calls is None and c.finish_reason in ("stop", "length") for c in none.choices)
     sampled = [t.response_ids for t in auto_session.capture.trajectories()]
     assert [t.response_ids for t in session.capture.trajectories()] == sampled  # the same samples as "auto"'s
@@ -336,13 +253,13 @@ async def test_a_forced_opening_inside_a_conversation_is_context(stack, policy):
     endpoint, tok = loop.endpoint, loop.tokenizer
     messages = prompt_messages("What is 12*31?")
     with endpoint.conversation() as session:
-        first = await _chat(endpoint, session, messages=messages, tools=[CALCULATOR_TOOL], tool_choice="required")
+        first = await chat(endpoint, session, messages=messages, tools=[CALCULATOR_TOOL], tool_choice="required")
         message = first.choices[0].message
         messages += [
             message.model_dump(exclude_none=True),
             {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "372"},
         ]
-        second = await _chat(endpoint, session, messages=messages, tools=[CALCULATOR_TOOL], tool_choice="required")
+        second = await chat(endpoint, session, messages=messages, tools=[CALCULATOR_TOOL], tool_choice="required")
     assert second.choices[0].message.tool_calls[0].function.name == "calculator"
     [traj] = session.capture.trajectories()
     assert traj.num_turns == 2
@@ -350,163 +267,6 @@ async def test_a_forced_opening_inside_a_conversation_is_context(stack, policy):
     inserted = [t for t, m in zip(traj.response_ids, traj.response_mask) if not m]
     assert inserted[-len(opening) :] == opening and "<tool_response>372" in tok.decode(inserted)
     assert_token_exact(policy, traj)
-
-
-async def _stream_chat(endpoint, session, **kwargs) -> tuple[list[dict], object]:
-    """A streamed chat call through the openai client, its chunks folded into one message per choice."""
-    async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=session.key, max_retries=0) as client:
-        stream = await client.chat.completions.create(
-            model="policy", stream=True, stream_options={"include_usage": True}, **kwargs
-        )
-        folded: dict[int, dict] = {}
-        usage = None
-        async for chunk in stream:
-            usage = chunk.usage or usage
-            for c in chunk.choices:
-                m = folded.setdefault(c.index, {"content": "", "tool_calls": {}, "finish_reason": None, "lps": []})
-                m["content"] += c.delta.content or ""
-                for tc in c.delta.tool_calls or ():
-                    call = m["tool_calls"].setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
-                    call["id"] = tc.id or call["id"]
-                    call["name"] += tc.function.name or ""
-                    call["arguments"] += tc.function.arguments or ""
-                if c.logprobs and c.logprobs.content:
-                    m["lps"] += [lp.logprob for lp in c.logprobs.content]
-                m["finish_reason"] = c.finish_reason or m["finish_reason"]
-    return [folded[i] for i in sorted(folded)], usage
-
-
-@pytest.mark.parametrize("tool_choice", ["auto", "required"])
-async def test_a_streamed_call_is_the_same_reply_and_the_same_capture(stack, policy, tool_choice):
-    """stream=True through the openai client: the chunks fold into the message the same seeded call returns
-    unstreamed (content, tool_calls deltas, finish reason, log-probs, usage), and the captured sequences are equal."""
-    _, _, loop = stack
-    endpoint = loop.endpoint
-    ask = {
-        "messages": prompt_messages("What is 7*19?"),
-        "tools": [CALCULATOR_TOOL],
-        "tool_choice": tool_choice,
-        "n": 3,
-        "seed": 11,
-    }
-    with endpoint.conversation() as plain_session:
-        plain = await _chat(endpoint, plain_session, logprobs=True, **ask)
-    with endpoint.conversation() as stream_session:
-        streamed, usage = await _stream_chat(endpoint, stream_session, logprobs=True, **ask)
-    assert len(streamed) == 3 and usage.completion_tokens == plain.usage.completion_tokens
-    for choice, folded in zip(plain.choices, streamed):
-        calls = [(t.id, t.function.name, t.function.arguments) for t in choice.message.tool_calls or ()]
-        assert [(c["id"][-2:], c["name"], c["arguments"]) for c in folded["tool_calls"].values()] == [
-            (i[-2:], n, a) for i, n, a in calls
-        ]
-        assert folded["content"] == (choice.message.content or "")
-        assert folded["finish_reason"] == choice.finish_reason
-        assert folded["lps"] == [lp.logprob for lp in choice.logprobs.content]
-    if tool_choice == "required":
-        assert all(f["tool_calls"] for f in streamed)
-    for a, b in zip(plain_session.capture.trajectories(), stream_session.capture.trajectories(), strict=True):
-        assert (a.prompt_ids, a.response_ids, a.response_mask, a.log_probs) == (
-            b.prompt_ids,
-            b.response_ids,
-            b.response_mask,
-            b.log_probs,
-        )
-        assert_token_exact(policy, b)
-
-
-async def test_a_streamed_completion(stack):
-    _, _, loop = stack
-    endpoint = loop.endpoint
-    prompt = "<|im_start|>user\nWhat is 3+4?<|im_end|>\n<|im_start|>assistant\n"
-    with endpoint.conversation() as session:
-        async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=session.key, max_retries=0) as client:
-            plain = await client.completions.create(model="policy", prompt=prompt, max_tokens=12, seed=5)
-            stream = await client.completions.create(model="policy", prompt=prompt, max_tokens=12, seed=5, stream=True)
-            chunks = [c async for c in stream]
-    assert "".join(c.choices[0].text for c in chunks) == plain.choices[0].text
-    assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
-
-
-async def _long_story(client):
-    """A streamed call whose reply runs long (on hot_stack, at temperature 3: the model rarely picks its eos)."""
-    return await client.chat.completions.create(
-        model="policy", messages=prompt_messages("Tell me a long story."), max_tokens=100, seed=4, stream=True,
-    )
-
-
-async def test_a_stream_sends_text_while_the_reply_is_sampled(hot_stack):
-    """The first content delta reaches the client before the call is over (its capture is recorded when the engine
-    returns), and later deltas keep coming: the reply is streamed, not sampled whole and then sent."""
-    _, _, loop = hot_stack
-    endpoint = loop.endpoint
-    with endpoint.conversation() as session:
-        async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=session.key, max_retries=0) as client:
-            stream = await _long_story(client)
-            deltas, recorded_at_first = [], None
-            async for chunk in stream:
-                for c in chunk.choices:
-                    if c.delta.content:
-                        if recorded_at_first is None:
-                            recorded_at_first = session.capture.num_calls
-                        deltas.append(c.delta.content)
-        [traj] = session.capture.trajectories()
-    assert recorded_at_first == 0, "the first delta came after the reply was sampled whole"
-    assert sum(traj.response_mask) > 30 and len(deltas) > 10, (len(deltas), sum(traj.response_mask))
-
-
-class FailsMidway(HFEngine):
-    """The real engine, whose generation breaks after its first tokens were reported (as a dead engine core's)."""
-
-    async def generate(self, prompts, params, on_tokens=None):
-        gens = await super().generate(prompts, params)
-        if on_tokens is not None:
-            for i, gen in enumerate(gens):
-                on_tokens(i, gen.token_ids[:3], gen.log_probs[:3])
-        await asyncio.sleep(0.05)
-        raise RuntimeError("engine core died")
-
-
-async def test_a_failure_after_the_first_delta_ends_the_stream_with_an_error(model_dir):
-    """The client raises OpenAI's APIError from the error event; the rollout carries the engine's error."""
-    cfg = run_config(model_dir, temperature=3.0)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    engine = FailsMidway(str(model_dir), HFEngineConfig(), seed=0)
-    endpoint = Endpoint(engine, tokenizer, cfg.rollout)
-    await endpoint.start()
-    try:
-        with endpoint.conversation() as session:
-            got = []
-            async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=session.key, max_retries=0) as client:
-                stream = await client.chat.completions.create(
-                    model="policy", messages=prompt_messages("What is 2+2?"), max_tokens=20, temperature=3.0, seed=1,
-                    stream=True,
-                )
-                with pytest.raises(openai.APIError, match="engine core died"):
-                    async for chunk in stream:
-                        got += [c.delta.content for c in chunk.choices if c.delta.content]
-            assert got, "the stream failed before its first delta"
-            assert isinstance(session.capture.failure, RuntimeError) and session.capture.trajectories() == []
-    finally:
-        await endpoint.close()
-        await engine.close()
-
-
-async def test_a_client_that_hangs_up_cancels_its_call(hot_stack):
-    """A stream closed after its first delta: the call is cancelled (nothing of it captured), the endpoint answers
-    the next call."""
-    _, _, loop = hot_stack
-    endpoint = loop.endpoint
-    with endpoint.conversation() as session:
-        async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=session.key, max_retries=0) as client:
-            stream = await _long_story(client)
-            async for chunk in stream:
-                if any(c.delta.content for c in chunk.choices):
-                    break
-            await stream.close()
-            await asyncio.sleep(0.5)
-            assert session.capture.num_calls == 0
-            ok = await client.chat.completions.create(model="policy", messages=prompt_messages("2+2?"), max_tokens=4)
-            assert ok.choices[0].finish_reason in ("stop", "length", "tool_calls") and session.capture.num_calls == 1
 
 
 async def test_a_stop_sequence_ends_the_reply_and_the_sequence_at_its_token(stack, policy):
@@ -517,14 +277,14 @@ async def test_a_stop_sequence_ends_the_reply_and_the_sequence_at_its_token(stac
     endpoint, tok = loop.endpoint, loop.tokenizer
     messages = prompt_messages("What is 25+17?")
     with endpoint.conversation() as session:
-        free = await _chat(endpoint, session, messages=messages, seed=7, max_tokens=30)
+        free = await chat(endpoint, session, messages=messages, seed=7, max_tokens=30)
     [whole] = session.capture.trajectories()
     text = free.choices[0].message.content
     assert len(text) >= 12, text
     stop = text[6:9]
     assert stop not in text[:8]  # its first occurrence is where we cut it from
     with endpoint.conversation() as session:
-        out = await _chat(endpoint, session, messages=messages, seed=7, max_tokens=30, stop=[stop, "never-seen"])
+        out = await chat(endpoint, session, messages=messages, seed=7, max_tokens=30, stop=[stop, "never-seen"])
         assert out.choices[0].message.content == text[:6] and out.choices[0].finish_reason == "stop"
         [traj] = session.capture.trajectories()
         k = len(traj.response_ids)
@@ -532,7 +292,7 @@ async def test_a_stop_sequence_ends_the_reply_and_the_sequence_at_its_token(stac
         assert stop in tok.decode(traj.response_ids) and stop not in tok.decode(traj.response_ids[:-1])
         assert traj.finish_reason == "stop" and out.usage.completion_tokens == k
         reply = out.choices[0].message.model_dump(exclude_none=True)
-        await _chat(endpoint, session, messages=messages + [reply, {"role": "user", "content": "and?"}], max_tokens=5)
+        await chat(endpoint, session, messages=messages + [reply, {"role": "user", "content": "and?"}], max_tokens=5)
     [traj] = session.capture.trajectories()
     assert traj.response_ids[k] == tok.eos_token_id and traj.response_mask[k] == 0  # the eos it never sampled
     assert_token_exact(policy, traj)
@@ -566,14 +326,17 @@ async def test_an_agent_in_another_process_drives_its_rollouts(model_dir, stack,
     assert loop.endpoint._sessions == {}  # every key died with its rollout
 
 
-@pytest.mark.parametrize("mode,expect", [("bad_model", "exited with code 1.*NotFoundError"), ("hang", "TimeoutError")])
+# The failing agent gets room to start its interpreter and import openai on a busy machine; the hanging one is cut
+# off after a few seconds.
+@pytest.mark.parametrize("mode,expect,timeout_s", [("bad_model", "exited with code 1.*NotFoundError", 60.0),
+                                                   ("hang", "TimeoutError", 4.0)])
 async def test_a_failing_or_hanging_agent_process_fails_its_rollout(
-    model_dir, stack, tmp_path, monkeypatch, mode, expect
+    model_dir, stack, tmp_path, monkeypatch, mode, expect, timeout_s
 ):
     _, engine, base = stack
     monkeypatch.setenv("AGENT_MODE", mode)
     monkeypatch.setenv("AGENT_PID_FILE", str(tmp_path / "pid"))
-    cfg, loop = command_loop(model_dir, engine, base.tokenizer, timeout_s=4.0)
+    cfg, loop = command_loop(model_dir, engine, base.tokenizer, timeout_s=timeout_s)
     try:
         with pytest.raises(AgentFailed, match=expect):
             await loop.rollout_group(tasks(cfg, 1)[0], 1)

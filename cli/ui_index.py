@@ -32,7 +32,7 @@ import msgspec
 from rlbus.consumers.event_log import KINDS, STEPS_FILE, Entry, StepRecord, events_dir
 
 #: Bump when the tables change: an index of another version is rebuilt.
-INDEX_VERSION = 1
+INDEX_VERSION = 2
 INDEX_FILE = "index.sqlite"
 #: The metrics drawn by the overview, stored as columns (the whole row is kept too, for the step comparison).
 OVERVIEW_KEYS = ("reward/mean", "eval/accuracy", "actor/entropy", "mismatch/kl_k3", "mismatch/kl_k1",
@@ -53,11 +53,13 @@ CREATE TABLE IF NOT EXISTS samples (id INTEGER PRIMARY KEY, step INTEGER, gpos I
     rank INTEGER, row INTEGER, group_id TEXT, task_id TEXT, producer_id TEXT, reward REAL, prompt_len INTEGER,
     response_len INTEGER, num_turns INTEGER, num_tool_calls INTEGER, finish_reason TEXT, min_version INTEGER,
     max_version INTEGER, staleness INTEGER);
-CREATE INDEX IF NOT EXISTS samples_step ON samples (step, gpos, spos);
+CREATE INDEX IF NOT EXISTS samples_step ON samples (step);
 CREATE INDEX IF NOT EXISTS samples_reward ON samples (reward);
 CREATE INDEX IF NOT EXISTS samples_staleness ON samples (staleness);
 CREATE INDEX IF NOT EXISTS samples_length ON samples (response_len);
 CREATE INDEX IF NOT EXISTS samples_task ON samples (task_id);
+CREATE INDEX IF NOT EXISTS samples_turns ON samples (num_turns);
+CREATE INDEX IF NOT EXISTS samples_tools ON samples (num_tool_calls);
 CREATE TABLE IF NOT EXISTS prompts (task_id TEXT PRIMARY KEY, text TEXT, ground_truth TEXT, data_source TEXT,
     released_version INTEGER, t REAL);
 CREATE TABLE IF NOT EXISTS heartbeats (t REAL, producer_id TEXT, pid INTEGER, host TEXT, version INTEGER,

@@ -71,7 +71,7 @@ def samples_page(index: RunIndex, q: dict[str, str]) -> dict[str, Any]:
     if q.get("q"):
         where.append("s.task_id IN (SELECT task_id FROM prompts WHERE text LIKE ?)")
         args.append(f"%{q['q']}%")
-    sort = SORTS.get(q.get("sort", "step"), "step")
+    sort = SORTS.get(q.get("sort", "step"), "step")  # each has an index, ordered by (column, id): no sort step
     order = "DESC" if q.get("desc", "0") in ("1", "true") else "ASC"
     limit = max(1, min(int(q.get("limit", 50)), PAGE_MAX))
     offset = max(0, int(q.get("offset", 0)))
@@ -79,7 +79,7 @@ def samples_page(index: RunIndex, q: dict[str, str]) -> dict[str, Any]:
     total = index.db.execute(f"SELECT count(*) FROM samples s WHERE {cond}", args).fetchone()[0]
     rows = index.rows(f"SELECT s.id, s.step, s.gpos, s.spos, s.group_id, s.producer_id, s.reward, s.prompt_len, "
                       f"s.response_len, s.num_turns, s.num_tool_calls, s.finish_reason, s.min_version, "
-                      f"s.max_version, s.staleness FROM samples s WHERE {cond} ORDER BY s.{sort} {order}, s.id "
+                      f"s.max_version, s.staleness FROM samples s WHERE {cond} ORDER BY s.{sort} {order}, s.id {order} "
                       f"LIMIT ? OFFSET ?", (*args, limit, offset))
     prompts = {r["task_id"]: r["text"] for r in index.rows(
         f"SELECT task_id, text FROM prompts WHERE task_id IN ({','.join('?' * len(rows))})",

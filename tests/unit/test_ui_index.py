@@ -12,6 +12,8 @@ import os
 import stat
 from pathlib import Path
 
+import pytest
+
 from rlbus.cli.ui_index import RunIndex
 from rlbus.cli.ui_views import compare, overview, samples_page
 from rlbus.consumers.recorder import Recorder
@@ -103,3 +105,13 @@ def test_a_read_only_run_directory_is_indexed_elsewhere(tmp_path: Path) -> None:
         assert overview(index)["series"]["step"] == [1]
     finally:
         os.chmod(run, mode)
+
+
+def test_the_inspector_serves_loopback_addresses_only() -> None:
+    from rlbus.cli.ui import check_loopback
+
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        check_loopback(host)
+    for host in ("0.0.0.0", "::", "10.1.2.3", "example.org"):
+        with pytest.raises(SystemExit, match="not a loopback address"):
+            check_loopback(host)

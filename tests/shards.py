@@ -35,7 +35,7 @@ SHARDS = {
 #: a minute; the FSDP2 integration tests (CPU-bound, spawned gloo ranks) go beside them, the rest of the integration
 #: tests (real servers, much of it waiting) in the other shard.
 _FSDP = [f"tests/integration/{name}.py" for name in
-         ("test_fsdp", "test_shared_critic", "test_critic", "test_mixed_precision", "test_safe_loading")]
+         ("test_fsdp", "test_shared_critic", "test_critic", "test_mixed_precision", "test_safe_loading", "test_lora")]
 FAST_SHARDS = {
     "unit+fsdp": ["tests/unit", "tests/gpu", *_FSDP, "-m", "not slow"],
     "integration": ["tests/integration", *(f"--ignore={path}" for path in _FSDP), "-m", "not slow"],

@@ -52,7 +52,8 @@ class WeightPublisher:
 
     async def put(self, version: int, step: int, state_dict: dict[str, torch.Tensor]) -> WeightsPublished:
         encoding = weights_encoding(self.cfg.model.lora)
-        if encoding["encoding"] == "full" and self.dtype != torch.float32:  # adapters travel as trained
+        cast = encoding["encoding"] == "full" and self.dtype != torch.float32  # adapters travel as trained
+        if cast:
             state_dict = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
         info = await self.store.put(version, state_dict)
         msg = WeightsPublished(version=version, step=step, num_bytes=info.num_bytes, checksum=info.checksum,
@@ -61,7 +62,10 @@ class WeightPublisher:
         self.last_delta_density = None
         if not self.delta_mode:
             return msg
-        last, self._last = self._last, (version, info.checksum, state_dict)
+        # The next delta is taken from a copy of our own: at world size 1 the gathered tensors are the trainer's
+        # live parameters, which the next step moves in place.
+        kept = state_dict if cast else {k: v.clone() for k, v in state_dict.items()}
+        last, self._last = self._last, (version, info.checksum, kept)
         msg.full_checksum = info.checksum
         if last is None:
             return msg

@@ -97,3 +97,18 @@ async def test_deltas_chain_and_fall_back_to_full_copies(tiny_model: Path, ray_c
     assert all(torch.equal(t, want[3][k]) for k, t in engine_weights(bad).items())
     for e in (engine, late, gap, bad):
         await e.close()
+
+
+async def test_the_publisher_takes_the_next_delta_from_its_own_copy(tiny_model: Path, ray_config, run_name) -> None:
+    """At world size 1 the trainer hands over its live parameters, which the next step moves in place: the delta
+    must still be taken from the version as it was published."""
+    cfg = from_dict({"name": run_name, "model": {"path": str(tiny_model)}, "ray": msgspec.structs.asdict(ray_config),
+                     "trainer": {"weight_sync": {"encoding": "delta"}}})  # fmt: skip
+    publisher = WeightPublisher(cfg)
+    live = versions(tiny_model, 0)[0]
+    await publisher.put(0, 0, live)
+    with torch.no_grad():
+        live["model.norm.weight"].add_(1.0)  # an optimizer step, in place
+    msg = await publisher.put(1, 1, live)
+    assert msg.encoding == "delta" and publisher.last_delta_density == pytest.approx(
+        live["model.norm.weight"].numel() / sum(t.numel() for t in live.values()))

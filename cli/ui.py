@@ -29,6 +29,7 @@ import hmac
 import importlib.util
 import ipaddress
 import json
+import math
 import os
 import re
 import secrets
@@ -303,7 +304,20 @@ class Inspector:
 
 
 def _dumps(obj: Any) -> str:
-    return json.dumps(obj, allow_nan=False, default=str)
+    try:
+        return json.dumps(obj, allow_nan=False, default=str)
+    except ValueError:  # a NaN or an infinity (a metrics row may hold one): JSON has none, the page shows "-"
+        return json.dumps(_finite(obj), allow_nan=False, default=str)
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 async def serve(run_dir: Path, host: str, port: int, *, show_token: bool = True) -> None:

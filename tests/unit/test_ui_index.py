@@ -115,3 +115,16 @@ def test_the_inspector_serves_loopback_addresses_only() -> None:
     for host in ("0.0.0.0", "::", "10.1.2.3", "example.org"):
         with pytest.raises(SystemExit, match="not a loopback address"):
             check_loopback(host)
+
+
+def test_a_non_finite_metric_is_served_as_null(tmp_path: Path) -> None:
+    from rlbus.cli.ui import _dumps
+
+    run = tmp_path / "run"
+    _record(run, Recorder(run, "metadata"), 1)
+    with (run / "metrics.jsonl").open("a") as f:  # metrics.jsonl is json.dumps': a NaN loss is written as NaN
+        f.write(json.dumps({"step": 2, "version": 2, "actor/pg_loss": float("nan"), "reward/mean": 0.5}) + "\n")
+    index = RunIndex.open(run)
+    served = json.loads(_dumps(compare(index, 1, 2)))
+    assert {m["metric"]: m["b"] for m in served["metrics"]}["actor/pg_loss"] is None
+    assert json.loads(_dumps(overview(index)))["series"]["reward/mean"] == [0.1, 0.5]

@@ -34,7 +34,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch  # noqa: E402
 
-from bench.common import machine, machine_line, write_section  # noqa: E402
+from bench.common import git_commit, machine, machine_line, write_section  # noqa: E402
 from bench.critic import make_batch  # noqa: E402
 from bench.weights import model_dir as smollm2_dir  # noqa: E402
 from rlbus.schemas.config import AlgorithmConfig, TrainerConfig  # noqa: E402
@@ -179,6 +179,7 @@ def main() -> None:
     args = ap.parse_args()
     model = args.model or str(smollm2_dir())
     command = "python bench/lora.py " + " ".join(sys.argv[1:])
+    started = time.strftime("%Y-%m-%dT%H:%M:%S")
     with tempfile.TemporaryDirectory() as tmp:
         trainer = {v: spawn_local(1, _train, model, r, args.steps, args.threads, tmp)[0] for v, r in VARIANTS.items()}
         from rlbus.bus.ray_cluster import ensure_ray
@@ -186,8 +187,8 @@ def main() -> None:
 
         ensure_ray(RayConfig(num_cpus=2))
         sync = asyncio.run(_sync(model, tmp, args.steps, args.loads, f"bench-lora-{int(time.time())}"))
-    res = {"machine": machine(), "command": command, "date": time.strftime("%Y-%m-%d"), "trainer": trainer,
-           "sync": sync}  # fmt: skip
+    res = {"machine": machine(), "command": command, "commit": git_commit(), "started": started,
+           "trainer": trainer, "sync": sync}  # fmt: skip
     args.results.write_text(json.dumps(res, indent=2) + "\n")
     lines = table(res, command)
     print("\n".join(lines))

@@ -170,6 +170,18 @@ def _recorder(files: list[dict[str, Any]]) -> Reading:
                    ratio=f"{d['overhead_frac']:.1%} of a training step")
 
 
+def _lora(files: list[dict[str, Any]]) -> Reading:
+    d = files[0]
+    t, s = d["trainer"], d["sync"]
+    full, r8 = t["full"]["step_s"], t["lora_r8"]["step_s"]
+    fb = s["full float32"]["bytes"]["median"]
+    return Reading(value=f"LoRA r8 step {r8['median']:.1f} s (full {full['median']:.1f} s); a version's bytes: "
+                         f"adapter {s['adapter r8']['bytes']['median'] / fb:.2%}, bf16 delta "
+                         f"{s['delta bfloat16']['bytes']['median'] / fb:.1%} of a float32 copy's",
+                   spread=f"{r8['min']:.1f}-{r8['max']:.1f} s over {r8['n']} steps",
+                   ratio=f"{full['median'] / r8['median']:.2f}x full fine-tuning's step")
+
+
 def _endpoint(files: list[dict[str, Any]]) -> Reading:
     c = files[0]["calls"]
     return Reading(value=f"{c['overhead_ms']:.1f} ms added per call", spread=f"p90 {c['overhead_p90_ms']:.1f} ms",
@@ -253,6 +265,7 @@ FIGURES: tuple[Figure, ...] = (
     Figure("Weight sync (SmolLM2, 651 MB)", "Weights", ("weights.json",), _weights, headline=True),
     Figure("Event recorder (logging.record: full)", "Recorder", ("recorder.json",), _recorder),
     Figure("OpenAI-compatible endpoint", "OpenAI endpoint", ("endpoint.json",), _endpoint),
+    Figure("LoRA and weight sync (SmolLM2)", "LoRA and weight sync", ("lora.json",), _lora),
 )
 
 

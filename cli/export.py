@@ -1,7 +1,9 @@
 """`rlbus export RUN_DIR/checkpoints/step_N OUT`: a trainer checkpoint as a Hugging Face model directory.
 
 The tokenizer comes from the run's base model (`model.path` in `RUN_DIR/config.yaml`). The result loads with
-`AutoModelForCausalLM.from_pretrained(OUT)` and `AutoTokenizer.from_pretrained(OUT)` (and by vLLM).
+`AutoModelForCausalLM.from_pretrained(OUT)` and `AutoTokenizer.from_pretrained(OUT)` (and by vLLM). A run with
+`model.lora` exports the adapter merged into OUT and the adapter alone as a peft directory in OUT/adapter
+(`peft.PeftModel.from_pretrained(base, OUT/adapter)`); a run with a critic, the critic in OUT/critic.
 """
 
 from __future__ import annotations

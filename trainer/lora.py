@@ -60,7 +60,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
 
 
 def is_adapter(name: str) -> bool:
-    return ".lora_A." in name or ".lora_B." in name or name.endswith((".lora_A.weight", ".lora_B.weight"))
+    return ".lora_A." in name or ".lora_B." in name
 
 
 def _clean(name: str) -> str:

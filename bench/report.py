@@ -170,6 +170,18 @@ def _recorder(files: list[dict[str, Any]]) -> Reading:
                    ratio=f"{d['overhead_frac']:.1%} of a training step")
 
 
+def _inspector(files: list[dict[str, Any]]) -> Reading:
+    d = files[0]
+    pages = d["pages"]
+    slowest = max(pages, key=lambda name: pages[name]["max_s"])
+    return Reading(value=f"{d['open']['server_first_answer_s']:.1f} s to open {d['run']['steps']:,} steps and "
+                         f"{d['run']['samples']:,} samples; every page <= "
+                         f"{max(v['median_s'] for v in pages.values()) * 1e3:.0f} ms (median)",
+                   spread=f"slowest request {pages[slowest]['max_s'] * 1e3:.0f} ms ({slowest}, first after start), "
+                          f"{d['repeats']} per page",
+                   ratio=f"index built once in {d['open']['first_s']:.1f} s, then cached")
+
+
 def _lora(files: list[dict[str, Any]]) -> Reading:
     d = files[0]
     t, s = d["trainer"], d["sync"]
@@ -266,6 +278,7 @@ FIGURES: tuple[Figure, ...] = (
     Figure("Event recorder (logging.record: full)", "Recorder", ("recorder.json",), _recorder),
     Figure("OpenAI-compatible endpoint", "OpenAI endpoint", ("endpoint.json",), _endpoint),
     Figure("LoRA and weight sync (SmolLM2)", "LoRA and weight sync", ("lora.json",), _lora),
+    Figure("Web inspector (`rlbus ui`) on a large run", "Inspector", ("inspector.json",), _inspector),
 )
 
 

@@ -18,6 +18,7 @@ errors}.jsonl (formats in docs/event-log.md). Tests: `pytest tests/unit/test_ui_
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -32,7 +33,7 @@ import msgspec
 from rlbus.consumers.event_log import KINDS, STEPS_FILE, Entry, StepRecord, events_dir
 
 #: Bump when the tables change: an index of another version is rebuilt.
-INDEX_VERSION = 2
+INDEX_VERSION = 3
 INDEX_FILE = "index.sqlite"
 #: The metrics drawn by the overview, stored as columns (the whole row is kept too, for the step comparison).
 OVERVIEW_KEYS = ("reward/mean", "eval/accuracy", "actor/entropy", "mismatch/kl_k3", "mismatch/kl_k1",
@@ -48,7 +49,8 @@ CREATE TABLE IF NOT EXISTS metrics (step INTEGER, is_eval INTEGER, row TEXT,
 CREATE INDEX IF NOT EXISTS metrics_step ON metrics (step);
 CREATE TABLE IF NOT EXISTS discarded (step INTEGER, row TEXT);
 CREATE TABLE IF NOT EXISTS steps (step INTEGER PRIMARY KEY, trained_version INTEGER, version INTEGER,
-    world_size INTEGER, payload TEXT, num_groups INTEGER, num_samples INTEGER, created_at REAL);
+    world_size INTEGER, payload TEXT, num_groups INTEGER, num_samples INTEGER, created_at REAL, pos INTEGER,
+    len INTEGER);
 CREATE TABLE IF NOT EXISTS samples (id INTEGER PRIMARY KEY, step INTEGER, gpos INTEGER, spos INTEGER,
     rank INTEGER, row INTEGER, group_id TEXT, task_id TEXT, producer_id TEXT, reward REAL, prompt_len INTEGER,
     response_len INTEGER, num_turns INTEGER, num_tool_calls INTEGER, finish_reason TEXT, min_version INTEGER,
@@ -101,6 +103,7 @@ class RunIndex:
     path: Path
     db: sqlite3.Connection
     generation: int  # bumped whenever a source was read again from its start: pages holding old rows reload
+    _starts: list[int]  # while a reader runs: the file position of each of its lines
     _readers: dict[str, tuple[Path, Callable[[list[bytes]], None], tuple[str, ...]]]
 
     def __init__(self, run_dir: str | os.PathLike, path: Path):
@@ -195,7 +198,10 @@ class RunIndex:
         end = data.rfind(b"\n") + 1  # whole lines only: a line being written is read next time
         if end == 0:
             return False
-        add([ln for ln in data[:end].split(b"\n") if ln.strip()])
+        raw = data[:end].split(b"\n")[:-1]  # the last piece is what follows the final newline: nothing
+        starts = itertools.accumulate((len(ln) + 1 for ln in raw), initial=offset)
+        self._starts = [at for at, ln in zip(starts, raw) if ln.strip()]  # each line's place in the file
+        add([ln for ln in raw if ln.strip()])
         offset += end
         with path.open("rb") as f:
             tail = _tail(f, offset)
@@ -219,7 +225,7 @@ class RunIndex:
                             ((int(r["step"]), ln.decode()) for ln in lines if "step" in (r := json.loads(ln))))
 
     def _add_steps(self, lines: list[bytes]) -> None:
-        for ln in lines:
+        for ln, at in zip(lines, self._starts):
             rec = _STEP_DEC.decode(ln)
             # The last record of a step wins (a step redone after a crash), as consumers.event_log.read_steps says.
             self.db.execute("DELETE FROM samples WHERE step=?", (rec.step,))
@@ -236,9 +242,9 @@ class RunIndex:
                                 "reward, prompt_len, response_len, num_turns, num_tool_calls, finish_reason, "
                                 "min_version, max_version, staleness) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                                 rows)
-            self.db.execute("INSERT OR REPLACE INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            self.db.execute("INSERT OR REPLACE INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                             (rec.step, rec.trained_version, rec.version, rec.world_size, rec.payload,
-                             len(rec.groups), len(rows), rec.created_at))
+                             len(rec.groups), len(rows), rec.created_at, at, len(ln)))
 
     def _decoded(self, kind: str, lines: list[bytes]) -> Iterable[Any]:
         dec = self._decoders[kind]
@@ -294,6 +300,15 @@ class RunIndex:
         cur = self.db.execute(sql, args)
         names = [d[0] for d in cur.description]
         return [dict(zip(names, r)) for r in cur.fetchall()]
+
+    def step_record(self, step: int) -> StepRecord | None:
+        """Step `step`'s record, read from its own line of events/steps.jsonl (not the whole file)."""
+        got = self.db.execute("SELECT pos, len FROM steps WHERE step=?", (step,)).fetchone()
+        if got is None:
+            return None
+        with (events_dir(self.run_dir) / STEPS_FILE).open("rb") as f:
+            f.seek(got[0])
+            return _STEP_DEC.decode(f.read(got[1]))
 
     def checkpoints(self) -> list[int]:
         """Steps of the checkpoints on disk now (older ones were pruned: trainer.keep_checkpoints)."""

@@ -102,10 +102,15 @@ class Tokens:
     _tokenizer: Any
     _loaded: bool
     _lock: threading.Lock
+    _algo: Any  # the run's AlgorithmConfig, read once
+    _adv_step: tuple[int, int]  # (step, index generation) of the advantages in _adv
+    _adv: Any  # that step's advantages [B, T], ranks in order
+    _adv_offsets: list[int]  # each rank's first row in _adv
 
     def __init__(self, run_dir: Path, index_dir: Path):
         self.run_dir, self.index_dir = run_dir, index_dir
         self._tokenizer, self._loaded, self._lock = None, False, threading.Lock()
+        self._algo, self._adv_step, self._adv, self._adv_offsets = None, (-1, -1), None, []
 
     def tokenizer(self) -> Any:
         """The run's tokenizer (model.path of RUN_DIR/config.yaml), or None where that directory is not here: a
@@ -172,26 +177,33 @@ class Tokens:
     def _advantages(self, index: RunIndex, s: dict[str, Any]) -> tuple[list[float] | None, str]:
         """The sample's token advantages, computed as the trainer did (trainer/algorithms/advantages.py) from the
         step's recorded rewards, masks and groups; None (and why) where they need what is not recorded."""
-        from rlbus.consumers.event_log import load_step_batch, read_steps
-        from rlbus.schemas.config_io import load_config
-        from rlbus.trainer.algorithms.advantages import compute_advantages
-
         cfg_path = self.run_dir / "config.yaml"
         if not cfg_path.is_file():
             return None, "RUN_DIR/config.yaml is missing: the estimator is unknown"
-        algo = load_config(cfg_path).algorithm
+        from rlbus.consumers.event_log import load_step_batch
+        from rlbus.trainer.algorithms.advantages import compute_advantages
+
+        if self._algo is None:
+            from rlbus.schemas.config_io import load_config
+
+            self._algo = load_config(cfg_path).algorithm
+        algo = self._algo
         if algo.adv_estimator == "gae":
             return None, "gae: advantages need the critic's values, which are not recorded"
         if algo.kl_coef > 0 and not algo.use_kl_loss:
             return None, "the KL penalty in the reward needs the reference model's log-probs, which are not recorded"
-        record = next((r for r in read_steps(self.run_dir) if r.step == s["step"]), None)
-        if record is None:
-            return None, "no step record"
-        batch = load_step_batch(self.run_dir, record)
-        adv = compute_advantages(batch["token_level_rewards"], batch["response_mask"], batch["group_index"],
-                                 estimator=algo.adv_estimator, norm_by_std=algo.norm_adv_by_std, gamma=algo.gamma)
-        offset = sum(len(rows) for rows in record.shards[:s["rank"]])
-        return adv[offset + s["row"]].tolist(), f"{algo.adv_estimator}, recomputed from the recorded rewards"
+        if self._adv_step != (s["step"], index.generation):  # one step's kept: a group's samples come in a row
+            record = index.step_record(s["step"])
+            if record is None:
+                return None, "no step record"
+            batch = load_step_batch(self.run_dir, record)
+            self._adv = compute_advantages(batch["token_level_rewards"], batch["response_mask"], batch["group_index"],
+                                           estimator=algo.adv_estimator, norm_by_std=algo.norm_adv_by_std,
+                                           gamma=algo.gamma)
+            self._adv_offsets = [sum(len(rows) for rows in record.shards[:r]) for r in range(len(record.shards))]
+            self._adv_step = (s["step"], index.generation)
+        row = self._adv_offsets[s["rank"]] + s["row"]
+        return self._adv[row].tolist(), f"{algo.adv_estimator}, recomputed from the recorded rewards"
 
 
 def _load_tokenizer(run_dir: Path) -> Any:

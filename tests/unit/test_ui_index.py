@@ -62,6 +62,9 @@ def test_the_index_follows_appends_and_cut_backs(tmp_path: Path) -> None:
     assert index.generation > generation
     assert overview(index)["series"]["step"] == [1, 2, 3]
     assert [r[0] for r in index.db.execute("SELECT DISTINCT step FROM samples ORDER BY step")] == [1, 2, 3]
+    # each step's record is read from its own line of the rewritten file
+    assert [index.step_record(s).step for s in (1, 2, 3)] == [1, 2, 3] and index.step_record(4) is None
+    assert index.step_record(3).groups[0].group_id == "e0-i30-a0"
     index.close()
 
     again = RunIndex.open(run)  # cached: nothing re-read, same answers

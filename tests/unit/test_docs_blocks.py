@@ -224,7 +224,8 @@ def _check_rlbus(argv: list[str], env: dict[str, str], ws: Path, model_dir, what
     assert argv, f"{what}: no subcommand"
     if argv[0] in cli.PASSTHROUGH:
         main = {"init-model": "rlbus.common.model.init_model", "rollout": "rlbus.producers.rollout_dry_run",
-                "events": "rlbus.cli.events", "replay": "rlbus.trainer.replay", "schema": "rlbus.cli.schema"}[argv[0]]
+                "events": "rlbus.cli.events", "replay": "rlbus.trainer.replay", "schema": "rlbus.cli.schema",
+                "ui": "rlbus.cli.ui"}[argv[0]]
         args = _parse_with(importlib.import_module(main).main, argv[1:], what)
         if getattr(args, "overrides", None) is not None:
             _check_config(getattr(args, "config", None) if argv[0] == "rollout" else None, args.overrides, ws, what)

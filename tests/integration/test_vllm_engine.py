@@ -206,6 +206,38 @@ async def test_weights_load_in_flight_and_versions_stay_true(engine, model_dir, 
           f"(load work {engine.last_load_work_s:.3f}s)")
 
 
+async def test_an_adapter_version_goes_in_merged_through_the_in_place_load(engine, model_dir, ray_config, run_name):
+    """model.lora's adapter-only versions reach vLLM as a whole state dict, the adapted layers merged into the base
+    (producers/weight_sync.py): vLLM's own LoRA serving is not used."""
+    from rlbus.bus.weight_store import WeightStore
+    from rlbus.common.lora import merge_adapter
+    from rlbus.producers.weight_sync import WeightSync
+    from rlbus.schemas.wire import WeightsPublished
+
+    assert not engine.loads_partial
+    base_model = AutoModelForCausalLM.from_pretrained(model_dir)
+    base = base_model.state_dict()
+    g = torch.Generator().manual_seed(5)
+    adapter = {}
+    for i in range(SPEC.num_hidden_layers):
+        for m in ("self_attn.q_proj", "mlp.down_proj"):
+            o, n = base[f"model.layers.{i}.{m}.weight"].shape
+            adapter[f"model.layers.{i}.{m}.lora_A.weight"] = torch.randn(4, n, generator=g) * 0.2
+            adapter[f"model.layers.{i}.{m}.lora_B.weight"] = torch.randn(o, 4, generator=g) * 0.2
+    ws = WeightStore.connect(run_name, ray_config)
+    version = engine.version + 1
+    info = await ws.put(version, adapter)
+    await WeightSync(engine, ws, str(model_dir)).load(WeightsPublished(
+        version=version, step=version, num_bytes=info.num_bytes, checksum=info.checksum, encoding="adapter",
+        adapter_scale=2.0))  # fmt: skip
+    assert engine.version == version
+    base_model.load_state_dict({**base, **merge_adapter(base, adapter, 2.0)})
+    prompts = _prompts(4)
+    gens = await engine.generate(prompts, SamplingParams(max_new_tokens=12, seed=4))
+    assert all(g.versions() == [version] * 12 for g in gens)
+    assert _max_diff(base_model.eval(), prompts, gens, 1.0) < LOGPROB_TOL
+
+
 async def test_seeded_long_prompts_under_load_keep_the_engine_alive(engine):
     """Sixteen seeded requests of 200-token prompts at once: more prompt than one step's token budget (2048), which
     with chunked prefill split a prompt, and vLLM's CPU worker died discarding a seeded request's token ("CPU

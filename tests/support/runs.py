@@ -68,6 +68,18 @@ def small_run_config(name: str, run_dir: Path, model_dir: Path, bus_url: str, cr
     return cfg
 
 
+def run_up(tmp_path: Path, cfg: dict[str, Any], timeout: float = 900) -> Path:
+    """`rlbus up` of `cfg` (written to tmp_path/run.yaml) to the end; it must exit 0 (else its log's tail fails the
+    test). Returns the config's path."""
+    cfg_path = write_config(tmp_path / "run.yaml", cfg)
+    up = start_role("up", cfg_path, tmp_path / "logs", name="up")
+    try:
+        assert up.wait(timeout=timeout) == 0, (tmp_path / "logs" / "up.log").read_text()[-4000:]
+    finally:
+        stop(up, signal.SIGKILL)
+    return cfg_path
+
+
 def start_role(role: str, cfg_path: Path, log_dir: Path, *extra: str, name: str | None = None,
                creds: dict[str, str] | None = None) -> subprocess.Popen:
     """`rlbus <role> CONFIG ...` as its own process; with `creds` (tests.support.nats_server.run_creds) it gets only

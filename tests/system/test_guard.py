@@ -11,14 +11,13 @@ trainer's log-probs differ by ~1e-9 even at staleness 0), so the rule fires on t
 from __future__ import annotations
 
 import json
-import signal
 
 import pytest
 
 from rlbus.consumers.event_log import read_entries, read_steps
 from rlbus.trainer.metrics import DISCARDED_FILE, read_metrics
 from rlbus.trainer.replay import replay
-from tests.support.runs import check_ledger, small_run_config, start_role, stop, write_config
+from tests.support.runs import check_ledger, run_up, small_run_config
 
 pytestmark = pytest.mark.slow
 
@@ -34,12 +33,7 @@ def test_guard_warns_tightens_rolls_back_and_replays(tmp_path, tiny_model_dir, r
                            guard={"max_mismatch_kl": 1e-12, "cooldown_steps": 3, "tighten_steps": 3,
                                   "tighten_max_staleness": 0, "max_rollbacks": 1,
                                   "rule_actions": {"mismatch_kl": ["warn", "rollback"]}})
-    cfg_path = write_config(tmp_path / "run.yaml", cfg)
-    up = start_role("up", cfg_path, tmp_path / "logs", name="up")
-    try:
-        assert up.wait(timeout=900) == 0, (tmp_path / "logs" / "up.log").read_text()[-4000:]
-    finally:
-        stop(up, signal.SIGKILL)
+    run_up(tmp_path, cfg)
 
     # The event log: every action the guard took, the rollback among them.
     actions = [e.msg for e in read_entries(run_dir, "guard")]

@@ -10,7 +10,6 @@ The rollback is forced as in tests/system/test_guard.py (guard.max_mismatch_kl=1
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 
@@ -19,7 +18,7 @@ import pytest
 from rlbus.consumers.event_log import read_entries
 from rlbus.trainer.metrics import read_metrics
 from rlbus.trainer.replay import replay
-from tests.support.runs import check_ledger, small_run_config, start_role, stop, write_config
+from tests.support.runs import check_ledger, run_up, small_run_config
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("peft")
@@ -42,12 +41,7 @@ def test_lora_job_syncs_adapters_rolls_back_replays_and_exports(tmp_path, tiny_m
                            rollout={"num_producers": 2, "reward": "length_reward:reward"},
                            guard={"max_mismatch_kl": 1e-12, "cooldown_steps": 3, "max_rollbacks": 1,
                                   "rule_actions": {"mismatch_kl": ["warn", "rollback"]}})  # fmt: skip
-    cfg_path = write_config(tmp_path / "run.yaml", cfg)
-    up = start_role("up", cfg_path, tmp_path / "logs", name="up")
-    try:
-        assert up.wait(timeout=900) == 0, (tmp_path / "logs" / "up.log").read_text()[-4000:]
-    finally:
-        stop(up, signal.SIGKILL)
+    run_up(tmp_path, cfg)
 
     # Every version went out as the adapter alone, a small fraction of the model's bytes.
     full_bytes = sum(t.numel() * t.element_size() for t in AutoModelForCausalLM.from_pretrained(tiny_model_dir)

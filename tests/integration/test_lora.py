@@ -163,3 +163,30 @@ def test_lora_beside_a_separate_critic_replays_bit_for_bit(tmp_path: Path) -> No
     live, replayed = recorded["engine"].adapter_state_dict(), engine.adapter_state_dict()
     assert live and all(torch.equal(live[k], replayed[k]) for k in live)
     assert not all(torch.equal(recorded["weights"][2][k], recorded["weights"][4][k]) for k in recorded["weights"][4])
+
+
+def test_lora_dropout_acts_in_the_update_only(tiny_model: Path) -> None:
+    """Dropout on the adapter's input runs in the update's forwards; the scoring passes stay deterministic (as the
+    producers' are), and the proximal log-probs come from a pass of their own, not from a dropped-out forward."""
+    from rlbus.trainer.dist import destroy_distributed, init_distributed
+    from rlbus.trainer.lora import dropout_active
+
+    torch.set_num_threads(1)
+    init_distributed("cpu")
+    try:
+        engine = _engine(str(tiny_model), LoraConfig(rank=4, alpha=8.0, dropout=0.5, target_modules=["q_proj"]))
+        drops = [m for n, m in engine.model.named_modules() if "lora_dropout" in n and isinstance(m, torch.nn.Dropout)]
+        assert drops and not any(m.training for m in drops)  # from the start, not only after an update
+        engine.train_step(make_batch(seed=1))  # B moves off zero: the adapter now changes the output
+        batch = make_batch(seed=2)
+        assert not engine._proximal_from_update()
+        first, second = engine.compute_log_probs(batch), engine.compute_log_probs(batch)
+        assert torch.equal(first, second)
+        with torch.no_grad(), dropout_active(engine.model, True):
+            dropped = engine.compute_log_probs(batch)
+        assert not torch.equal(dropped, first)
+        assert not any(m.training for m in drops)
+        plain = _engine(str(tiny_model), LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj"]))
+        assert plain._proximal_from_update()
+    finally:
+        destroy_distributed()

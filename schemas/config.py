@@ -143,7 +143,7 @@ class VLLMEngineConfig(_Section, tag="vllm", tag_field="type"):
     max_model_len: int = 4096  # longest prompt + response vLLM plans for (clamped to the model's positions)
     max_num_seqs: int = 64  # requests vLLM decodes together (continuous batching)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # weights; auto: bfloat16 on GPU, float32 on CPU
-    enforce_eager: bool | None = None  # no CUDA graphs / torch.compile; None: on for CPU, off for GPU
+    enforce_eager: bool | None = None  # no CUDA graphs / torch.compile; None: on for CPU (no C++ compiler), off for GPU
     update_mode: Literal["keep", "abort"] = "keep"  # requests in flight at a weight load: keep (continue on the new
     # weights, KV recomputed) or abort (end now, resubmitted with their prefix)
     cpu_kv_cache_gib: int = 1  # CPU only: KV cache size (vLLM's default share of RAM fails on a busy machine)

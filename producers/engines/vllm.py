@@ -66,8 +66,16 @@ def _on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def _engine_env(cfg: VLLMEngineConfig) -> None:
+def _engine_env(cfg: VLLMEngineConfig, *, cpu_eager: bool) -> None:
     """Environment the engine core and worker processes inherit (they are spawned after this)."""
+    if cpu_eager:
+        # Eager on CPU means no torch.compile at all: vLLM still compiles a few helpers with inductor (the sampler's
+        # log-prob ranks), which needs a C++ compiler at run time; without one the engine core dies at the first
+        # sample. Disabled here, for the processes vLLM forks and those it spawns, they run as plain PyTorch.
+        import torch._dynamo
+
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+        torch._dynamo.config.disable = os.environ["TORCHDYNAMO_DISABLE"] == "1"
     # Every listener vLLM opens stays on loopback (its default is the machine's outward address).
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     # The CPU build sizes its KV cache from this (GiB); its default share of RAM refuses to start on a busy machine.
@@ -168,7 +176,10 @@ class VLLMEngine(RolloutEngine):
 
     def __init__(self, model_path: str, engine_cfg: VLLMEngineConfig, *, version: int = 0, seed: int | None = None,
                  trust_remote_code: bool = False):
-        _engine_env(engine_cfg)
+        gpu = _on_gpu()
+        # On CPU, torch.compile costs start-up time (tens of seconds) for little gain on small models.
+        eager = engine_cfg.enforce_eager if engine_cfg.enforce_eager is not None else not gpu
+        _engine_env(engine_cfg, cpu_eager=eager and not gpu)
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
@@ -185,7 +196,6 @@ class VLLMEngine(RolloutEngine):
         self.last_load_path = ""
         self.num_resubmitted = 0
         self.update_mode = engine_cfg.update_mode
-        gpu = _on_gpu()
         dtype = engine_cfg.dtype if engine_cfg.dtype != "auto" else ("bfloat16" if gpu else "float32")
         self.max_model_len = _model_max_len(model_path, engine_cfg.max_model_len)
         args = AsyncEngineArgs(
@@ -197,8 +207,7 @@ class VLLMEngine(RolloutEngine):
             tensor_parallel_size=engine_cfg.tensor_parallel_size,
             max_model_len=self.max_model_len,
             max_num_seqs=engine_cfg.max_num_seqs,
-            # On CPU, torch.compile costs start-up time (tens of seconds) for little gain on small models.
-            enforce_eager=engine_cfg.enforce_eager if engine_cfg.enforce_eager is not None else not gpu,
+            enforce_eager=eager,
             trust_remote_code=trust_remote_code,
             logprobs_mode="processed_logprobs",
             generation_config="vllm",  # our SamplingParams are the whole truth, not the model's generation_config

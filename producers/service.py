@@ -411,7 +411,8 @@ class Producer:
         async with self._load_lock:
             if (published.version, published.weights_checksum) == (self.engine.version, self._loaded_checksum):
                 return
-            if published.version == self.engine.version == 0 and not self._loaded_checksum:
+            if published.version == self.engine.version == 0 and not self._loaded_checksum \
+                    and not published.full_checksum:  # delta sync: load it, the next delta applies to it
                 self._loaded_checksum = published.weights_checksum  # the base model the engine was built from
                 return
             # Raises WeightsChecksumMismatch unless the store's bytes are the ones announced.

@@ -1,9 +1,10 @@
-"""A LoRA job under a real `rlbus up` (embedded NATS, local Ray, trainer and two producer processes, HF engine):
-every version after 0 is published as the adapter alone, producers apply it and roll out on it (their groups carry
-the versions), the guard's rollback restores the adapter from a checkpoint, `rlbus replay` reproduces the redone
-steps bit for bit, `rlbus export` writes the merged model and the adapter directory, and the ledger is clean.
+"""Under a real `rlbus up` (embedded NATS, local Ray, trainer and two producer processes, HF engine):
 
-The rollback is forced as in tests/system/test_guard.py (guard.max_mismatch_kl=1e-12).
+- a LoRA job: every version after 0 is published as the adapter alone, producers apply it and roll out on it (their
+  groups carry the versions), the guard's rollback restores the adapter from a checkpoint, `rlbus replay` reproduces
+  the redone steps bit for bit, `rlbus export` writes the merged model and the adapter directory, the ledger is
+  clean (the rollback is forced as in tests/system/test_guard.py: guard.max_mismatch_kl=1e-12);
+- a full fine-tuning job with delta sync: versions chained by checksums, applied by the producers.
 
     .venv/bin/python -m pytest -q tests/system/test_lora.py
 """
@@ -72,3 +73,29 @@ def test_lora_job_syncs_adapters_rolls_back_replays_and_exports(tmp_path, tiny_m
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     changed = {k for k in base if not (merged[k] == base[k]).all()}
     assert changed and all(k.endswith("proj.weight") for k in changed)  # the adapted layers, nothing else
+
+
+def test_delta_sync_job_chains_versions_and_producers_apply_them(tmp_path, tiny_model_dir, run_name, monkeypatch):
+    """Full fine-tuning with trainer.weight_sync.encoding: delta (bfloat16) under `rlbus up`: after the first version
+    every announcement is a delta linked to the one before, producers apply them (the only full copies they load
+    are the ones a late start makes them), and the run's ledger is clean."""
+    (tmp_path / "length_reward.py").write_text(
+        "def reward(response, ground_truth, *, task):\n    return (len(response) % 5) / 4\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    run_dir = tmp_path / "run"
+    cfg = small_run_config(run_name, run_dir, tiny_model_dir, "", "", "",
+                           trainer={"total_steps": 6, "lr": 1e-4,
+                                    "weight_sync": {"encoding": "delta", "dtype": "bfloat16"}},
+                           rollout={"num_producers": 2, "reward": "length_reward:reward"})  # fmt: skip
+    run_up(tmp_path, cfg)
+    announced = [e.msg for e in read_entries(run_dir, "weights")]
+    assert announced[0].encoding == "full" and announced[0].dtype == "bfloat16"
+    for before, w in zip(announced, announced[1:]):
+        assert w.encoding == "delta" and (w.base_version, w.base_checksum) == (before.version, before.full_checksum)
+        assert w.num_bytes < announced[0].num_bytes
+    fallbacks = [e.msg for e in read_entries(run_dir, "errors") if e.msg.error == "WeightsDeltaFallback"]
+    assert all("no weights of this run" in f.message for f in fallbacks), [f.message for f in fallbacks]
+    rows = read_metrics(run_dir)
+    densities = [r["weights/delta_density"] for r in rows if "weights/delta_density" in r]
+    assert densities and all(0 < d < 1 for d in densities)
+    check_ledger(run_dir, cfg)

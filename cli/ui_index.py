@@ -46,7 +46,6 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
 CREATE TABLE IF NOT EXISTS sources (name TEXT PRIMARY KEY, offset INTEGER, tail TEXT);
 CREATE TABLE IF NOT EXISTS metrics (step INTEGER, is_eval INTEGER, row TEXT,
     {", ".join(f'"{k}" REAL' for k in OVERVIEW_KEYS)});
-CREATE INDEX IF NOT EXISTS metrics_step ON metrics (step);
 CREATE TABLE IF NOT EXISTS discarded (step INTEGER, row TEXT);
 CREATE TABLE IF NOT EXISTS steps (step INTEGER PRIMARY KEY, trained_version INTEGER, version INTEGER,
     world_size INTEGER, payload TEXT, num_groups INTEGER, num_samples INTEGER, created_at REAL, pos INTEGER,
@@ -55,6 +54,22 @@ CREATE TABLE IF NOT EXISTS samples (id INTEGER PRIMARY KEY, step INTEGER, gpos I
     rank INTEGER, row INTEGER, group_id TEXT, task_id TEXT, producer_id TEXT, reward REAL, prompt_len INTEGER,
     response_len INTEGER, num_turns INTEGER, num_tool_calls INTEGER, finish_reason TEXT, min_version INTEGER,
     max_version INTEGER, staleness INTEGER);
+CREATE TABLE IF NOT EXISTS prompts (task_id TEXT PRIMARY KEY, text TEXT, ground_truth TEXT, data_source TEXT,
+    released_version INTEGER, t REAL);
+CREATE TABLE IF NOT EXISTS heartbeats (t REAL, producer_id TEXT, pid INTEGER, host TEXT, version INTEGER,
+    status TEXT, groups_done INTEGER, tokens_generated INTEGER, tokens_discarded INTEGER,
+    samples_restarted INTEGER, inflight INTEGER);
+CREATE TABLE IF NOT EXISTS lifecycle (t REAL, kind TEXT, role TEXT, role_id TEXT, pid INTEGER, detail TEXT,
+    clean INTEGER);
+CREATE TABLE IF NOT EXISTS guard (t REAL, step INTEGER, rules TEXT, actions TEXT, message TEXT,
+    rollback_to INTEGER, lr_scale REAL);
+CREATE TABLE IF NOT EXISTS weights (t REAL, version INTEGER, step INTEGER, num_bytes INTEGER);
+CREATE TABLE IF NOT EXISTS errors (t REAL, role TEXT, role_id TEXT, error TEXT, message TEXT);
+"""
+
+#: Made after the first build's rows are in (a bulk insert into indexed tables is several times slower).
+INDEXES = """
+CREATE INDEX IF NOT EXISTS metrics_step ON metrics (step);
 CREATE INDEX IF NOT EXISTS samples_step ON samples (step);
 CREATE INDEX IF NOT EXISTS samples_reward ON samples (reward);
 CREATE INDEX IF NOT EXISTS samples_staleness ON samples (staleness);
@@ -62,18 +77,7 @@ CREATE INDEX IF NOT EXISTS samples_length ON samples (response_len);
 CREATE INDEX IF NOT EXISTS samples_task ON samples (task_id);
 CREATE INDEX IF NOT EXISTS samples_turns ON samples (num_turns);
 CREATE INDEX IF NOT EXISTS samples_tools ON samples (num_tool_calls);
-CREATE TABLE IF NOT EXISTS prompts (task_id TEXT PRIMARY KEY, text TEXT, ground_truth TEXT, data_source TEXT,
-    released_version INTEGER, t REAL);
-CREATE TABLE IF NOT EXISTS heartbeats (t REAL, producer_id TEXT, pid INTEGER, host TEXT, version INTEGER,
-    status TEXT, groups_done INTEGER, tokens_generated INTEGER, tokens_discarded INTEGER,
-    samples_restarted INTEGER, inflight INTEGER);
 CREATE INDEX IF NOT EXISTS heartbeats_producer ON heartbeats (producer_id, t);
-CREATE TABLE IF NOT EXISTS lifecycle (t REAL, kind TEXT, role TEXT, role_id TEXT, pid INTEGER, detail TEXT,
-    clean INTEGER);
-CREATE TABLE IF NOT EXISTS guard (t REAL, step INTEGER, rules TEXT, actions TEXT, message TEXT,
-    rollback_to INTEGER, lr_scale REAL);
-CREATE TABLE IF NOT EXISTS weights (t REAL, version INTEGER, step INTEGER, num_bytes INTEGER);
-CREATE TABLE IF NOT EXISTS errors (t REAL, role TEXT, role_id TEXT, error TEXT, message TEXT);
 """
 
 _STEP_DEC = msgspec.json.Decoder(StepRecord)
@@ -150,6 +154,7 @@ class RunIndex:
             folder.mkdir(mode=0o700, exist_ok=True)
         index = cls(run_dir, folder / INDEX_FILE)
         index.refresh()
+        index.db.executescript(INDEXES)  # a no-op once they exist
         return index
 
     def _version(self) -> int:
@@ -228,7 +233,8 @@ class RunIndex:
         for ln, at in zip(lines, self._starts):
             rec = _STEP_DEC.decode(ln)
             # The last record of a step wins (a step redone after a crash), as consumers.event_log.read_steps says.
-            self.db.execute("DELETE FROM samples WHERE step=?", (rec.step,))
+            if self.db.execute("SELECT 1 FROM steps WHERE step=?", (rec.step,)).fetchone():
+                self.db.execute("DELETE FROM samples WHERE step=?", (rec.step,))
             rows = []
             for rank, shard in enumerate(rec.shards):
                 for i, r in enumerate(shard):

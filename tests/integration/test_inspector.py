@@ -145,3 +145,36 @@ def test_proximal_log_probs_recomputed_from_the_page_give_the_recorded_mismatch(
     recorded_k1 = recorded["rows"][2]["mismatch/kl_k1"]
     assert k1 == pytest.approx(recorded_k1, rel=1e-4, abs=1e-6)
     assert errors == []
+
+
+def test_a_run_directory_copied_elsewhere_opens_the_same(recorded: dict[str, Any], tmp_path: Path) -> None:
+    """The run directory alone, on a machine without the run's model directory: the same samples, token ids instead
+    of text, the advantages still recomputed from the recorded rewards."""
+    import json
+    import shutil
+    import urllib.request
+
+    copy = tmp_path / "elsewhere" / "run"
+    shutil.copytree(recorded["run_dir"], copy, ignore=shutil.ignore_patterns("ui", "creds"))
+    config = copy / "config.yaml"
+    config.write_text(config.read_text().replace(str(recorded["run_dir"].parent / "model"), "/nonexistent/model"))
+    assert "/nonexistent/model" in config.read_text()
+
+    def get(url: str, token: str, path: str) -> Any:
+        req = urllib.request.Request(url + path, headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())
+
+    with ui_server(copy) as (url, token):
+        page = get(url, token, "api/samples?step=3&sort=step&desc=0&limit=50")
+        assert page["total"] == GROUPS_PER_STEP * GROUP_SIZE
+        s = get(url, token, f"api/sample/{page['rows'][0]['id']}")
+    record = read_steps(copy)[2]
+    batch = load_rank_batch(copy, 3, 0)
+    (row,) = [i for i, r in enumerate(record.shards[0]) if (r.group, r.sample) == (s["gpos"], s["spos"])]
+    meta = record.groups[s["gpos"]].samples[s["spos"]]
+    p, n = meta.prompt_len, meta.prompt_len + meta.response_len
+    assert s["tokenizer"] is False
+    assert [t["id"] for t in s["tokens"]] == batch["input_ids"][row, p:n].tolist()
+    assert [t["text"] for t in s["tokens"]] == [f"[{i}]" for i in batch["input_ids"][row, p:n].tolist()]
+    assert all(t["advantage"] is not None for t in s["tokens"] if t["mask"])

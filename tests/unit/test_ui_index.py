@@ -131,3 +131,68 @@ def test_a_non_finite_metric_is_served_as_null(tmp_path: Path) -> None:
     served = json.loads(_dumps(compare(index, 1, 2)))
     assert {m["metric"]: m["b"] for m in served["metrics"]}["actor/pg_loss"] is None
     assert json.loads(_dumps(overview(index)))["series"]["reward/mean"] == [0.1, 0.5]
+
+
+def _archive(run: Path, kind: str, msgs: list) -> None:
+    """Archive lines as the recorder writes them (consumers/recorder.py: Entry(seq, subject, recorded_at, msg))."""
+    import msgspec
+
+    from rlbus.consumers.event_log import KINDS, Entry, events_dir
+
+    with (events_dir(run) / KINDS[kind][0]).open("ab") as f:
+        for i, m in enumerate(msgs):
+            f.write(msgspec.json.encode(Entry(seq=i + 1, subject=f"rlbus.t.{kind}", recorded_at=m.created_at,
+                                              msg=m)) + b"\n")
+
+
+def test_producers_restarts_kills_versions_and_tokens(tmp_path: Path) -> None:
+    from rlbus.cli.ui_views import producers
+    from rlbus.schemas.wire import ProducerHeartbeat, RoleStarted, RoleStopped
+
+    run = tmp_path / "run"
+    _record(run, Recorder(run, "metadata"), 1)
+    beat = lambda t, pid, version, tokens, discarded=0: ProducerHeartbeat(  # noqa: E731
+        producer_id="p0", pid=pid, version=version, tokens_generated=tokens, tokens_discarded=discarded,
+        created_at=100.0 + t)
+    # p0's first process beats from t=0 to 4 and is SIGKILLed (no RoleStopped); its restart beats from t=30 (a gap:
+    # offline meanwhile) and stops cleanly. p1 runs throughout and stops uncleanly.
+    _archive(run, "heartbeats", [beat(0, 11, 0, 0), beat(2, 11, 1, 50), beat(4, 11, 2, 90, 7),
+                                 beat(30, 12, 2, 10), beat(32, 12, 3, 40),
+                                 ProducerHeartbeat(producer_id="p1", pid=21, version=1, tokens_generated=5,
+                                                   created_at=101.0)])
+    _archive(run, "lifecycle", [RoleStarted(role="producer", role_id="p0", pid=11, created_at=99.0),
+                                RoleStarted(role="producer", role_id="p1", pid=21, created_at=99.5),
+                                RoleStarted(role="producer", role_id="p0", pid=12, created_at=129.0),
+                                RoleStopped(role="producer", role_id="p0", reason="done", created_at=133.0),
+                                RoleStopped(role="producer", role_id="p1", reason="EngineDead", clean=False,
+                                            created_at=134.0)])
+    got = {p["producer_id"]: p for p in producers(RunIndex.open(run))["producers"]}
+    p0 = got["p0"]
+    assert [pr["pid"] for pr in p0["processes"]] == [11, 12] and p0["restarts"] == 1 and p0["killed"] == 1
+    assert p0["processes"][1]["stop"] == {"t": 133.0, "reason": "done", "clean": True}
+    assert [(sp["pid"], sp["start"], sp["end"]) for sp in p0["spans"]] == [(11, 100.0, 104.0), (12, 130.0, 132.0)]
+    assert [v["version"] for v in p0["versions"]] == [0, 1, 2, 3]
+    assert (p0["tokens_generated"], p0["tokens_discarded"]) == (90 + 40, 7)
+    assert got["p1"]["processes"][0]["stop"]["clean"] is False and got["p1"]["restarts"] == 0
+
+
+def test_the_overview_marks_guard_actions_rollbacks_and_weight_versions(tmp_path: Path) -> None:
+    from rlbus.schemas.wire import GuardAction, WeightsPublished
+
+    run = tmp_path / "run"
+    rec = Recorder(run, "metadata")
+    for step in (1, 2, 3):
+        _record(run, rec, step)
+    _archive(run, "guard", [GuardAction(step=2, rules=["mismatch_kl"], actions=["warn", "tighten"], message="kl",
+                                        created_at=1.0),
+                            GuardAction(step=3, rules=["reward_drop"], actions=["warn", "rollback"], message="drop",
+                                        rollback_to=2, created_at=2.0)])
+    _archive(run, "weights", [WeightsPublished(version=v, step=s, num_bytes=1, checksum="x", created_at=float(i))
+                              for i, (v, s) in enumerate([(1, 1), (2, 2), (3, 3), (2, 3)])])
+    (run / "metrics.discarded.jsonl").write_text(json.dumps({"step": 3, "version": 3}) + "\n")
+    (run / "checkpoints" / "step_2").mkdir(parents=True)
+    got = overview(RunIndex.open(run))
+    assert [(g["step"], g["actions"], g["rollback_to"]) for g in got["guard"]] == [
+        (2, "warn,tighten", -1), (3, "warn,rollback", 2)]
+    assert [w["version"] for w in got["weights"]] == [1, 2, 3, 2]  # the rollback republished version 2
+    assert got["discarded"] == [3] and got["checkpoints"] == [2]

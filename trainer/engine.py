@@ -11,6 +11,9 @@ update run inside `train_step`; its state is part of `state_dict`. With `critic.
 value head on the policy itself (`value_head`): one no-grad pass gives the values and the proximal log-probs, and
 each update's forward gives log-probs and values, the value loss joining the policy loss.
 
+With `model.lora` the policy is the base model with a peft adapter injected (trainer/lora.py), only the adapter
+trains, `full_state_dict` merges it, and `publish_state_dict` (what a weight version holds) is the adapter alone.
+
 Every rank must call `train_step`, `compute_log_probs` and `full_state_dict` together (they run collectives);
 ranks may hold different numbers of sequences: the number of forward/backward passes is agreed by all-reduce and a
 rank that runs out does empty passes. Tests: `pytest tests/integration/test_fsdp.py`.

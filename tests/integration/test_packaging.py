@@ -60,3 +60,9 @@ def test_the_command_entry_point(wheel: Path, wheel_names: list[str]) -> None:
     (name,) = [n for n in wheel_names if n.endswith(".dist-info/entry_points.txt")]
     with zipfile.ZipFile(wheel) as zf:
         assert "rlbus = rlbus.cli.main:main" in zf.read(name).decode()
+
+
+def test_the_inspectors_page_is_in_the_wheel(wheel_names: list[str]) -> None:
+    """`rlbus ui` serves these files from the installed package (pyproject.toml's package-data)."""
+    want = {f"rlbus/cli/ui_static/{p.name}" for p in (ROOT / "cli" / "ui_static").iterdir() if p.is_file()}
+    assert want and want <= set(wheel_names)

@@ -147,6 +147,11 @@ def examples(cfg: ReasoningGymEnvConfig, split: str = "train", num: int = 0) -> 
         seen = {entry["question"] for _, entries in _split(cfg, "train", cfg.size) for _, entry in entries}
         per_task = [(size, [(i, e) for i, e in entries if e["question"] not in seen])
                     for size, entries in _split(cfg, "heldout", num)]
+        for task, (size, entries) in zip(cfg.tasks, per_task):
+            if not entries:  # a generator with few distinct questions at these settings: training has them all
+                raise ConfigError(f"env.tasks.{task.name}.config",
+                                  f"no held-out question: all {size} generated for the evaluator are in the training "
+                                  f"split (env.size {cfg.size}); widen the generator's settings or lower env.size")
     out: list[Example] = []
     longest = max(len(entries) for _, entries in per_task)
     for k in range(longest):  # interleaved task by task (the feeder shuffles them again)

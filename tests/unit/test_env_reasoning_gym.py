@@ -56,6 +56,14 @@ def test_the_held_out_split_shares_no_question_with_training():
     assert 0 < len(held) <= 40 and not {ex.prompt[-1].content for ex in held} & train
 
 
+def test_a_task_whose_every_held_out_question_is_in_training_is_a_config_error():
+    # count_bits up to 7 has seven questions: 200 training examples hold them all, so nothing is left to evaluate.
+    cfg = _cfg([{"name": "gcd"}, {"name": "count_bits", "config": {"max_n": 7}}], size=200)
+    with pytest.raises(ConfigError) as e:
+        load_heldout_tasks(cfg, 40)
+    assert e.value.field == "env.tasks.count_bits.config" and "no held-out question" in str(e.value)
+
+
 async def test_each_task_is_scored_by_its_own_scorer_with_the_format_reward():
     cfg = _cfg(COMPOSITE)
     reward = env_reward(cfg)

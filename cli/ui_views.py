@@ -150,9 +150,8 @@ class Tokens:
                           "advantage": None if advantages is None else _finite(advantages[i]),
                           "proximal": None if proximal is None else _finite(proximal[i])}
                          for i in range(p, n)]
-        out["turns"] = [{"role": "assistant" if m else "inserted", "tokens": e - st,
-                         "text": _decode(tok, ids[p + st:p + e])} for m, st, e in mask_spans(
-                             [t["mask"] for t in out["tokens"]])]
+        out["turns"] = [_turn(m, e - st, _decode(tok, ids[p + st:p + e]))
+                         for m, st, e in mask_spans([t["mask"] for t in out["tokens"]])]
         out["proximal"] = (f"recomputed at version {s['step'] - 1} by replay" if proximal is not None else
                            "not recorded (the trainer keeps their summary, mismatch/kl_k1 and mismatch/kl_k3); "
                            "recompute them for this step from the page")
@@ -204,6 +203,15 @@ class Tokens:
             self._adv_step = (s["step"], index.generation)
         row = self._adv_offsets[s["rank"]] + s["row"]
         return self._adv[row].tolist(), f"{algo.adv_estimator}, recomputed from the recorded rewards"
+
+
+def _turn(mask: int, num_tokens: int, text: str) -> dict[str, Any]:
+    """One span of the response: sampled by the policy (a tool call where it holds one, in the Hermes/Qwen
+    `<tool_call>` format the agent loop parses) or inserted (a tool's result, the chat template's turn marks)."""
+    if not mask:
+        return {"role": "inserted: tool result, template", "tokens": num_tokens, "text": text}
+    role = "assistant: tool call" if "<tool_call>" in text else "assistant"
+    return {"role": role, "tokens": num_tokens, "text": text}
 
 
 def _load_tokenizer(run_dir: Path) -> Any:

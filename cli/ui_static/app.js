@@ -131,7 +131,7 @@ function tokenSpans(s, by) {
 
 function sampleHtml(s, by) {
   const head = `step ${s.step} · group ${esc(s.group_id)} · sample ${s.spos} · producer ${esc(s.producer_id)} ·
-    reward ${fmt(s.reward)} · versions ${s.min_version}..${s.max_version} · staleness ${fmt(s.staleness)} · ${esc(s.finish_reason)}`;
+    reward ${fmt(s.reward)} · ${s.num_turns} turn(s), ${s.num_tool_calls} tool call(s) · versions ${s.min_version}..${s.max_version} · staleness ${fmt(s.staleness)} · ${esc(s.finish_reason)}`;
   if (!s.tokens.length) return `<p>${head}</p><p class="muted">${esc(s.note)}</p>`;
   return `<p>${head}</p><div class="prompt">${esc(s.prompt_text)}</div>
     <div class="tokens" data-sample="${s.id}">${tokenSpans(s, by)}</div>`;

@@ -190,9 +190,12 @@ def test_the_overview_marks_guard_actions_rollbacks_and_weight_versions(tmp_path
     _archive(run, "weights", [WeightsPublished(version=v, step=s, num_bytes=1, checksum="x", created_at=float(i))
                               for i, (v, s) in enumerate([(1, 1), (2, 2), (3, 3), (2, 3)])])
     (run / "metrics.discarded.jsonl").write_text(json.dumps({"step": 3, "version": 3}) + "\n")
+    with (run / "metrics.jsonl").open("a") as f:  # the evaluator's row for version 2
+        f.write(json.dumps({"step": 2, "eval/accuracy": 0.75, "eval/num_prompts": 8}) + "\n")
     (run / "checkpoints" / "step_2").mkdir(parents=True)
     got = overview(RunIndex.open(run))
     assert [(g["step"], g["actions"], g["rollback_to"]) for g in got["guard"]] == [
         (2, "warn,tighten", -1), (3, "warn,rollback", 2)]
     assert [w["version"] for w in got["weights"]] == [1, 2, 3, 2]  # the rollback republished version 2
     assert got["discarded"] == [3] and got["checkpoints"] == [2]
+    assert got["eval"] == {"step": [2], "accuracy": [0.75]} and got["series"]["step"] == [1, 2, 3]

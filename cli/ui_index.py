@@ -230,10 +230,13 @@ class RunIndex:
                             ((int(r["step"]), ln.decode()) for ln in lines if "step" in (r := json.loads(ln))))
 
     def _add_steps(self, lines: list[bytes]) -> None:
+        indexed = bool(self.db.execute("SELECT 1 FROM steps LIMIT 1").fetchone())  # else only these lines' steps
+        seen: set[int] = set()
         for ln, at in zip(lines, self._starts):
             rec = _STEP_DEC.decode(ln)
             # The last record of a step wins (a step redone after a crash), as consumers.event_log.read_steps says.
-            if self.db.execute("SELECT 1 FROM steps WHERE step=?", (rec.step,)).fetchone():
+            if rec.step in seen or (indexed and self.db.execute("SELECT 1 FROM steps WHERE step=?",
+                                                                 (rec.step,)).fetchone()):
                 self.db.execute("DELETE FROM samples WHERE step=?", (rec.step,))
             rows = []
             for rank, shard in enumerate(rec.shards):
@@ -251,6 +254,7 @@ class RunIndex:
             self.db.execute("INSERT OR REPLACE INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                             (rec.step, rec.trained_version, rec.version, rec.world_size, rec.payload,
                              len(rec.groups), len(rows), rec.created_at, at, len(ln)))
+            seen.add(rec.step)
 
     def _decoded(self, kind: str, lines: list[bytes]) -> Iterable[Any]:
         dec = self._decoders[kind]

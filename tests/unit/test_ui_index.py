@@ -71,6 +71,24 @@ def test_the_index_follows_appends_and_cut_backs(tmp_path: Path) -> None:
     assert overview(again)["series"]["step"] == [1, 2, 3]
 
 
+def test_a_step_recorded_again_keeps_its_last_record(tmp_path: Path) -> None:
+    """A step redone after a crash is appended again: its last record wins, read in one go or across refreshes."""
+    run = tmp_path / "run"
+    rec = Recorder(run, "metadata")
+    _record(run, rec, 1)
+    _record(run, rec, 2)
+    _record(run, rec, 2, groups=1)  # step 2 again, in the same first read
+    index = RunIndex.open(run)
+    count = lambda step: index.db.execute("SELECT count(*) FROM samples WHERE step=?", (step,)).fetchone()[0]  # noqa: E731
+    assert (count(1), count(2)) == (6, 3)
+    assert index.db.execute("SELECT num_samples FROM steps WHERE step=2").fetchone()[0] == 3
+    _record(run, rec, 1, groups=3)  # step 1 again, after the index was built
+    assert index.refresh()
+    assert (count(1), count(2)) == (9, 3)
+    assert len(index.step_record(1).groups) == 3
+    index.close()
+
+
 def test_samples_page_sorts_filters_and_pages_on_the_server(tmp_path: Path) -> None:
     run = tmp_path / "run"
     rec = Recorder(run, "metadata")

@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -193,8 +194,9 @@ class Launcher:
     _stop: asyncio.Event
     _console: Console
 
-    def __init__(self, cfg: RunConfig, *, ui: bool = False):
+    def __init__(self, cfg: RunConfig, *, entry: Callable[[list[str]], int], ui: bool = False):
         self.cfg = cfg
+        self._entry = entry  # the CLI's main, which forked roles run
         self.run_dir = cfg.run_dir
         self.want_ui = ui
         self.ui = None
@@ -300,7 +302,7 @@ class Launcher:
         child_cfg = self._start_infrastructure()
         # Started after the Ray head's env is set (the server imports Ray with it), and now, so that its imports
         # overlap the head's start and the streams' set-up; the first role's start waits for them.
-        self._server = RoleServer(preload_modules(child_cfg)) if child_cfg.launcher.preload else None
+        self._server = RoleServer(preload_modules(child_cfg), self._entry) if child_cfg.launcher.preload else None
         try:
             launch = self.run_dir / "launch.yaml"
             launch.write_text(to_yaml(child_cfg))
@@ -546,8 +548,9 @@ class Launcher:
         return 0
 
 
-def main(cfg: RunConfig, *, ui: bool = False) -> int:
-    return run(Launcher(cfg, ui=ui).run())
+def main(cfg: RunConfig, *, entry: Callable[[list[str]], int], ui: bool = False) -> int:
+    """`rlbus up`; `entry` is the CLI's main (rlbus.cli.main.main), which the roles forked from the server run."""
+    return run(Launcher(cfg, entry=entry, ui=ui).run())
 
 
 def scale_main(run_dir: Path, n: int, *, wait: bool, timeout: float) -> int:

@@ -80,7 +80,7 @@ def cmd_trainer(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from rlbus.cli.launcher import main as up_main
 
-    return up_main(_load(args), ui=args.ui)
+    return up_main(_load(args), entry=main, ui=args.ui)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

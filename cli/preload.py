@@ -17,8 +17,11 @@ thread pools after the fork; `random` is reseeded by Python at fork; the HF engi
 If the server dies, the next start makes a new one (multiprocessing does) and the roles it had forked get SIGTERM:
 they stop as on any SIGTERM (the trainer checkpoints, producers give their tasks back) and are restarted.
 
-    server = RoleServer(preload_modules(cfg))   # spawns the server; it imports in the background
-    proc = server.start(argv, env, log_path)    # a subprocess.Popen-like handle of the forked role
+    server = RoleServer(preload_modules(cfg), entry)  # spawns the server; it imports in the background
+    proc = server.start(argv, env, log_path)         # a subprocess.Popen-like handle of the forked role
+
+`entry` is the CLI's `rlbus.cli.main.main`, handed in by the launcher's caller (a function crosses to the server by
+its name), so that this module does not import the CLI that imports the launcher that imports it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import shlex
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import setproctitle
@@ -93,7 +97,8 @@ class RoleServer:
     """The fork server of one launcher. Construct it once the environment the roles share is set (a Ray head's
     env, read by Ray when it is imported): the server imports with the environment it was started with."""
 
-    def __init__(self, modules: list[str]):
+    def __init__(self, modules: list[str], entry: Callable[[list[str]], int]):
+        self._entry = entry  # `rlbus.cli.main.main`: what `python -m rlbus.cli ARGV` runs
         self._ctx = multiprocessing.get_context("forkserver")
         self._ctx.set_forkserver_preload(modules)
         multiprocessing.forkserver.ensure_running()  # spawned now; it imports while the rest starts
@@ -102,12 +107,13 @@ class RoleServer:
         """Fork `rlbus ARGV` (argv as for `python -m rlbus.cli`, without the interpreter: [ROLE, CONFIG, ...]) with
         `env` as its whole environment and its stdout and stderr appended to `log_path`. The first start waits
         until the server has imported its modules."""
-        process = self._ctx.Process(target=_role_main, args=(argv, env, str(log_path)), name=argv[0])
+        process = self._ctx.Process(target=_role_main, args=(self._entry, argv, env, str(log_path)),
+                                    name=argv[0])
         process.start()
         return ForkedRole(process, ["rlbus", *argv])
 
 
-def _role_main(argv: list[str], env: dict[str, str], log_path: str) -> None:
+def _role_main(entry: Callable[[list[str]], int], argv: list[str], env: dict[str, str], log_path: str) -> None:
     """In the forked role: become what `python -m rlbus.cli ARGV` would be, then run it."""
     # `ps` and /proc/PID/cmdline show the command that starts the same role by hand (not the fork server's). First:
     # setproctitle moves the environment out of the way of the title, which it must find where exec put it.
@@ -123,11 +129,9 @@ def _role_main(argv: list[str], env: dict[str, str], log_path: str) -> None:
     os.environ.clear()
     os.environ.update(env)
     sys.argv = ["rlbus", *argv]
-    from rlbus.cli.main import main
-
     code: int | str | None = 1
     try:
-        code = main(argv)
+        code = entry(argv)
     except SystemExit as e:
         code = e.code
     finally:

@@ -323,6 +323,9 @@ def _finite(obj: Any) -> Any:
 async def serve(run_dir: Path, host: str, port: int, *, show_token: bool = True) -> None:
     check_loopback(host)
     plotly_js()  # fail now, not on the first page
+    # torch and the trainer's advantage code load on the first sample page otherwise (about a second here): warm them
+    # meanwhile, from the start, as the index is read (sqlite works outside the GIL).
+    threading.Thread(target=_warm, daemon=True).start()
     index = await asyncio.to_thread(RunIndex.open, run_dir)
     inspector = Inspector(run_dir, ui_token(run_dir), index)
     runner = web.AppRunner(inspector.app(), access_log=None)
@@ -334,8 +337,6 @@ async def serve(run_dir: Path, host: str, port: int, *, show_token: bool = True)
     url = f"http://{host}:{bound}/"
     print(f"rlbus ui: {run_dir} at {url}?token={inspector.token}" if show_token else
           f"rlbus ui: {run_dir} at {url} (token in {run_dir / 'creds' / TOKEN_FILE})", flush=True)
-    # torch and the trainer's advantage code load on the first sample page otherwise; warm them meanwhile.
-    threading.Thread(target=_warm, daemon=True).start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # a clean stop: a replay child started from the page goes too

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from rlbus.bus.proc import command_line, descendants
+from rlbus.cli.main import main
 from rlbus.cli.preload import RoleServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -21,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def server() -> RoleServer:
-    return RoleServer(["rlbus.cli.main", "torch"])
+    return RoleServer(["rlbus.cli.main", "torch"], main)
 
 
 def _wait_for(path: Path, text: str, timeout: float = 30.0) -> str:

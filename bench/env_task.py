@@ -7,7 +7,7 @@ A seed sets `trainer.seed` and `feeder.seed` (the trainer's torch seed and the p
 `env.seed` stays, so every seed is scored on the same held-out questions. Each run's directory is removed afterwards
 (a 30-step SmolLM2 run writes about 2 GB of checkpoints and weights), once its metrics and its ledger
 (`rlbus events RUN_DIR --ledger --json`) are read. Writes bench/results/env_task_<config name>.json, a curve beside
-it (.png) and, with --docs, the config's section of docs/environments.md.
+it (docs/images/, .png) and, with --docs, the config's section of docs/benchmarks.md (bench/report.py's table reads the results).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from bench.common import git_commit, machine, write_section
 from bench.quickstart_seeds import run_seed
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ROOT / "docs" / "environments.md"
 #: The issue's goal: held-out accuracy up by at least this much from version 0 to the last version, every seed.
 GOAL_POINTS = 0.20
 
@@ -87,11 +86,20 @@ def plot(d: dict, png: Path) -> None:
     plt.close(fig)
 
 
+def heading(d: dict) -> str:
+    return f"## Learning a reasoning-gym task: {d['title']}"
+
+
+def image(d: dict) -> Path:
+    """The curves' file, beside the docs page that shows them."""
+    return ROOT / "docs" / "images" / Path(d["results"]).with_suffix(".png").name
+
+
 def report(d: dict) -> str:
     runs = [r for r in d["runs"] if r["eval"]]
     versions = sorted({e["version"] for r in runs for e in r["eval"]})
     lines = [
-        d["heading"], "",
+        heading(d), "",
         (f"`{d['command']}`: `rlbus up {d['config']}` once per seed, each from scratch; a seed sets `trainer.seed` "
          "and `feeder.seed`, the held-out questions are the same for every seed, and producers' sampling is not "
          "seeded. Accuracy is the share of right answers among the evaluator's samples of each held-out question "
@@ -124,7 +132,7 @@ def report(d: dict) -> str:
                        + (f" (sd {statistics.stdev(last):.3f})" if len(last) > 1 else "")
                        + f"; {sum(g >= GOAL_POINTS for g in gains)} of {len(gains)} seeds gained at least "
                        f"{GOAL_POINTS * 100:.0f} points. Results: `{d['results']}`.")]
-    lines += ["", f"![{d['title']}]({Path('..', d['results']).with_suffix('.png').as_posix()})", ""]
+    lines += ["", f"![{d['title']}](images/{image(d).name})", ""]
     return "\n".join(lines)
 
 
@@ -134,10 +142,10 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds a run may take")
     ap.add_argument("--title", default="", help="the docs heading's and the plot's title")
-    ap.add_argument("--docs", action="store_true", help="write the section into docs/environments.md")
+    ap.add_argument("--docs", action="store_true", help="write the section into docs/benchmarks.md")
     ap.add_argument("--from-json", default="", help="re-render the report and plot of a results file")
     ap.add_argument("overrides", nargs="*", help="config overrides k=v for every run")
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()
     config = Path(args.config)
     results = ROOT / "bench" / "results" / f"env_task_{config.stem}.json"
     if args.from_json:
@@ -146,8 +154,9 @@ def main() -> int:
     else:
         title = args.title or config.stem
         d = {"command": shlex.join(["python", "bench/env_task.py", *sys.argv[1:]]), "config": str(config),
-             "title": title, "heading": f"## {title}", "machine": machine(), "commit": git_commit(),
-             "date": time.strftime("%Y-%m-%d"), "overrides": args.overrides,
+             "title": title, "machine": machine(),
+             "commit": git_commit(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "date": time.strftime("%Y-%m-%d"),
+             "overrides": args.overrides,
              "results": str(results.relative_to(ROOT)), "runs": []}
         with tempfile.TemporaryDirectory(prefix="rlbus-env-task-") as work:
             for seed in args.seeds:
@@ -157,11 +166,11 @@ def main() -> int:
                 print(f"seed {seed}: exit {run['rc']}, {run['wall_s']:.0f} s, held-out "
                       + ", ".join(f"v{e['version']} {e['accuracy']:.3f}" for e in run["eval"])
                       + f", ledger {run.get('ledger')}", flush=True)
-    plot(d, results.with_suffix(".png"))
+    plot(d, image(d))
     text = report(d)
     print(text)
     if args.docs:
-        write_section(d["heading"], text, DOCS)
+        write_section(heading(d), text)
     return 0 if all(r["rc"] == 0 for r in d["runs"]) else 1
 
 

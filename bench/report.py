@@ -182,6 +182,17 @@ def _inspector(files: list[dict[str, Any]]) -> Reading:
                    ratio=f"index built once in {d['open']['first_s']:.1f} s, then cached")
 
 
+def _env_task(files: list[dict[str, Any]]) -> Reading:
+    """bench/env_task.py: held-out accuracy at version 0 and at the last version, each seed."""
+    runs = [r for r in files[0]["runs"] if len(r["eval"]) >= 2 and r["eval"][0]["version"] == 0]
+    first, last = [r["eval"][0]["accuracy"] for r in runs], [r["eval"][-1]["accuracy"] for r in runs]
+    gains = [b - a for a, b in zip(first, last)]
+    return Reading(value=f"held-out accuracy {statistics.fmean(first):.3f} at v0 -> {statistics.fmean(last):.3f} at "
+                         f"v{runs[0]['eval'][-1]['version']} (mean of {len(runs)} seeds)",
+                   spread=f"gain {min(gains) * 100:+.0f} to {max(gains) * 100:+.0f} points over {len(runs)} seeds",
+                   ratio=f"{statistics.fmean(gains) * 100:+.0f} points over version 0")
+
+
 def _lora(files: list[dict[str, Any]]) -> Reading:
     d = files[0]
     t, s = d["trainer"], d["sync"]
@@ -330,7 +341,7 @@ def provenance(name: str, d: dict[str, Any]) -> dict[str, str]:
     """command, commit, date of a results file: its own where it records them, else PROVENANCE's."""
     known = PROVENANCE.get(name, {})
     commit = d.get("commit") or d.get("rlbus_commit") or known.get("commit")
-    date = (d.get("started") or "")[:10] or known.get("date")
+    date = (d.get("started") or d.get("date") or "")[:10] or known.get("date")
     raw = d.get("command") or known.get("command")
     missing = [k for k, v in (("commit", commit), ("date", date), ("command", raw)) if not v]
     if missing:

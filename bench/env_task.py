@@ -124,6 +124,9 @@ def report(d: dict) -> str:
             + f" | {'' if g is None else f'{g:+.3f}'} | {r['eval'][-1]['pass@n']:.2f} | "
             f"{r['eval'][0]['response_tokens']:.0f}, {r['eval'][-1]['response_tokens']:.0f} | "
             f"{len(r['train'])}, {sum(t['step_s'] for t in r['train']) / 60:.1f} | {led_s} |")
+    lines += [f"\nSeed {r['seed']}: {r['note']}." for r in d["runs"] if r.get("note")]
+    if d.get("conditions"):
+        lines += ["", d["conditions"] + "."]
     gains = [g for g in map(gain, runs) if g is not None]
     if gains:
         last = [r["eval"][-1]["accuracy"] for r in runs]

@@ -10,9 +10,11 @@ package (`rlbus.bus`, `rlbus.trainer`, ...), which no script name can shadow.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,18 @@ def git_commit() -> str:
     out = subprocess.run(["git", "describe", "--always", "--dirty"], check=False, cwd=Path(__file__).resolve().parents[1],
                          capture_output=True, text=True)
     return out.stdout.strip() or "unknown"
+
+
+def run_ledger(run_dir: Path) -> dict[str, Any]:
+    """A run's ledger as a user checks it (`rlbus events RUN_DIR --ledger --json`): {"trained": N, "problems": [...]};
+    where the command fails, trained is None and the one problem says why."""
+    proc = subprocess.run([sys.executable, "-m", "rlbus.cli", "events", str(run_dir), "--ledger", "--json"],
+                          check=False, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        why = (proc.stderr or proc.stdout).strip().splitlines() or ["?"]
+        return {"trained": None, "problems": [f"unread: {why[-1]}"]}
+    said = json.loads(proc.stdout)
+    return {"trained": said["trained"], "problems": said["problems"]}
 
 
 def machine_line(m: dict[str, Any]) -> str:

@@ -17,7 +17,6 @@ import json
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: the repository root, for `bench.*`
 
-from bench.common import git_commit, machine, write_section
+from bench.common import git_commit, machine, run_ledger, write_section
 from bench.quickstart_seeds import run_seed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,13 +46,9 @@ def run_one(config: Path, seed: int, overrides: list[str], work: Path, timeout: 
                   "prompts": e["eval/num_prompts"], "response_tokens": round(e["eval/response_length"], 1),
                   "seconds": round(e["eval/seconds"], 1)} for e in got.get("evals", [])],
     }
-    ledger = subprocess.run([sys.executable, "-m", "rlbus.cli", "events", str(run_dir), "--ledger", "--json"],
-                            check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    if ledger.returncode == 0:
-        said = json.loads(ledger.stdout)
-        out["ledger"] = {"trained": said["trained"], "problems": said["problems"]}
-    if "error" in got or ledger.returncode != 0:
-        out["error"] = [*got.get("error", []), *ledger.stderr.strip().splitlines()[-20:]]
+    out["ledger"] = run_ledger(run_dir)
+    if "error" in got:
+        out["error"] = got["error"]
     shutil.rmtree(run_dir, ignore_errors=True)
     return out
 

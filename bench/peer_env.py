@@ -40,7 +40,7 @@ import msgspec
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: the repository root, for `bench.*`
 
-from bench.common import git_commit, machine, machine_line, write_section
+from bench.common import git_commit, machine, machine_line, run_ledger, write_section
 from bench.peer_tasks import ROOT
 from bench.peer_trl import TRL_PY, TRL_SIDE
 from rlbus.common.data.datasets import example_to_task
@@ -97,10 +97,7 @@ def run_rlbus(config: Path, overrides: list[str], seed: int, steps: int, every: 
         subprocess.run([sys.executable, "-m", "rlbus.cli", "export", str(run_dir / "checkpoints" / checkpoint_name(step)),
                         str(model)], cwd=ROOT, check=True, capture_output=True)
         out["saved"].append({"step": step, "t": round(published[step] - t0, 1), "path": str(model)})
-    ledger = subprocess.run([sys.executable, "-m", "rlbus.cli", "events", str(run_dir), "--ledger", "--json"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
-    said = json.loads(ledger.stdout) if ledger.returncode == 0 else {}
-    out["ledger"] = {"trained": said.get("trained"), "problems": said.get("problems", ["unread"])}
+    out["ledger"] = run_ledger(run_dir)
     shutil.rmtree(run_dir, ignore_errors=True)
     return out
 

@@ -37,6 +37,15 @@ async def _step_events(bus_cfg, run: str) -> list[StepCompleted]:
         return await bus.snapshot(bus.subjects.event("step"), StepCompleted, deliver="all")
 
 
+async def _until_step_published(bus_cfg, run: str, step: int, timeout: float = 30.0) -> None:
+    """Return once StepCompleted for `step` is on the bus (the trainer publishes it just after the metrics row)."""
+    async with await Bus.connect(bus_cfg, run, name="test-watch") as bus:
+        async with asyncio.timeout(timeout):
+            while not any(e.step >= step for e in await bus.snapshot(bus.subjects.event("step"), StepCompleted,
+                                                                      deliver="last")):
+                await asyncio.sleep(0.01)
+
+
 def test_trainer_killed_between_step_and_checkpoint_trains_every_group_once(
         tmp_path, bus_config, run_creds, ray_address, tiny_model_dir, run_name, role_processes):
     run_dir = tmp_path / "run"
@@ -49,8 +58,10 @@ def test_trainer_killed_between_step_and_checkpoint_trains_every_group_once(
     trainer = start_role("trainer", cfg_path, logs, creds=run_creds)
     producer = start_role("producer", cfg_path, logs, "--id", "p0", name="p0", creds=run_creds)
     role_processes += [trainer, producer]
-    # Checkpoints at 3 and 6: kill the moment step 4 is logged (polled far faster than a step takes).
+    # Checkpoints at 3 and 6: kill the moment step 4 is logged and its StepCompleted published (the row is written
+    # first: a kill between the two redoes step 4 with one event only, and nothing here would show it superseded).
     wait_for_steps(run_dir, 4, [trainer, producer], poll=0.01)
+    asyncio.run(_until_step_published(bus_config, run_name, 4))
     stop(trainer, signal.SIGKILL)
     lost_from = read_metrics(run_dir)[-1]["step"]
     assert latest_checkpoint(run_dir / "checkpoints").name == checkpoint_name(3) and lost_from > 3, \

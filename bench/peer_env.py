@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shlex
 import shutil
 import statistics
@@ -149,7 +150,9 @@ def report(d: dict) -> str:
          f"version 0 scores {d['v0']['eval/accuracy']:.3f}. Time is from the process's start; the target is "
          f"{TARGET_SHARE} x the lower side's mean final accuracy: {s['target']:.3f}."), "",
         f"Command: `{d['command']}`  ",
-        f"{machine_line(d['machine'])} rlbus at `{d['commit']}`, {d['date']}.", "",
+        f"{machine_line(d['machine'])} rlbus at `{d['commit']}`, {d['date']}."
+        + "".join(f" More seeds: `{m['command']}` at `{m['commit']}`, {m['date']}." for m in d.get("more", [])),
+        "",
         "| side | seed | " + " | ".join(f"step {k}: accuracy (s)" for k in steps) + " | time to target s | wall s |",
         "|---|---:|" + "---:|" * len(steps) + "---:|---:|",
     ]
@@ -182,6 +185,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds a run may take")
     ap.add_argument("--docs", action="store_true", help="write the section into docs/benchmarks.md")
     ap.add_argument("--from-json", default="", help="only report these results")
+    ap.add_argument("--append", action="store_true",
+                    help="add these seeds' runs to the results file of the same config, overrides and steps")
     ap.add_argument("overrides", nargs="*", help="config overrides k=v for both sides")
     args = ap.parse_intermixed_args()
     config = Path(args.config)
@@ -193,10 +198,18 @@ def main() -> int:
             raise SystemExit("no TRL venv: run `.venv/bin/python bench/peer_trl.py --task smollm2 --setup` first")
         cfg = load_config(config, args.overrides)
         steps = args.steps or cfg.trainer.total_steps
-        d = {"command": shlex.join(["python", "bench/peer_env.py", *sys.argv[1:]]), "config": str(config),
+        command = shlex.join(["python", "bench/peer_env.py", *sys.argv[1:]])
+        d = {"command": command, "config": str(config),
              "overrides": args.overrides, "steps": steps, "machine": machine(), "commit": git_commit(),
              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "date": time.strftime("%Y-%m-%d"),
              "results": str(results.relative_to(ROOT)), "runs": []}
+        if args.append and results.is_file():
+            d = json.loads(results.read_text())
+            same = (d["config"], d["overrides"], d["steps"]) == (str(config), args.overrides, steps)
+            if not same:
+                raise SystemExit(f"--append: {results} holds {d['config']} {d['overrides']} for {d['steps']} steps")
+            d.setdefault("more", []).append({"command": command, "commit": git_commit(), "machine": machine(),
+                                             "date": time.strftime("%Y-%m-%d")})
         with tempfile.TemporaryDirectory(prefix="rlbus-peer-env-") as tmp:
             work = Path(tmp)
             prompts = work / "train.jsonl"
@@ -205,6 +218,7 @@ def main() -> int:
             for k, seed in enumerate(args.seeds):
                 sides = ("rlbus", "trl") if k % 2 == 0 else ("trl", "rlbus")
                 for side in sides:
+                    commit, load = git_commit(), round(os.getloadavg()[0], 2)
                     run = (run_rlbus(config, args.overrides, seed, steps, args.save_every, work, args.timeout)
                            if side == "rlbus" else
                            run_trl(config, args.overrides, cfg, seed, steps, args.save_every, work, prompts,
@@ -213,7 +227,7 @@ def main() -> int:
                         saved.update({k2.removeprefix("eval/"): round(v, 4) for k2, v in
                                       evaluate(cfg, Path(saved["path"])).items()})
                         shutil.rmtree(saved.pop("path"), ignore_errors=True)
-                    d["runs"].append(run)
+                    d["runs"].append({**run, "commit": commit, "load1_at_start": load})
                     print(f"{side} seed {seed}: exit {run['rc']}, {run['wall_s']:.0f} s, "
                           + ", ".join(f"step {x['step']} {x['accuracy']:.3f} at {x['t']:.0f} s" for x in run["saved"]),
                           flush=True)

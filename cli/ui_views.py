@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rlbus.cli.ui_index import OVERVIEW_KEYS, RunIndex
-from rlbus.consumers.event_log import mask_spans, shard_path
+from rlbus.consumers.event_log import advantages_path, mask_spans, shard_path
 
 #: Columns the samples page may sort by, and the query parameter that names each.
 SORTS = {"step": "step", "reward": "reward", "staleness": "staleness", "length": "response_len",
@@ -139,7 +139,7 @@ class Tokens:
         with safe_open(str(path), framework="numpy") as f:
             fields = {k: f.get_slice(k)[s["row"]:s["row"] + 1][0].tolist() for k in
                       ("input_ids", "response_mask", "rollout_log_probs", "versions")}
-        advantages, why = self._advantages(index, s)
+        advantages, values, why = self._advantages(index, s)
         proximal = self._proximal(index, s)
         tok = self.tokenizer()
         ids = fields["input_ids"][:n]
@@ -148,6 +148,7 @@ class Tokens:
         out["tokens"] = [{"id": ids[i], "text": pieces[i], "mask": int(fields["response_mask"][i]),
                           "version": int(fields["versions"][i]), "logprob": _finite(fields["rollout_log_probs"][i]),
                           "advantage": None if advantages is None else _finite(advantages[i]),
+                          "value": None if values is None else _finite(values[i]),
                           "proximal": None if proximal is None else _finite(proximal[i])}
                          for i in range(p, n)]
         out["turns"] = [_turn(m, e - st, _decode(tok, ids[p + st:p + e]))
@@ -173,9 +174,22 @@ class Tokens:
         with safe_open(str(path), framework="numpy") as f:
             return f.get_slice("proximal_log_probs")[row:row + 1][0].tolist()
 
-    def _advantages(self, index: RunIndex, s: dict[str, Any]) -> tuple[list[float] | None, str]:
-        """The sample's token advantages, computed as the trainer did (trainer/algorithms/advantages.py) from the
-        step's recorded rewards, masks and groups; None (and why) where they need what is not recorded."""
+    def _advantages(self, index: RunIndex, s: dict[str, Any]) -> tuple[list[float] | None, list[float] | None, str]:
+        """The sample's token advantages and, for GAE, the critic's values: those the trainer recorded beside the
+        step's batch (consumers/recorder.py write_advantages), else the advantages recomputed as the trainer computes
+        them (trainer/algorithms/advantages.py) from the recorded rewards, masks and groups; None (and why) where
+        they need what is not recorded."""
+        computed = advantages_path(self.run_dir, s["step"], s["rank"])
+        if computed.is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(computed), framework="numpy") as f:
+                row = {k: f.get_slice(k)[s["row"]:s["row"] + 1][0].tolist() for k in f.keys()}
+            return row["advantages"], row.get("values"), "as the trainer computed them (recorded with the step)"
+        adv, why = self._recomputed(index, s)
+        return adv, None, why
+
+    def _recomputed(self, index: RunIndex, s: dict[str, Any]) -> tuple[list[float] | None, str]:
         cfg_path = self.run_dir / "config.yaml"
         if not cfg_path.is_file():
             return None, "RUN_DIR/config.yaml is missing: the estimator is unknown"
@@ -188,9 +202,10 @@ class Tokens:
             self._algo = load_config(cfg_path).algorithm
         algo = self._algo
         if algo.adv_estimator == "gae":
-            return None, "gae: advantages need the critic's values, which are not recorded"
+            return None, "gae: advantages need the critic's values, which this run did not record"
         if algo.kl_coef > 0 and not algo.use_kl_loss:
-            return None, "the KL penalty in the reward needs the reference model's log-probs, which are not recorded"
+            return None, ("the KL penalty in the reward needs the reference model's log-probs, which this run did not "
+                          "record")
         if self._adv_step != (s["step"], index.generation):  # one step's kept: a group's samples come in a row
             record = index.step_record(s["step"])
             if record is None:

@@ -147,6 +147,11 @@ def shard_path(run_dir: str | os.PathLike, step: int, rank: int) -> Path:
     return step_dir(run_dir, step) / f"rank_{rank}.safetensors"
 
 
+def advantages_path(run_dir: str | os.PathLike, step: int, rank: int) -> Path:
+    """What rank `rank` computed from its batch at `step` (advantages; GAE's values and returns), rows as its shard's."""
+    return step_dir(run_dir, step) / f"rank_{rank}.advantages.safetensors"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # reading (rlbus events, rlbus replay)
 

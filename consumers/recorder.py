@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import torch
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.client import JetStreamContext
 from safetensors.torch import save_file
@@ -42,6 +43,7 @@ from rlbus.consumers.event_log import (
     RecordMode,
     ShardRow,
     StepRecord,
+    advantages_path,
     events_dir,
     shard_path,
 )
@@ -115,11 +117,24 @@ def write_shard(run_dir: str | os.PathLike, mode: RecordMode, step: int, rank: i
     """
     if mode != "full":
         return 0
-    path = shard_path(run_dir, step, rank)
+    return _save(shard_path(run_dir, step, rank), {k: batch.get(k) for k in batch.keys()}, step, rank)
+
+
+def write_advantages(run_dir: str | os.PathLike, mode: RecordMode, step: int, rank: int,
+                     tensors: dict[str, torch.Tensor]) -> int:
+    """Save what `rank` computed from its batch at `step` (TrainEngine.computed: the advantages the loss used, and
+    GAE's values and returns), which the batch alone cannot give back: the critic's values, the KL penalty in the
+    reward. Rows as in the rank's shard; returns the bytes (0 unless full)."""
+    if mode != "full" or not tensors:
+        return 0
+    return _save(advantages_path(run_dir, step, rank), tensors, step, rank)
+
+
+def _save(path: Path, tensors: dict[str, torch.Tensor], step: int, rank: int) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {k: batch.get(k).detach().cpu().contiguous() for k in batch.keys()}
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file(tensors, str(tmp), metadata={"step": str(step), "rank": str(rank), "format": str(RECORD_FORMAT)})
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp),
+              metadata={"step": str(step), "rank": str(rank), "format": str(RECORD_FORMAT)})
     os.replace(tmp, path)
     return path.stat().st_size
 
@@ -231,6 +246,8 @@ class Recorder:
                 if shard and not path.is_file():
                     raise RecordError(self.run_dir, f"rank {r} wrote no tensors for step {step} ({path})")
                 nbytes += path.stat().st_size if path.is_file() else 0
+                computed = advantages_path(self.run_dir, step, r)
+                nbytes += computed.stat().st_size if computed.is_file() else 0
         clean = {k: _finite_or_none(v) for k, v in metrics.items() if isinstance(v, (int, float))}
         record = StepRecord(step=step, trained_version=version - 1, version=version, world_size=len(shards),
                             groups=list(groups), shards=rows, metrics=clean, payload=self.mode, payload_bytes=nbytes)

@@ -134,6 +134,9 @@ class TrainEngine:
         # Rows per recorded rank of the next step's batch (trainer/replay.py, for a run recorded on several ranks);
         # None: the batch is this rank's own.
         self.rank_rows: list[int] | None = None
+        # What the last step computed from its batch that the batch cannot give back (the advantages its loss used;
+        # GAE's values and returns), [B, T] in the batch's rows: recorded with logging.record=full for the inspector.
+        self.computed: dict[str, torch.Tensor] = {}
         self.ref_model = None
         if algo_cfg.kl_coef > 0:
             self.ref_model = self._load(model_path, dtype, False)
@@ -352,6 +355,9 @@ class TrainEngine:
                 norm_by_std=self.algo.norm_adv_by_std, gamma=self.algo.gamma, reduce=reduce,
             )  # fmt: skip
             returns_BT, actor_waits, metrics_values = None, False, {}
+        self.computed = {"advantages": adv_BT.detach()}
+        if returns_BT is not None:
+            self.computed.update(values=values_BT.detach(), returns=returns_BT.detach())
         # The rollout correction between behaviour and proximal log-probs: IS weights and the response mask less
         # rejected tokens (`loss_mask_BT`, which also sets the loss normaliser). Fused: the weights are filled per
         # micro-batch like proximal_BT (they are per row). Bypass has no proximal policy: rejection and the

@@ -21,7 +21,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from rlbus.bus.ray_cluster import ensure_ray
 from rlbus.bus.transfer_queue import TransferQueue
 from rlbus.consumers.collate import collate
-from rlbus.consumers.recorder import write_shard
+from rlbus.consumers.recorder import write_advantages, write_shard
 from rlbus.schemas.config import RunConfig
 from rlbus.schemas.errors import PayloadMissing
 from rlbus.schemas.wire import SampleMeta, TrajectoryGroup
@@ -128,6 +128,9 @@ class StepWorker:
             set_lr_scale(self.engine, plan.lr_scale)  # from the schedule's position: 1.0 is the schedule's own LR
             metrics = self.engine.train_step(batch)
             timings["time/train"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            write_advantages(self.cfg.run_dir, self.cfg.logging.record, plan.step, self.rank, self.engine.computed)
+            timings["time/record"] += time.perf_counter() - t0
         state_dict = None
         if plan.publish:
             t0 = time.perf_counter()

@@ -114,7 +114,7 @@ async function loadSamples() {
   document.querySelectorAll("tr.click").forEach((tr) => (tr.onclick = () => (location.hash = "#sample/" + tr.dataset.id)));
 }
 
-const COLOURS = { mask: null, version: "version", logprob: "logprob", advantage: "advantage", mismatch: "mismatch" };
+const COLOURS = { mask: null, version: "version", logprob: "logprob", advantage: "advantage", value: "value", mismatch: "mismatch" };
 function tokenSpans(s, by) {
   s.tokens.forEach((t) => (t.mismatch = t.proximal === null || t.proximal === undefined ? null : t.logprob - t.proximal));
   const vals = s.tokens.map((t) => t[by]).filter((v) => v !== null && v !== undefined);
@@ -145,7 +145,7 @@ function hookTokens(samples) {
       if (!t) return;
       document.getElementById("tok-info").textContent = `token ${e.target.dataset.i} id ${t.id} ${JSON.stringify(t.text)} ` +
         `mask ${t.mask} · version ${t.version} · behaviour log-prob ${fmt(t.logprob)} · proximal ${fmt(t.proximal)} · ` +
-        `mismatch ${fmt(t.mismatch)} · advantage ${fmt(t.advantage)}`;
+        `mismatch ${fmt(t.mismatch)} · advantage ${fmt(t.advantage)}` + (t.value === null ? "" : ` · value ${fmt(t.value)}`);
     };
   });
 }

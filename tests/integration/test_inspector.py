@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from rlbus.consumers.event_log import load_rank_batch, read_steps
 from tests.integration.test_replay import GROUP_SIZE, GROUPS_PER_STEP, NUM_STEPS, record_run
@@ -149,7 +150,7 @@ def test_proximal_log_probs_recomputed_from_the_page_give_the_recorded_mismatch(
 
 def test_a_run_directory_copied_elsewhere_opens_the_same(recorded: dict[str, Any], tmp_path: Path) -> None:
     """The run directory alone, on a machine without the run's model directory: the same samples, token ids instead
-    of text, the advantages still recomputed from the recorded rewards."""
+    of text, the advantages the trainer recorded beside the batch (equal to those recomputed from its rewards)."""
     import json
     import shutil
     import urllib.request
@@ -178,3 +179,42 @@ def test_a_run_directory_copied_elsewhere_opens_the_same(recorded: dict[str, Any
     assert [t["id"] for t in s["tokens"]] == batch["input_ids"][row, p:n].tolist()
     assert [t["text"] for t in s["tokens"]] == [f"[{i}]" for i in batch["input_ids"][row, p:n].tolist()]
     assert all(t["advantage"] is not None for t in s["tokens"] if t["mask"])
+    from safetensors.torch import load_file
+
+    from rlbus.consumers.event_log import advantages_path
+    from rlbus.trainer.algorithms.advantages import compute_advantages
+
+    used = load_file(str(advantages_path(copy, 3, 0)))["advantages"]
+    algo = recorded["cfg"].algorithm
+    again = compute_advantages(batch["token_level_rewards"], batch["response_mask"], batch["group_index"],
+                               estimator=algo.adv_estimator, norm_by_std=algo.norm_adv_by_std, gamma=algo.gamma)
+    assert torch.equal(used, again)
+    assert [t["advantage"] for t in s["tokens"]] == pytest.approx(used[row, p:n].tolist())
+    assert "recorded" in s["advantage_note"]
+
+
+@pytest.mark.slow
+def test_a_gae_run_shows_the_advantages_and_values_its_trainer_used(tmp_path: Path) -> None:
+    """GAE's advantages need the critic's values, which the step's batch does not hold: the trainer records them
+    with the step (logging.record=full), and a sample shows per token the advantage and the value step 4 trained on."""
+    import json
+    import urllib.request
+
+    gae = record_run(tmp_path, algorithm={"adv_estimator": "gae", "lam": 0.95}, critic={"lr": 1e-2})
+    computed = gae["engine"].computed  # the last step's: NUM_STEPS
+    assert set(computed) == {"advantages", "values", "returns"}
+    with ui_server(gae["run_dir"]) as (url, token):
+        req = urllib.request.Request(url + f"api/samples?step={NUM_STEPS}&limit=50",
+                                     headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            first = json.loads(r.read())["rows"][0]
+        req = urllib.request.Request(url + f"api/sample/{first['id']}", headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            s = json.loads(r.read())
+    record = read_steps(gae["run_dir"])[NUM_STEPS - 1]
+    (row,) = [i for i, r in enumerate(record.shards[0]) if (r.group, r.sample) == (s["gpos"], s["spos"])]
+    meta = record.groups[s["gpos"]].samples[s["spos"]]
+    p, n = meta.prompt_len, meta.prompt_len + meta.response_len
+    assert [t["advantage"] for t in s["tokens"]] == pytest.approx(computed["advantages"][row, p:n].tolist())
+    assert [t["value"] for t in s["tokens"]] == pytest.approx(computed["values"][row, p:n].tolist())
+    assert any(t["value"] for t in s["tokens"] if t["mask"]), "the critic's values are all zero"

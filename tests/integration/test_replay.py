@@ -68,7 +68,7 @@ def record_run(root: Path, mode: str = "full", **sections: dict) -> dict[str, An
     """Train NUM_STEPS steps the way StepWorker / TrainerService do, with the recorder on; checkpoint at step 2.
     `sections`: config sections added to the run's (e.g. algorithm=..., critic=...)."""
     from rlbus.consumers.collate import collate
-    from rlbus.consumers.recorder import Recorder, write_shard
+    from rlbus.consumers.recorder import Recorder, write_advantages, write_shard
     from rlbus.trainer.checkpoint import save_checkpoint
     from rlbus.trainer.engine import TrainEngine
     from rlbus.trainer.metrics import MetricsLog
@@ -91,6 +91,7 @@ def record_run(root: Path, mode: str = "full", **sections: dict) -> dict[str, An
         batch = collate([(m, stored[m.key]) for m, _ in shard], [gi for _, gi in shard], pad_id=0)
         write_shard(run_dir, cfg.logging.record, step, 0, batch)  # StepWorker.execute, before train_step
         m = engine.train_step(batch)
+        write_advantages(run_dir, cfg.logging.record, step, 0, engine.computed)  # StepWorker.execute, after it
         row = {**m, "reward/mean": 0.5, "step": step, "version": step}
         metrics_log.append(row)
         recorder.step(step=step, version=step, groups=groups, shards=shards, metrics=row)

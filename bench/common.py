@@ -62,6 +62,27 @@ def run_ledger(run_dir: Path) -> dict[str, Any]:
     return {"trained": said["trained"], "problems": said["problems"]}
 
 
+#: bench/peer_env.py's time-to-target rule: this share of the lower of the two sides' mean final accuracy.
+TARGET_SHARE = 0.9
+
+
+def time_to(run: dict[str, Any], target: float) -> float | None:
+    """Seconds from process start to the first saved model of `run` (bench/peer_env.py) that reaches `target`."""
+    return next((s["t"] for s in run["saved"] if s["accuracy"] >= target), None)
+
+
+def peer_summary(d: dict[str, Any]) -> dict[str, Any]:
+    """bench/peer_env.py's results: each side's mean final accuracy, the target, each run's time to it."""
+    import statistics
+
+    ok = {side: [r for r in d["runs"] if r["side"] == side and r["rc"] == 0] for side in ("rlbus", "trl")}
+    final = {side: statistics.fmean(r["saved"][-1]["accuracy"] for r in runs) if runs else 0.0
+             for side, runs in ok.items()}
+    target = round(TARGET_SHARE * min(final.values()), 4)
+    times = {side: [time_to(r, target) for r in runs] for side, runs in ok.items()}
+    return {"final": final, "target": target, "times": times}
+
+
 def machine_line(m: dict[str, Any]) -> str:
     return (f"Machine: {m['cpu_model']}, {m['cores']} cores, {m['platform']}, Python {m['python']}, torch "
             f"{m['torch']}, 1-minute load {m['load_avg_1m']} while measured.")

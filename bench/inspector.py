@@ -40,6 +40,8 @@ from safetensors.torch import save_file  # noqa: E402
 from rlbus.cli.ui import ADDRESS_FILE, ui_token  # noqa: E402
 from rlbus.cli.ui_index import RunIndex  # noqa: E402
 from rlbus.consumers.event_log import Entry, ShardRow, StepRecord, events_dir, shard_path  # noqa: E402
+from rlbus.consumers.recorder import write_advantages  # noqa: E402
+from rlbus.trainer.algorithms.advantages import compute_advantages  # noqa: E402
 from rlbus.schemas.wire import (  # noqa: E402
     ChatMessage,
     GuardAction,
@@ -133,11 +135,14 @@ def _write_tensors(run_dir: Path, step: int, groups: list[TrajectoryGroup]) -> N
     n = len(groups[0].samples)
     path = shard_path(run_dir, step, 0)
     path.parent.mkdir(parents=True)
+    group_index = torch.arange(B) // n
     save_file({"input_ids": torch.randint(0, 1000, (B, T)), "attention_mask": torch.ones(B, T, dtype=torch.long),
                "position_ids": torch.arange(T).expand(B, T).contiguous(), "response_mask": mask,
                "rollout_log_probs": -torch.rand(B, T), "versions": torch.full((B, T), step - 1),
-               "token_level_rewards": rewards, "group_index": torch.arange(B) // n}, str(path),
+               "token_level_rewards": rewards, "group_index": group_index}, str(path),
               metadata={"step": str(step), "rank": "0", "format": "1"})
+    # ... and, as the trainer records beside it, the advantages its loss used (the page shows these per token)
+    write_advantages(run_dir, "full", step, 0, {"advantages": compute_advantages(rewards, mask.float(), group_index)})
 
 
 def _get(url: str, token: str) -> float:
@@ -233,8 +238,10 @@ def main() -> int:
             f"| index cached in RUN_DIR/ui (every later open) | {cached_open:.3f} |\n"
             f"| `rlbus ui` started until its first answer (cached index) | {started:.2f} |\n\n"
             f"| page (over HTTP, with the token) | first | median of {args.repeats} | max |\n|---|---:|---:|---:|\n"
-            f"{rows}\n\n\"first\" is each page's first request after the server started: the first page that shows "
-            f"tokens also waits for torch's import (the trainer's advantage code), once per server.\n\n"
+            f"{rows}\n\n\"first\" is each page's first request after the server started. The steps with tensors also "
+            f"hold the advantages the trainer recorded beside them (as `logging.record: full` writes them now), so a "
+            f"token page reads them; for a run recorded without them the first token page also waits for torch's "
+            f"import (the advantages recomputed by the trainer's code), once per server (about 1.2 s here).\n\n"
             f"{machine_line(result['machine'])}\n")
     write_section("## Inspector", body, Path(args.docs))
     print(body)

@@ -193,6 +193,23 @@ def _env_task(files: list[dict[str, Any]]) -> Reading:
                    ratio=f"{statistics.fmean(gains) * 100:+.0f} points over version 0")
 
 
+def _trl_env(files: list[dict[str, Any]]) -> Reading:
+    """bench/peer_env.py: time from process start to a held-out target, each side's mean over its seeds."""
+    from bench.common import peer_summary
+
+    s = peer_summary(files[0])
+    reached = {side: [t for t in ts if t is not None] for side, ts in s["times"].items()}
+    mine, trl = reached["rlbus"], reached["trl"]
+    finals = [r["saved"][-1]["accuracy"] for r in files[0]["runs"] if r["side"] == "rlbus" and r["rc"] == 0]
+    return Reading(value=f"held-out accuracy {s['target']:.3f} reached in {statistics.fmean(mine):.0f} s "
+                         f"(TRL {statistics.fmean(trl):.0f} s); final {s['final']['rlbus']:.3f} (TRL "
+                         f"{s['final']['trl']:.3f})",
+                   spread=f"{min(mine):.0f}-{max(mine):.0f} s, final {min(finals):.3f}-{max(finals):.3f} over "
+                          f"{len(mine)} of {len(s['times']['rlbus'])} seeds (TRL: {len(trl)} of "
+                          f"{len(s['times']['trl'])})",
+                   ratio=f"{statistics.fmean(mine) / statistics.fmean(trl):.2f}x TRL's time")
+
+
 def _lora(files: list[dict[str, Any]]) -> Reading:
     d = files[0]
     t, s = d["trainer"], d["sync"]
@@ -283,6 +300,9 @@ FIGURES: tuple[Figure, ...] = (
     Figure("Against TRL: learning per step (one-digit sums, 400 steps)",
            "One-digit sums: synchronous rlbus against TRL on six more seeds (4-5 December)",
            ("peer_trl_adder1_400_s20-25_sync_trl.json",), _trl_learning, headline=True),
+    Figure("Against TRL: time to a held-out target (syllogism, SmolLM2-135M-Instruct, 30 steps)",
+           "Against TRL's GRPOTrainer on a reasoning-gym task: syllogism_smollm2",
+           ("peer_env_syllogism_smollm2.json",), _trl_env, headline=True),
     Figure("Partial rollout (long-tailed generation)", "Partial rollout", ("partial_rollout.json",), _partial),
     Figure("Bus: trajectory events end to end", "Bus", ("bus.json",), _bus, headline=True),
     Figure("TransferQueue: a batch's tensors through Ray", "TransferQueue", ("transfer_queue.json",),
@@ -417,4 +437,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    sys.path[0] = str(ROOT)  # run as a script: the repository root, for `bench.common`
     sys.exit(main())

@@ -72,7 +72,8 @@ def time_to(run: dict[str, Any], target: float) -> float | None:
 
 
 def peer_summary(d: dict[str, Any]) -> dict[str, Any]:
-    """bench/peer_env.py's results: each side's mean final accuracy, the target, each run's time to it."""
+    """bench/peer_env.py's results: each side's mean final accuracy, the target, each run's time to it (None: never)
+    and the times of the runs that reached it."""
     import statistics
 
     ok = {side: [r for r in d["runs"] if r["side"] == side and r["rc"] == 0] for side in ("rlbus", "trl")}
@@ -80,7 +81,8 @@ def peer_summary(d: dict[str, Any]) -> dict[str, Any]:
              for side, runs in ok.items()}
     target = round(TARGET_SHARE * min(final.values()), 4)
     times = {side: [time_to(r, target) for r in runs] for side, runs in ok.items()}
-    return {"final": final, "target": target, "times": times}
+    reached = {side: [t for t in ts if t is not None] for side, ts in times.items()}
+    return {"final": final, "target": target, "times": times, "reached": reached}
 
 
 def machine_line(m: dict[str, Any]) -> str:

@@ -163,7 +163,7 @@ def report(d: dict) -> str:
         lines.append(f"| {r['side']} | {r['seed']} | " + " | ".join(cells) + f" | {rate:.2f}"
                      f" | {'not reached' if t is None else f'{t:.0f}'} | {r['wall_s']:.0f}"
                      f" | {r.get('load1_at_start', '')} |")
-    reached = {side: [t for t in ts if t is not None] for side, ts in s["times"].items()}
+    reached = s["reached"]
     if reached["rlbus"] and reached["trl"]:
         ratio = statistics.fmean(reached["rlbus"]) / statistics.fmean(reached["trl"])
         lines += ["", (f"Mean final accuracy: rlbus {s['final']['rlbus']:.3f}, TRL {s['final']['trl']:.3f}. Mean time "

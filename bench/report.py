@@ -198,8 +198,7 @@ def _trl_env(files: list[dict[str, Any]]) -> Reading:
     from bench.common import peer_summary
 
     s = peer_summary(files[0])
-    reached = {side: [t for t in ts if t is not None] for side, ts in s["times"].items()}
-    mine, trl = reached["rlbus"], reached["trl"]
+    mine, trl = s["reached"]["rlbus"], s["reached"]["trl"]
     finals = [r["saved"][-1]["accuracy"] for r in files[0]["runs"] if r["side"] == "rlbus" and r["rc"] == 0]
     return Reading(value=f"held-out accuracy {s['target']:.3f} reached in {statistics.fmean(mine):.0f} s "
                          f"(TRL {statistics.fmean(trl):.0f} s); final {s['final']['rlbus']:.3f} (TRL "

@@ -133,12 +133,8 @@ class Tokens:
         if not path.is_file():
             out["note"] = "this step was recorded without tensors (logging.record=metadata): no tokens to show"
             return out
-        from safetensors import safe_open
-
         p, n = s["prompt_len"], s["prompt_len"] + s["response_len"]
-        with safe_open(str(path), framework="numpy") as f:
-            fields = {k: f.get_slice(k)[s["row"]:s["row"] + 1][0].tolist() for k in
-                      ("input_ids", "response_mask", "rollout_log_probs", "versions")}
+        fields = _row(path, s["row"], ("input_ids", "response_mask", "rollout_log_probs", "versions"))
         advantages, values, why = self._advantages(index, s)
         proximal = self._proximal(index, s)
         tok = self.tokenizer()
@@ -167,12 +163,8 @@ class Tokens:
         path = proximal_path(self.index_dir, s["step"])
         if not path.is_file():
             return None
-        from safetensors import safe_open
-
         before = index.db.execute("SELECT count(*) FROM samples WHERE step=? AND rank<?", (s["step"], s["rank"]))
-        row = before.fetchone()[0] + s["row"]
-        with safe_open(str(path), framework="numpy") as f:
-            return f.get_slice("proximal_log_probs")[row:row + 1][0].tolist()
+        return _row(path, before.fetchone()[0] + s["row"], ("proximal_log_probs",))["proximal_log_probs"]
 
     def _advantages(self, index: RunIndex, s: dict[str, Any]) -> tuple[list[float] | None, list[float] | None, str]:
         """The sample's token advantages and, for GAE, the critic's values: those the trainer recorded beside the
@@ -181,10 +173,7 @@ class Tokens:
         they need what is not recorded."""
         computed = advantages_path(self.run_dir, s["step"], s["rank"])
         if computed.is_file():
-            from safetensors import safe_open
-
-            with safe_open(str(computed), framework="numpy") as f:
-                row = {k: f.get_slice(k)[s["row"]:s["row"] + 1][0].tolist() for k in f.keys()}
+            row = _row(computed, s["row"])
             return row["advantages"], row.get("values"), "as the trainer computed them (recorded with the step)"
         adv, why = self._recomputed(index, s)
         return adv, None, why
@@ -218,6 +207,14 @@ class Tokens:
             self._adv_step = (s["step"], index.generation)
         row = self._adv_offsets[s["rank"]] + s["row"]
         return self._adv[row].tolist(), f"{algo.adv_estimator}, recomputed from the recorded rewards"
+
+
+def _row(path: Path, row: int, keys: tuple[str, ...] | None = None) -> dict[str, list]:
+    """Row `row` of each [B, T] tensor `keys` (default: all) of a safetensors file, read without loading the rest."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as f:
+        return {k: f.get_slice(k)[row:row + 1][0].tolist() for k in (keys or f.keys())}
 
 
 def _turn(mask: int, num_tokens: int, text: str) -> dict[str, Any]:

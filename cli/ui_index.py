@@ -87,9 +87,18 @@ def _entries(kind: str) -> msgspec.json.Decoder:
     return msgspec.json.Decoder(Entry[KINDS[kind][1]])
 
 
+def _json(line: bytes) -> Any:
+    """One JSON line: msgspec's decoder, several times faster than the standard one, which reads what it refuses
+    (NaN and Infinity, which a metrics row may hold)."""
+    try:
+        return msgspec.json.decode(line)
+    except msgspec.DecodeError:
+        return json.loads(line)
+
+
 def _metrics_rows(lines: list[bytes]) -> Iterable[tuple]:
     for ln in lines:
-        row = json.loads(ln)
+        row = _json(ln)
         if "step" not in row:
             continue
         yield (int(row["step"]), int("eval/accuracy" in row), ln.decode(),
@@ -227,7 +236,7 @@ class RunIndex:
 
     def _add_discarded(self, lines: list[bytes]) -> None:
         self.db.executemany("INSERT INTO discarded VALUES (?, ?)",
-                            ((int(r["step"]), ln.decode()) for ln in lines if "step" in (r := json.loads(ln))))
+                            ((int(r["step"]), ln.decode()) for ln in lines if "step" in (r := _json(ln))))
 
     def _add_steps(self, lines: list[bytes]) -> None:
         indexed = bool(self.db.execute("SELECT 1 FROM steps LIMIT 1").fetchone())  # else only these lines' steps

@@ -8,7 +8,8 @@ Layout under a checkpoint root (`<run_dir>/checkpoints`):
         extra.json            the service's blob (step, version, feeder position, trained group ids, ...)
         rng/rank_00000.pt     each rank's RNG states
         hf/config.json        the model's Hugging Face config, for export_hf
-        adapter/adapter_config.json  model.lora's adapter (peft's config; its tensors are in the shards)
+        adapter/adapter_config.json  model.lora's adapter (peft's config; its tensors are in the shards, the
+                              frozen base is not: adapter/base.json names model.path and its weights' digest)
         critic_hf/config.json the value model's (adv_estimator: gae; its state is under "critic" in the shards, or,
                               with critic.backbone: shared, the head's under "model" as value_head.*)
     latest                    the name of the newest complete checkpoint (replaced atomically)
@@ -320,9 +321,10 @@ def save_checkpoint(engine: TrainEngine, root: str | os.PathLike, step: int, ext
         (tmp / "extra.json").write_bytes(msgspec.json.encode(extra))
         AutoConfig.from_pretrained(engine.model_path).save_pretrained(tmp / "hf")
         if getattr(engine, "lora", None) is not None and engine.lora.enabled:
-            from rlbus.trainer.lora import save_adapter_config
+            from rlbus.trainer.lora import BASE_FILE, base_record, save_adapter_config
 
             save_adapter_config(engine.lora, tmp / ADAPTER_DIR, engine.model_path)
+            (tmp / ADAPTER_DIR / BASE_FILE).write_bytes(msgspec.json.encode(base_record(engine.model_path, getattr(engine, "dtype", "float32"))))
         critic = getattr(engine, "critic", None) or getattr(engine, "value_head", None)
         if critic is not None:
             critic.save_config(tmp / CRITIC_HF)
@@ -380,6 +382,13 @@ def load_checkpoint(engine: TrainEngine, path: str | os.PathLike, extra_type: ty
     metadata = _read_metadata(path)
     _check_critic_layout(engine, path, metadata)
     _check_lora_layout(engine, path, metadata)
+    if getattr(engine, "lora", None) is not None and engine.lora.enabled and not _holds_base(metadata):
+        from rlbus.trainer.lora import check_base
+
+        try:
+            check_base(path / ADAPTER_DIR, engine.model_path)  # every rank: each reads the base from there
+        except ValueError as e:
+            raise CheckpointError(path, str(e)) from None
     state = engine.state_dict()
     _dcp_load(state, path, metadata)
     engine.load_state_dict(state)
@@ -440,7 +449,13 @@ def _check_lora_layout(engine: TrainEngine, ckpt: Path, metadata: Metadata) -> N
                                   "it was saved with")
 
 
-def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, tokenizer_src: str | os.PathLike) -> Path:
+def _holds_base(metadata: Metadata) -> bool:
+    """A LoRA checkpoint written before they held the adapter alone also holds the frozen base."""
+    return any(".base_layer." in k for k in metadata.state_dict_metadata)
+
+
+def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, tokenizer_src: str | os.PathLike,
+              base_model: str | os.PathLike = "") -> Path:
     """Write a Hugging Face model directory (config, safetensors weights, tokenizer) from a trainer checkpoint.
 
     Runs in one process without a process group (DCP reads every shard). The result loads with
@@ -448,6 +463,7 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, tokenizer
     with a critic (gae) also gets the value model next to the policy, in `out_dir/critic`
     (`AutoModelForTokenClassification`, one label: V_t is its output at position t - 1); with critic.backbone:
     shared, that is the policy's transformer (a copy) under the value head, which computes the very same values.
+    A LoRA checkpoint's base is the model it recorded (adapter/base.json), or `base_model`, with the same weights.
     """
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     if not (ckpt_dir / ".metadata").is_file() or not (ckpt_dir / "hf" / "config.json").is_file():
@@ -455,7 +471,7 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, tokenizer
     config = AutoConfig.from_pretrained(ckpt_dir / "hf")
     model = AutoModelForCausalLM.from_config(config)
     if (ckpt_dir / ADAPTER_DIR / "adapter_config.json").is_file():
-        _export_adapter(ckpt_dir, model, out_dir)
+        _export_adapter(ckpt_dir, model, out_dir, base_model)
     else:
         state = {"model": model.state_dict()}
         _dcp_load(state, ckpt_dir)
@@ -482,15 +498,27 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, tokenizer
     return out_dir
 
 
-def _export_adapter(ckpt_dir: Path, model: torch.nn.Module, out_dir: Path) -> None:
+def _export_adapter(ckpt_dir: Path, model: torch.nn.Module, out_dir: Path, base_path: str | os.PathLike) -> None:
     """A LoRA checkpoint: load its adapter's merge into `model`, and write the adapter alone as a peft directory
     in `out_dir/adapter` (`peft.PeftModel.from_pretrained(base, out_dir / "adapter")` loads it)."""
     from rlbus.trainer import lora
 
     cfg = lora.load_adapter_config(ckpt_dir / ADAPTER_DIR)
-    trained = lora.apply_lora(AutoModelForCausalLM.from_config(model.config), cfg)
+    metadata = _read_metadata(ckpt_dir)
+    whole = _holds_base(metadata)
+    if whole:
+        trained = lora.apply_lora(AutoModelForCausalLM.from_config(model.config), cfg)
+    else:  # the adapter alone: the base is the model it recorded (model.path), checked by its digest
+        try:
+            base_dir, dtype = lora.check_base(ckpt_dir / ADAPTER_DIR, base_path)
+        except ValueError as e:
+            raise CheckpointError(ckpt_dir, str(e)) from None
+        # Held as the trainer held it (model.dtype), then widened to the export's dtype as the saved base once was.
+        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=getattr(torch, dtype)).to(model.dtype)
+        trained = lora.apply_lora(base, cfg)
+    _dcp_load({"model": {k: v for k, v in trained.state_dict().items() if whole or lora.is_adapter(k)}}, ckpt_dir,
+              metadata)  # into trained's own tensors
     state = {"model": trained.state_dict()}
-    _dcp_load(state, ckpt_dir)
     model.load_state_dict(lora.merged_state_dict(state["model"], cfg.scale))
     base = json.loads((ckpt_dir / ADAPTER_DIR / "adapter_config.json").read_text()).get("base_model_name_or_path")
     lora.save_adapter_dir(lora.adapter_tensors(state["model"]), cfg, out_dir / ADAPTER_DIR, base or "")

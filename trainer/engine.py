@@ -121,6 +121,7 @@ class TrainEngine:
         self.algo = algo_cfg
         self.temperature = float(temperature)
         self.model_path = model_path
+        self.dtype = dtype
         self.logits_chunk_bytes = logprobs.CHUNK_BYTES
         self.fuse_proximal = True
         self.correction = algo.CorrectionSpec.from_config(algo_cfg)
@@ -576,14 +577,17 @@ class TrainEngine:
     def state_dict(self) -> dict[str, Any]:
         """Sharded trainer state for torch.distributed.checkpoint: model, optimizer, LR schedule, update count, and
         the same four of the separate critic under "critic" (gae; the shared head is part of the model's and the
-        optimizer's)."""
-        state = train_state(self.model, self.optimizer, self.scheduler, self.num_updates)
+        optimizer's). With model.lora, the model's part is the adapter alone: the frozen base is model.path's
+        (trainer/checkpoint.py records which)."""
+        state = train_state(self.model, self.optimizer, self.scheduler, self.num_updates,
+                            trainable_only=self.lora.enabled)
         if self.critic is not None:
             state["critic"] = self.critic.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.num_updates = load_train_state(self.model, self.optimizer, self.scheduler, state)
+        self.num_updates = load_train_state(self.model, self.optimizer, self.scheduler, state,
+                                            trainable_only=self.lora.enabled)
         if self.critic is not None:
             self.critic.load_state_dict(state["critic"])
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -96,19 +97,22 @@ def make_optimizer(params: list[nn.Parameter] | list[dict[str, Any]], cfg: Train
     return torch.optim.AdamW(params, **kwargs)
 
 
-def train_state(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, num_updates: int) -> dict[str, Any]:
-    """Sharded state of one trained FSDP2 model for torch.distributed.checkpoint: weights, AdamW, LR schedule."""
+def train_state(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, num_updates: int, *,
+                trainable_only: bool = False) -> dict[str, Any]:
+    """Sharded state of one trained FSDP2 model for torch.distributed.checkpoint: weights, AdamW, LR schedule.
+    `trainable_only`: the frozen weights left out (LoRA's base, which the model was built from and never changes)."""
     return {
-        "model": get_model_state_dict(model),
+        "model": get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=trainable_only)),
         "optim": get_optimizer_state_dict(model, optimizer),
         "scheduler": scheduler.state_dict(),
         "num_updates": num_updates,
     }
 
 
-def load_train_state(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, state: dict[str, Any]) -> int:
-    """Restore what `train_state` saved; returns the update count."""
-    set_model_state_dict(model, state["model"])
+def load_train_state(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, state: dict[str, Any], *,
+                     trainable_only: bool = False) -> int:
+    """Restore what `train_state` saved (with the same `trainable_only`); returns the update count."""
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not trainable_only))
     # The saved param groups carry the kernel choice (fused / foreach) of the run that saved them; this run's
     # config decides, so trainer.fused_optimizer takes effect on a resume too. The moments are the same either way.
     kernels = [(g.get("fused"), g.get("foreach")) for g in optimizer.param_groups]

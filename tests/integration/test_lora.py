@@ -6,6 +6,7 @@ checkpoints resume exactly, and `export_hf` writes a merged model and a peft ada
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -81,9 +82,10 @@ def test_lora_trains_the_adapter_alone_and_two_ranks_equal_one(tiny_model: Path,
         torch.testing.assert_close(merged[name], peft_merged[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-def _ckpt_worker(model_dir: str, root: str) -> dict:
+def _ckpt_worker(model_dir: str, root: str, other_base: str) -> dict:
     from rlbus.trainer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
     from rlbus.trainer.dist import destroy_distributed, init_distributed
+    from rlbus.trainer.optim import train_state
 
     torch.set_num_threads(1)
     info = init_distributed("cpu")
@@ -92,10 +94,17 @@ def _ckpt_worker(model_dir: str, root: str) -> dict:
     for step in (1, 2):
         engine.train_step(share(step))
     save_checkpoint(engine, root, 2, {"step": 2}, keep=2)
+    # As LoRA checkpoints were written before they left the base out: every weight in the shards.
+    engine.state_dict = lambda: train_state(engine.model, engine.optimizer, engine.scheduler, engine.num_updates)
+    save_checkpoint(engine, root + "-whole", 2, {"step": 2}, keep=2)
+    del engine.state_dict
     after_save = engine.full_state_dict()
     continued = engine.train_step(share(10))
     continued_adapter = engine.adapter_state_dict()
 
+    whole = _engine(model_dir)
+    load_checkpoint(whole, root + "-whole")
+    restored_whole = whole.full_state_dict()
     fresh = _engine(model_dir)
     load_checkpoint(fresh, root)
     restored = fresh.full_state_dict()
@@ -108,8 +117,12 @@ def _ckpt_worker(model_dir: str, root: str) -> dict:
             load_checkpoint(_engine(model_dir, other), root)
         except CheckpointError as e:
             refusals.append(str(e))
+    try:  # the checkpoint holds the adapter alone: a resume on other base weights is refused, not silently wrong
+        load_checkpoint(_engine(other_base), root)
+    except CheckpointError as e:
+        refusals.append(str(e))
     destroy_distributed()
-    return {"after_save": after_save, "restored": restored, "continued": continued, "resumed": resumed,
+    return {"after_save": after_save, "restored": restored, "restored_whole": restored_whole, "continued": continued, "resumed": resumed,
             "continued_adapter": continued_adapter, "resumed_adapter": resumed_adapter, "refusals": refusals}
 
 
@@ -117,21 +130,37 @@ def test_lora_checkpoint_resumes_exactly_and_exports_merged_and_adapter(tiny_mod
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from rlbus.trainer.checkpoint import export_hf, latest_checkpoint
+    from rlbus.trainer.checkpoint import CheckpointError, _read_metadata, export_hf, latest_checkpoint
     from rlbus.trainer.dist import spawn_local
 
     torch.set_num_threads(1)
     root = tmp_path / "ckpt"
-    out = spawn_local(2, _ckpt_worker, str(tiny_model), str(root))[0]
+    other_base = tmp_path / "other-base"
+    shutil.copytree(tiny_model, other_base)
+    changed = AutoModelForCausalLM.from_pretrained(other_base)
+    with torch.no_grad():
+        changed.model.layers[1].mlp.up_proj.weight[0, 0] += 1e-3  # a layer the adapter does not touch
+    changed.save_pretrained(other_base)
+    out = spawn_local(2, _ckpt_worker, str(tiny_model), str(root), str(other_base))[0]
     for name, w in out["after_save"].items():
         assert torch.equal(out["restored"][name], w), name
+        assert torch.equal(out["restored_whole"][name], w), name  # a checkpoint that holds the base resumes too
     assert out["resumed"]["actor/pg_loss"] == out["continued"]["actor/pg_loss"]
     assert out["resumed"]["actor/lr"] == out["continued"]["actor/lr"]
     for name, w in out["continued_adapter"].items():  # the adapter's AdamW moments came back too
         assert torch.equal(out["resumed_adapter"][name], w), name
-    rank_msg, full_msg = out["refusals"]
+    rank_msg, full_msg, base_msg = out["refusals"]
     assert "model.lora.rank=8" in rank_msg and "another rank" in rank_msg
     assert "an adapter on 6 layers" in full_msg and "model.lora.rank=0" in full_msg
+    assert str(tiny_model.resolve()) in base_msg and str(other_base.resolve()) in base_msg and "differ" in base_msg
+
+    # The shards hold the adapter, its AdamW moments and the schedule, not the frozen base (the whole one's did).
+    ckpt = latest_checkpoint(root)
+    saved = _read_metadata(ckpt).state_dict_metadata
+    assert any(".lora_A." in k for k in saved) and not any(".base_layer." in k or "embed_tokens" in k for k in saved)
+    size = lambda d: sum(f.stat().st_size for f in d.glob("*.distcp"))  # noqa: E731
+    base_bytes = sum(f.stat().st_size for f in tiny_model.glob("*.safetensors"))
+    assert size(latest_checkpoint(f"{root}-whole")) - size(ckpt) > 0.9 * base_bytes
 
     hf_dir = export_hf(latest_checkpoint(root), tmp_path / "hf", tiny_model)
     exported = AutoModelForCausalLM.from_pretrained(hf_dir)
@@ -145,6 +174,12 @@ def test_lora_checkpoint_resumes_exactly_and_exports_merged_and_adapter(tiny_mod
     assert not torch.equal(exported.state_dict()["model.layers.0.self_attn.q_proj.weight"],
                            AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()[
                                "model.layers.0.self_attn.q_proj.weight"])  # fmt: skip
+    whole = AutoModelForCausalLM.from_pretrained(export_hf(latest_checkpoint(f"{root}-whole"), tmp_path / "hf-w",
+                                                           tiny_model))  # fmt: skip
+    for name, w in exported.state_dict().items():
+        assert torch.equal(whole.state_dict()[name], w), name
+    with pytest.raises(CheckpointError, match="differ"):  # exported on another base: refused, naming both
+        export_hf(ckpt, tmp_path / "hf-other", tiny_model, base_model=other_base)
 
 
 def test_lora_beside_a_separate_critic_replays_bit_for_bit(tmp_path: Path) -> None:

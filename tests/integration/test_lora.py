@@ -122,7 +122,8 @@ def _ckpt_worker(model_dir: str, root: str, other_base: str) -> dict:
     except CheckpointError as e:
         refusals.append(str(e))
     destroy_distributed()
-    return {"after_save": after_save, "restored": restored, "restored_whole": restored_whole, "continued": continued, "resumed": resumed,
+    return {"after_save": after_save, "restored": restored, "restored_whole": restored_whole, "continued": continued,
+            "resumed": resumed,
             "continued_adapter": continued_adapter, "resumed_adapter": resumed_adapter, "refusals": refusals}
 
 

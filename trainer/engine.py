@@ -578,15 +578,15 @@ class TrainEngine:
         """Sharded trainer state for torch.distributed.checkpoint: model (with model.lora, the adapter alone: the
         base is model.path's), optimizer, LR schedule, update count, and the same four of the separate critic under
         "critic" (gae; the shared head is part of the model's and the optimizer's)."""
-        lora_only = self.lora.enabled
-        state = train_state(self.model, self.optimizer, self.scheduler, self.num_updates, trainable_only=lora_only)
+        keep = lora.is_adapter if self.lora.enabled else None
+        state = train_state(self.model, self.optimizer, self.scheduler, self.num_updates, keep=keep)
         if self.critic is not None:
             state["critic"] = self.critic.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.num_updates = load_train_state(self.model, self.optimizer, self.scheduler, state,
-                                            trainable_only=self.lora.enabled)
+                                            partial=self.lora.enabled)
         if self.critic is not None:
             self.critic.load_state_dict(state["critic"])
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -98,11 +98,14 @@ def make_optimizer(params: list[nn.Parameter] | list[dict[str, Any]], cfg: Train
 
 
 def train_state(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, num_updates: int, *,
-                trainable_only: bool = False) -> dict[str, Any]:
+                keep: Callable[[str], bool] | None = None) -> dict[str, Any]:
     """Sharded state of one trained FSDP2 model for torch.distributed.checkpoint: weights, AdamW, LR schedule.
-    `trainable_only`: the frozen weights left out (LoRA's base, which the model was built from and never changes)."""
+    `keep`: only the weights it names (LoRA's adapter: the frozen base is the one the model was built from)."""
+    weights = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=keep is not None))
+    if keep is not None:  # an output head tied to the frozen embedding escapes ignore_frozen_params
+        weights = {k: v for k, v in weights.items() if keep(k)}
     return {
-        "model": get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=trainable_only)),
+        "model": weights,
         "optim": get_optimizer_state_dict(model, optimizer),
         "scheduler": scheduler.state_dict(),
         "num_updates": num_updates,
@@ -110,9 +113,9 @@ def train_state(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: A
 
 
 def load_train_state(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, state: dict[str, Any], *,
-                     trainable_only: bool = False) -> int:
-    """Restore what `train_state` saved (with the same `trainable_only`); returns the update count."""
-    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not trainable_only))
+                     partial: bool = False) -> int:
+    """Restore what `train_state` saved (`partial`: saved with a `keep`); returns the update count."""
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not partial))
     # The saved param groups carry the kernel choice (fused / foreach) of the run that saved them; this run's
     # config decides, so trainer.fused_optimizer takes effect on a resume too. The moments are the same either way.
     kernels = [(g.get("fused"), g.get("foreach")) for g in optimizer.param_groups]

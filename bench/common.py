@@ -72,8 +72,9 @@ def time_to(run: dict[str, Any], target: float) -> float | None:
 
 
 def peer_summary(d: dict[str, Any]) -> dict[str, Any]:
-    """bench/peer_env.py's results: each side's mean final accuracy, the target, each run's time to it (None: never)
-    and the times of the runs that reached it."""
+    """bench/peer_env.py's results: each side's mean final accuracy, the target, each run's time to it (None: never),
+    the times of the runs that reached it, and each run's time with a run that never did counted at its whole run
+    time (less than it would have needed: a lower bound)."""
     import statistics
 
     ok = {side: [r for r in d["runs"] if r["side"] == side and r["rc"] == 0] for side in ("rlbus", "trl")}
@@ -82,7 +83,21 @@ def peer_summary(d: dict[str, Any]) -> dict[str, Any]:
     target = round(TARGET_SHARE * min(final.values()), 4)
     times = {side: [time_to(r, target) for r in runs] for side, runs in ok.items()}
     reached = {side: [t for t in ts if t is not None] for side, ts in times.items()}
-    return {"final": final, "target": target, "times": times, "reached": reached}
+    bounded = {side: [r["wall_s"] if t is None else t for t, r in zip(times[side], ok[side])] for side in ok}
+    return {"final": final, "target": target, "times": times, "reached": reached, "bounded": bounded}
+
+
+def bounded_ratio(s: dict[str, Any]) -> tuple[str, float, float, float] | None:
+    """With a run that never reached the target (peer_summary's `s`): ("at most" | "at least" | "", rlbus's mean time
+    with such runs counted at their whole run time, TRL's, their ratio); None when every run reached it."""
+    import statistics
+
+    short = {side: len(s["reached"][side]) < len(s["times"][side]) for side in ("rlbus", "trl")}
+    if not any(short.values()):
+        return None
+    mine, trl = (statistics.fmean(s["bounded"][side]) for side in ("rlbus", "trl"))
+    how = "" if all(short.values()) else "at most" if short["trl"] else "at least"
+    return how, mine, trl, mine / trl
 
 
 def machine_line(m: dict[str, Any]) -> str:

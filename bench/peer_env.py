@@ -43,6 +43,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: the r
 
 from bench.common import (
     TARGET_SHARE,
+    bounded_ratio,
     git_commit,
     machine,
     machine_line,
@@ -145,7 +146,8 @@ def report(d: dict) -> str:
          f"{TARGET_SHARE} x the lower side's mean final accuracy: {s['target']:.3f}."), "",
         f"Command: `{d['command']}`  ",
         f"{machine_line(d['machine'])} rlbus at `{d['commit']}`, {d['date']}."
-        + "".join(f" More seeds: `{m['command']}` at `{m['commit']}`, {m['date']}." for m in d.get("more", [])),
+        + "".join(f" More seeds: `{m['command']}` at `{m['commit']}`, {m['date']}." for m in d.get("more", []))
+        + (f" {d['stopped']}" if d.get("stopped") else ""),
         "",
         "| side | seed | " + " | ".join(f"step {k}: accuracy (s)" for k in steps)
         + f" | steps/min, steps {steps[0]}-{steps[-1]} | time to target s | wall s | load at start |",
@@ -163,6 +165,7 @@ def report(d: dict) -> str:
         lines.append(f"| {r['side']} | {r['seed']} | " + " | ".join(cells) + f" | {rate:.2f}"
                      f" | {'not reached' if t is None else f'{t:.0f}'} | {r['wall_s']:.0f}"
                      f" | {r.get('load1_at_start', '')} |")
+    lines += [f"- {r['side']} seed {r['seed']}: {r['note']}" for r in d["runs"] if r.get("note")]
     reached = s["reached"]
     if reached["rlbus"] and reached["trl"]:
         ratio = statistics.fmean(reached["rlbus"]) / statistics.fmean(reached["trl"])
@@ -170,7 +173,7 @@ def report(d: dict) -> str:
                        f"to the target: rlbus {statistics.fmean(reached['rlbus']):.0f} s "
                        f"({len(reached['rlbus'])} of {len(s['times']['rlbus'])} runs reached it), TRL "
                        f"{statistics.fmean(reached['trl']):.0f} s ({len(reached['trl'])} of {len(s['times']['trl'])}): "
-                       f"rlbus takes {ratio:.2f}x TRL's time. Results: `{d['results']}`.")]
+                       f"rlbus takes {ratio:.2f}x TRL's time.{_bound(s)} Results: `{d['results']}`.")]
     lines += ["", ("rlbus runs `rlbus up` with the config's engine (HF here: on these 2 cores vLLM's engine core and the "
                    "trainer contend, and SmolLM2 on vLLM made 0.82x TRL's steps/min against the HF engine's 1.12x, "
                    "'Against TRL's GRPOTrainer on a real model' above); TRL's GRPOTrainer generates with "
@@ -178,6 +181,15 @@ def report(d: dict) -> str:
                    "update: rlbus overlaps the producers' generation of the next groups with the trainer's update "
                    "(`trainer.max_staleness`), TRL does one after the other.")]
     return "\n".join(lines) + "\n"
+
+
+def _bound(s: dict) -> str:
+    """The ratio when a run that never reached the target counts at its whole run time (it needed longer)."""
+    if (b := bounded_ratio(s)) is None:
+        return ""
+    how, mine, trl, ratio = b
+    return (f" Counting each run that never reached it at its whole run time (it would have needed longer): rlbus "
+            f"{mine:.0f} s, TRL {trl:.0f} s, {how + ' ' if how else ''}{ratio:.2f}x.")
 
 
 def main() -> int:
@@ -212,6 +224,7 @@ def main() -> int:
             same = (d["config"], d["overrides"], d["steps"]) == (str(config), args.overrides, steps)
             if not same:
                 raise SystemExit(f"--append: {results} holds {d['config']} {d['overrides']} for {d['steps']} steps")
+            d.pop("stopped", None)
             d.setdefault("more", []).append({"command": command, "commit": git_commit(), "machine": machine(),
                                              "date": time.strftime("%Y-%m-%d")})
         with tempfile.TemporaryDirectory(prefix="rlbus-peer-env-") as tmp:

@@ -333,7 +333,11 @@ async def serve(run_dir: Path, host: str, port: int, *, show_token: bool = True)
     site = web.TCPSite(runner, host, port)
     await site.start()
     bound = site._server.sockets[0].getsockname()[1]  # port 0: the one the OS chose
-    (index.path.parent / ADDRESS_FILE).write_text(f"http://{host}:{bound}/\n")  # no secret in it
+    # No secret in it. Written whole, then renamed into place: a reader that waits for the file never reads it empty.
+    address = index.path.parent / ADDRESS_FILE
+    partial = address.with_name(f".{ADDRESS_FILE}.tmp")
+    partial.write_text(f"http://{host}:{bound}/\n")
+    os.replace(partial, address)
     url = f"http://{host}:{bound}/"
     print(f"rlbus ui: {run_dir} at {url}?token={inspector.token}" if show_token else
           f"rlbus ui: {run_dir} at {url} (token in {run_dir / 'creds' / TOKEN_FILE})", flush=True)

@@ -41,6 +41,7 @@ from rlbus.bus.server import EmbeddedServer
 from rlbus.cli.progress import RunMonitor, summary_table
 from rlbus.cli.preload import ForkedRole, RoleServer, preload_modules
 from rlbus.cli.run_lock import RunDirBusy, RunLock
+from rlbus.common.files import write_atomic
 from rlbus.common.model.ensure import ensure_model
 from rlbus.schemas.config import BusConfig, RunConfig
 from rlbus.schemas.config_io import to_yaml
@@ -456,9 +457,7 @@ class Launcher:
         if state == self._reported:
             return
         self._reported = state
-        tmp = self.run_dir / f".{PRODUCERS_FILE}.tmp"
-        tmp.write_text(json.dumps({**state, "updated_at": time.time()}, indent=2) + "\n")
-        tmp.replace(self.run_dir / PRODUCERS_FILE)
+        write_atomic(self.run_dir / PRODUCERS_FILE, json.dumps({**state, "updated_at": time.time()}, indent=2) + "\n")
 
     async def _announce(self, child_cfg: RunConfig, event: ProducersScaled) -> None:
         """Put the change in the run's event log (the admin's credential when the launcher runs the bus)."""

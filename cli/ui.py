@@ -48,6 +48,7 @@ from rlbus.cli.run_lock import LOCK_NAME
 from rlbus.cli.ui_index import RunIndex
 from rlbus.cli.ui_proximal import proximal_path
 from rlbus.cli.ui_views import Tokens, compare, overview, producers, samples_page
+from rlbus.common.files import write_atomic
 
 STATIC = Path(__file__).parent / "ui_static"
 COOKIE = "rlbus_ui"
@@ -335,9 +336,7 @@ async def serve(run_dir: Path, host: str, port: int, *, show_token: bool = True)
     bound = site._server.sockets[0].getsockname()[1]  # port 0: the one the OS chose
     # No secret in it. Written whole, then renamed into place: a reader that waits for the file never reads it empty.
     address = index.path.parent / ADDRESS_FILE
-    partial = address.with_name(f".{ADDRESS_FILE}.tmp")
-    partial.write_text(f"http://{host}:{bound}/\n")
-    os.replace(partial, address)
+    write_atomic(address, f"http://{host}:{bound}/\n")
     url = f"http://{host}:{bound}/"
     print(f"rlbus ui: {run_dir} at {url}?token={inspector.token}" if show_token else
           f"rlbus ui: {run_dir} at {url} (token in {run_dir / 'creds' / TOKEN_FILE})", flush=True)

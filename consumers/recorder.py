@@ -33,6 +33,7 @@ from tensordict import TensorDict
 
 from rlbus.bus.client import Bus
 from rlbus.bus.delivery import dead_letter_of
+from rlbus.common.files import write_atomic
 from rlbus.consumers.event_log import (
     EVENT_KIND,
     KINDS,
@@ -186,9 +187,7 @@ class Recorder:
             lines = [ln for ln in path.read_bytes().splitlines(keepends=True) if ln.strip()]
             keep = [ln for ln in lines if msgspec.json.decode(ln, type=_StepOnly).step <= step]
             if len(keep) != len(lines):
-                tmp = path.with_name(f".{path.name}.tmp")
-                tmp.write_bytes(b"".join(keep))
-                os.replace(tmp, path)
+                write_atomic(path, b"".join(keep))
         steps = self.dir / "steps"
         if steps.is_dir():
             for d in steps.iterdir():

@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
+from rlbus.common.files import write_atomic
 from rlbus.schemas.errors import RlbusError
 from rlbus.trainer.critic import BACKBONE_KEY, VALUE_HEAD
 from rlbus.trainer.dist import all_reduce, barrier, rank
@@ -269,12 +270,6 @@ def _load_rng_state(file: Path) -> dict[str, Any]:
     return state
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def checkpoint_name(step: int) -> str:
     return f"{_PREFIX}{step:08d}"
 
@@ -334,7 +329,7 @@ def save_checkpoint(engine: TrainEngine, root: str | os.PathLike, step: int, ext
         if final.exists():  # the same step saved again (a resumed run): the new one wins
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _write_atomic(root / LATEST, final.name.encode())
+        write_atomic(root / LATEST, final.name.encode())
         for old in list_checkpoints(root)[:-keep]:
             shutil.rmtree(old)
     barrier()
@@ -349,7 +344,7 @@ def discard_after(root: str | os.PathLike, step: int) -> list[Path]:
     keep = root / checkpoint_name(step)
     if not (keep / ".metadata").is_file():
         raise CheckpointError(keep, "no complete checkpoint to roll back to")
-    _write_atomic(root / LATEST, keep.name.encode())  # first: a crash mid-way resumes from `step`, never later
+    write_atomic(root / LATEST, keep.name.encode())  # first: a crash mid-way resumes from `step`, never later
     gone = [p for p in list_checkpoints(root) if int(p.name[len(_PREFIX):]) > step]
     for p in gone:
         shutil.rmtree(p)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import random
 import re
 import time
@@ -40,6 +39,7 @@ import msgspec
 
 from rlbus.bus.client import Bus
 from rlbus.common.data import PromptDataset, example_to_task
+from rlbus.common.files import write_atomic
 from rlbus.consumers.batcher import NEVER_PUT
 from rlbus.schemas import staleness
 from rlbus.schemas.config import RunConfig
@@ -340,9 +340,7 @@ class Feeder:
 
     def _save(self) -> None:
         self._path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self._path.with_suffix(".tmp")
-        tmp.write_bytes(msgspec.json.encode(self.state))
-        os.replace(tmp, self._path)  # atomic: a crash leaves the old or the new state, never half of one
+        write_atomic(self._path, msgspec.json.encode(self.state))  # a crash leaves the old or the new state
 
     def _load_saved(self) -> FeederState | None:
         if not self._path.is_file():

@@ -13,6 +13,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+from rlbus.common.files import write_atomic
 from rlbus.schemas.config import LoggingConfig
 from rlbus.schemas.errors import ConfigError
 
@@ -82,9 +83,7 @@ class MetricsLog:
 
     def _truncate_after(self, step: int) -> None:
         rows = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        tmp.replace(self.path)
+        write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in rows))
 
     def discard_after(self, step: int) -> int:
         """Move the rows after `step` into metrics.discarded.jsonl (the stability guard rolled back to `step`): the

@@ -71,16 +71,18 @@ def time_to(run: dict[str, Any], target: float) -> float | None:
     return next((s["t"] for s in run["saved"] if s["accuracy"] >= target), None)
 
 
-def peer_summary(d: dict[str, Any]) -> dict[str, Any]:
+def peer_summary(d: dict[str, Any], mine: str = "rlbus", target: float | None = None) -> dict[str, Any]:
     """bench/peer_env.py's results: each side's mean final accuracy, the target, each run's time to it (None: never),
     the times of the runs that reached it, and each run's time with a run that never did counted at its whole run
-    time (less than it would have needed: a lower bound)."""
+    time (less than it would have needed: a lower bound). `mine` names the rlbus side (another engine's runs are
+    "rlbus-vllm"), keyed "rlbus" in the answer; `target` replaces the one made from the two sides' finals."""
     import statistics
 
-    ok = {side: [r for r in d["runs"] if r["side"] == side and r["rc"] == 0] for side in ("rlbus", "trl")}
+    ok = {side: [r for r in d["runs"] if r["side"] == label and r["rc"] == 0]
+          for side, label in (("rlbus", mine), ("trl", "trl"))}
     final = {side: statistics.fmean(r["saved"][-1]["accuracy"] for r in runs) if runs else 0.0
              for side, runs in ok.items()}
-    target = round(TARGET_SHARE * min(final.values()), 4)
+    target = round(TARGET_SHARE * min(final.values()), 4) if target is None else target
     times = {side: [time_to(r, target) for r in runs] for side, runs in ok.items()}
     reached = {side: [t for t in ts if t is not None] for side, ts in times.items()}
     bounded = {side: [r["wall_s"] if t is None else t for t, r in zip(times[side], ok[side])] for side in ok}

@@ -65,6 +65,12 @@ from rlbus.trainer.checkpoint import checkpoint_name
 
 CONFIG = ROOT / "configs" / "gcd_smollm2.yaml"
 
+#: rlbus sides beyond the config's own engine ("rlbus"): their label and the settings they add. On vLLM one producer
+#: runs 4 tasks (32 sequences) at once in one engine: on 2 cores a second engine (three processes) costs more.
+ENGINES = {"rlbus-vllm": ["rollout.engine={type: vllm, max_model_len: 512}", "rollout.num_producers=1",
+                          "rollout.max_inflight_tasks=4"]}
+SIDES = ("rlbus", "trl", *ENGINES)
+
 
 def evaluate(cfg: RunConfig, model_dir: Path) -> dict[str, float]:
     """eval/* of the model in `model_dir` on the config's held-out split, sampled as the evaluator samples."""
@@ -87,22 +93,22 @@ def evaluate(cfg: RunConfig, model_dir: Path) -> dict[str, float]:
 
 
 def run_rlbus(config: Path, overrides: list[str], seed: int, steps: int, every: int, work: Path,
-              timeout: float) -> dict:
-    run_dir = work / f"rlbus-s{seed}"
+              timeout: float, side: str = "rlbus") -> dict:
+    run_dir = work / f"{side}-s{seed}"
     argv = [sys.executable, "-m", "rlbus.cli", "up", str(config), f"name=peer-env-s{seed}", f"logging.run_dir={run_dir}",
             f"trainer.seed={seed}", f"feeder.seed={seed}", f"trainer.total_steps={steps}", "eval.interval=0",
             f"trainer.checkpoint_interval={every}", f"trainer.keep_checkpoints={steps // every + 1}",
-            "logging.plot=false", *overrides]
+            "logging.plot=false", *overrides, *ENGINES.get(side, [])]
     t0 = time.time()
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
     wall = time.time() - t0
-    out: dict = {"side": "rlbus", "seed": seed, "rc": proc.returncode, "wall_s": round(wall, 1), "saved": []}
+    out: dict = {"side": side, "seed": seed, "rc": proc.returncode, "wall_s": round(wall, 1), "saved": []}
     if proc.returncode != 0:
         out["error"] = (proc.stdout + proc.stderr).strip().splitlines()[-20:]
         return out
     published = {e.msg.version: e.msg.created_at for e in read_entries(run_dir, "weights")}
     for step in range(every, steps + 1, every):
-        model = work / f"rlbus-s{seed}-step_{step}"
+        model = work / f"{side}-s{seed}-step_{step}"
         subprocess.run([sys.executable, "-m", "rlbus.cli", "export", str(run_dir / "checkpoints" / checkpoint_name(step)),
                         str(model)], cwd=ROOT, check=True, capture_output=True)
         out["saved"].append({"step": step, "t": round(published[step] - t0, 1), "path": str(model)})
@@ -174,12 +180,21 @@ def report(d: dict) -> str:
                        f"({len(reached['rlbus'])} of {len(s['times']['rlbus'])} runs reached it), TRL "
                        f"{statistics.fmean(reached['trl']):.0f} s ({len(reached['trl'])} of {len(s['times']['trl'])}): "
                        f"rlbus takes {ratio:.2f}x TRL's time.{_bound(s)} Results: `{d['results']}`.")]
-    lines += ["", ("rlbus runs `rlbus up` with the config's engine (HF here: on these 2 cores vLLM's engine core and the "
-                   "trainer contend, and SmolLM2 on vLLM made 0.82x TRL's steps/min against the HF engine's 1.12x, "
-                   "'Against TRL's GRPOTrainer on a real model' above); TRL's GRPOTrainer generates with "
-                   "transformers in its own process, then updates. A step's time is both sides' generation plus "
-                   "update: rlbus overlaps the producers' generation of the next groups with the trainer's update "
-                   "(`trainer.max_staleness`), TRL does one after the other.")]
+    for side in sorted({r["side"] for r in d["runs"]} & set(ENGINES)):
+        o = peer_summary(d, mine=side, target=s["target"])
+        ran, got = o["times"]["rlbus"], o["reached"]["rlbus"]
+        if not ran:
+            continue
+        when = (f"mean time to it {statistics.fmean(got):.0f} s ({len(got)} of {len(ran)} runs reached it)"
+                + (f", {statistics.fmean(got) / statistics.fmean(reached['trl']):.2f}x TRL's" if reached["trl"] else "")
+                if got else f"none of its {len(ran)} runs reached it")
+        lines += ["", (f"{side} (`{' '.join(ENGINES[side])}`), against the same target: mean final accuracy "
+                       f"{o['final']['rlbus']:.3f}; {when}.")]
+    lines += ["", ("rlbus runs `rlbus up` with the config's engine (HF); rlbus-vllm, where it ran, on vLLM's (the CPU "
+                   "build here). TRL's GRPOTrainer generates with transformers in its own process, then updates. A "
+                   "step's time is both sides' generation plus update: rlbus overlaps the producers' generation of "
+                   "the next groups with the trainer's update (`trainer.max_staleness`), TRL does one after the "
+                   "other.")]
     return "\n".join(lines) + "\n"
 
 
@@ -203,6 +218,8 @@ def main() -> int:
     ap.add_argument("--from-json", default="", help="only report these results")
     ap.add_argument("--append", action="store_true",
                     help="add these seeds' runs to the results file of the same config, overrides and steps")
+    ap.add_argument("--sides", nargs="+", choices=SIDES, default=["rlbus", "trl"],
+                    help="what runs each seed, in turn (rlbus-vllm: rlbus on the vLLM engine, added with --append)")
     ap.add_argument("overrides", nargs="*", help="config overrides k=v for both sides")
     args = ap.parse_intermixed_args()
     config = Path(args.config)
@@ -210,7 +227,7 @@ def main() -> int:
     if args.from_json:
         d = json.loads(Path(args.from_json).read_text())
     else:
-        if not TRL_PY.is_file():
+        if "trl" in args.sides and not TRL_PY.is_file():
             raise SystemExit("no TRL venv: run `.venv/bin/python bench/peer_trl.py --task smollm2 --setup` first")
         cfg = load_config(config, args.overrides)
         steps = args.steps or cfg.trainer.total_steps
@@ -233,13 +250,13 @@ def main() -> int:
             subprocess.run([sys.executable, str(ROOT / "bench" / "env_score.py"), str(config), *args.overrides,
                             "--dump-train", str(prompts)], cwd=ROOT, check=True)
             for k, seed in enumerate(args.seeds):
-                sides = ("rlbus", "trl") if k % 2 == 0 else ("trl", "rlbus")
+                sides = args.sides if k % 2 == 0 else args.sides[::-1]
                 for side in sides:
                     commit, load = git_commit(), round(os.getloadavg()[0], 2)
-                    run = (run_rlbus(config, args.overrides, seed, steps, args.save_every, work, args.timeout)
-                           if side == "rlbus" else
-                           run_trl(config, args.overrides, cfg, seed, steps, args.save_every, work, prompts,
-                                   args.timeout))
+                    run = (run_trl(config, args.overrides, cfg, seed, steps, args.save_every, work, prompts,
+                                   args.timeout)
+                           if side == "trl" else
+                           run_rlbus(config, args.overrides, seed, steps, args.save_every, work, args.timeout, side))
                     for saved in run["saved"]:  # scored now, alone on the machine, then removed
                         saved.update({k2.removeprefix("eval/"): round(v, 4) for k2, v in
                                       evaluate(cfg, Path(saved["path"])).items()})

@@ -96,16 +96,18 @@ def sample(
         next_B = torch.multinomial(torch.softmax(choose_BV, dim=-1), 1, generator=generator).squeeze(-1)
         next_lp_B = logprobs_BV.gather(-1, next_B.unsqueeze(-1)).squeeze(-1)
         rows = (~done_B).nonzero().flatten().tolist()
+        ids, lps = next_B.tolist(), next_lp_B.tolist()  # one copy out each, not one per row (it adds up per token)
         for i in rows:
-            tokens[i].append(int(next_B[i]))
-            logps[i].append(float(next_lp_B[i]))
+            tokens[i].append(ids[i])
+            logps[i].append(lps[i])
         if on_step is not None:
-            on_step(rows, [tokens[i][-1] for i in rows], [logps[i][-1] for i in rows])
+            on_step(rows, [ids[i] for i in rows], [lps[i] for i in rows])
         hit_B = torch.isin(next_B, stop_ids) & ~done_B
-        for i in hit_B.nonzero().flatten().tolist():
+        hits = hit_B.nonzero().flatten().tolist()
+        for i in hits:
             finish[i] = "stop"
         done_B |= hit_B
-        if bool(done_B.all()):
+        if hits and bool(done_B.all()):
             break
         # Finished rows keep decoding junk that is never read; it costs less than reshaping the cache.
         step_ids_BT = next_B.unsqueeze(-1)

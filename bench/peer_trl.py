@@ -337,6 +337,7 @@ class Bench:
     wall_s: float = 0.0
     task: str = "adder"  # a key of TASKS
     lr: float = 0.0  # both sides' learning rate (0 in results written before it was recorded: the task's)
+    date: str = ""  # when it ran ("" in results written before it was recorded: bench/report.py's PROVENANCE)
 
     def side(self, name: str) -> list[SideRun]:
         return [r for r in self.runs if r.side == name and r.ok]
@@ -569,7 +570,7 @@ def main() -> int:
                   warmup=warmup, seeds=args.seeds, model=str(model.relative_to(ROOT) if model.is_relative_to(ROOT)
                                                              else model),
                   machine=machine(), versions=versions, rlbus_commit=git_commit(), rlbus_overrides=args.rlbus_set,
-                  task=task.name, lr=task.lr, trl_threads=args.trl_threads)
+                  task=task.name, lr=task.lr, trl_threads=args.trl_threads, date=time.strftime("%Y-%m-%d"))
         t0 = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="rlbus-peer-") as tmp:
             work = Path(tmp)

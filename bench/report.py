@@ -57,7 +57,6 @@ PROVENANCE: dict[str, dict[str, str]] = {
     "partial_rollout.json": {"commit": "b85a3ba", "date": "2026-12-03", "source": "git: written by b85a3ba"},
     "pipeline_after_weights_wait.json": {"commit": "4391aaf", "date": "2026-11-29", "source": "git: written by 4391aaf"},
     "pipeline_hf.json": {"commit": "3d334af", "date": "2026-12-01", "source": "git: written by 3d334af"},
-    "peer_trl_adder1.json": {"date": "2026-12-04", "source": "git: written by d3323ad (its commit is in the file)"},
     "peer_trl_adder1_400_s20-25_sync_trl.json": {"date": "2026-12-05",
                                                  "source": "git: written by 9869979 (its commit is in the file)"},
     "quickstart_seeds20_epyc_skip0_quiet.json": {"date": "2026-12-05", "source": "git: written by 5c8ef6b"},

@@ -132,6 +132,16 @@ def report(d: dict) -> str:
     for k in ("time/wait_data", "time/fetch", "time/train", "time/publish_weights"):
         lines.append(f"| trainer's `{k}` (wall, median) | " + " | ".join(
             f"{statistics.fmean(r['split_ms'][k] for r in by[lay]):.1f}" for lay in d["layouts"]) + " | |")
+    first = d["layouts"][0]
+    m, wall = mean[first], statistics.fmean(r["wall_ms"] for r in by[first])
+    total, maths = sum(m.values()), m["trainer update"] + m["producers generate"]
+    lines += ["", (f"Read: in {first}, the run's processes used {total:.0f} ms of CPU a step in {wall:.0f} ms of wall "
+                   f"time, {100 * total / (2 * wall):.0f}% of two cores, so a step is as fast as the CPU it needs. "
+                   f"Generation and the update took {maths:.0f} ms ({100 * maths / total:.0f}%); the rest, "
+                   f"{total - maths:.0f} ms, is spread over the event loops ({m['producers loop'] + m['trainer loop']:.0f}"
+                   f" ms), the TransferQueue ({m['TransferQueue']:.0f}), the bus ({m['nats-server']:.0f}), the weight "
+                   f"store ({m['weight store']:.0f}) and Ray ({m['Ray and the rest']:.0f}). The trainer's own wall-clock "
+                   "parts count the time it waited for a core.")]
     return "\n".join(lines) + "\n"
 
 

@@ -163,3 +163,37 @@ def test_stamper_reads_rows_and_marks_as_they_land(tmp_path):
         f.write("}\n")
     st.poll()
     assert [r["step"] for r in st.rows] == [1, 2] and len(st.row_t) == 2
+
+
+def _env_run(side: str, seed: int, accs: list[float], wall: float = 900.0) -> dict:
+    return {"side": side, "seed": seed, "rc": 0, "wall_s": wall,
+            "saved": [{"step": 10 * (i + 1), "t": 300.0 * (i + 1), "accuracy": a} for i, a in enumerate(accs)]}
+
+
+def test_peer_env_summary_sets_the_target_by_the_lower_side_and_scores_another_engine_against_it():
+    from bench.common import bounded_ratio, peer_summary
+
+    d = {"runs": [_env_run("rlbus", 0, [0.2, 0.4]), _env_run("trl", 0, [0.1, 0.2], wall=1000.0),
+                  _env_run("rlbus-vllm", 0, [0.1, 0.15])]}
+    s = peer_summary(d)
+    assert s["target"] == pytest.approx(0.18)  # 0.9 x TRL's final 0.2
+    assert s["times"] == {"rlbus": [300.0], "trl": [600.0]}
+    assert bounded_ratio(s) is None  # both reached it
+    other = peer_summary(d, mine="rlbus-vllm", target=s["target"])
+    assert other["target"] == s["target"] and other["times"]["rlbus"] == [None]  # never reached: counted apart
+    how, mine, trl, ratio = bounded_ratio(other)
+    assert (how, mine, trl) == ("at least", 900.0, 600.0) and ratio == pytest.approx(1.5)
+
+
+def test_step_cost_sorts_each_process_and_role_thread_into_its_group():
+    from bench.step_cost import GROUPS, group
+
+    names = {g for g, _ in GROUPS}
+    cases = {("python -m rlbus.cli trainer run.yaml", "main"): "trainer loop",
+             ("python -m rlbus.cli trainer run.yaml", "other"): "trainer update",
+             ("python -m rlbus.cli producer run.yaml --id p0", "main"): "producers loop",
+             ("python -m rlbus.cli producer run.yaml --id p0", "other"): "producers generate",
+             ("ray::Shard", ""): "TransferQueue", ("ray::WeightVersions", ""): "weight store",
+             (".venv/bin/nats-server -c x.conf", ""): "nats-server", ("raylet --raylet_socket", ""): "Ray and the rest"}
+    for (cmd, thread), want in cases.items():
+        assert group(cmd, thread) == want and want in names

@@ -107,7 +107,12 @@ TASKS = {
                "answers right; `bench/peer_trl.py --task adder1 --setup`). Unlike the two-digit task "
                "above, the reward climbs within the run, so its reward-by-step table says whether rlbus's "
                "asynchrony (and the off-policy correction it needs) costs learning per step."),
-        notes=("Earlier runs, each on the tree and host it names (the table above is the latest). "
+        notes=("From a fresh clone (`git clone`, then `make setup` in 74 s and `bench/peer_trl.py --task adder1 "
+               "--setup` in 84 s, which builds this model anew; commit 890280c, 6 December, this host, seeds 0-2; "
+               "`bench/results/peer_trl_adder1_fresh.json`): rlbus 369 steps/min (355-382) against TRL's 258 "
+               "(252-264), 1.43x, last-10 reward 0.776 against 0.765; TRL's rewards equal the run above's seed for "
+               "seed, so the rebuilt model is the same. "
+               "Earlier runs, each on the tree and host it names (the table above is the latest). "
                "Synchronous rlbus on the same bench (`--sides rlbus --rlbus-set trainer.max_staleness=0`, seeds 0-4, "
                "4 December on an Intel Xeon, right after that day's run of this bench, where TRL made 343 steps/min; "
                "`bench/results/peer_trl_adder1_sync.json`): 299 ± 8 steps/min (the "

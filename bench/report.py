@@ -199,9 +199,16 @@ def _trl_env(files: list[dict[str, Any]]) -> Reading:
     s = peer_summary(files[0])
     mine, trl = s["reached"]["rlbus"], s["reached"]["trl"]
     finals = [r["saved"][-1]["accuracy"] for r in files[0]["runs"] if r["side"] == "rlbus" and r["rc"] == 0]
+    others = sorted({r["side"] for r in files[0]["runs"]} - {"rlbus", "trl"})
+    beside = ""
+    for side in others:  # rlbus on another engine, against the same target (bench/peer_env.py --sides)
+        o = peer_summary(files[0], mine=side, target=s["target"])
+        if got := o["reached"]["rlbus"]:
+            beside += (f"; {side}: {statistics.fmean(got):.0f} s in {len(got)} of {len(o['times']['rlbus'])}, "
+                       f"final {o['final']['rlbus']:.3f}")
     return Reading(value=f"held-out accuracy {s['target']:.3f} reached in {statistics.fmean(mine):.0f} s "
                          f"(TRL {statistics.fmean(trl):.0f} s); final {s['final']['rlbus']:.3f} (TRL "
-                         f"{s['final']['trl']:.3f})",
+                         f"{s['final']['trl']:.3f}){beside}",
                    spread=f"{min(mine):.0f}-{max(mine):.0f} s, final {min(finals):.3f}-{max(finals):.3f} over "
                           f"{len(mine)} of {len(s['times']['rlbus'])} seeds (TRL: {len(trl)} of "
                           f"{len(s['times']['trl'])})",

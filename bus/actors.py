@@ -8,11 +8,12 @@ tests/integration/test_transfer_queue.py checks that an actor's process has not 
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
@@ -23,6 +24,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("rlbus.weight_store")
 
 STAGE_EXPIRY_S = 300.0  # staged (uncommitted) puts older than this belong to a crashed client and are dropped
+
+
+@functools.cache
+def remote_class(cls: type, **options: Any) -> Any:
+    """`ray.remote(**options)(cls)`, made once per process on first use, never at import. `ray.remote` draws from
+    Ray's process-wide ID generator, and a process forked after that draw copies its state: the roles `rlbus up`
+    forks from its fork server (cli/preload.py) would then make the same "random" IDs, and two producers starting
+    together collide on the object store's warm-up object (one dies in a Ray check and is restarted)."""
+    return ray.remote(**options)(cls)
 
 
 def owner_of(key: str) -> str:

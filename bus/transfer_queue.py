@@ -40,7 +40,7 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rlbus.bus.actors import Shard
+from rlbus.bus.actors import Shard, remote_class
 from rlbus.bus.ray_cluster import ensure_ray
 from rlbus.bus.ray_store import (
     Packed,
@@ -67,7 +67,7 @@ def shard_of(key: str, num_shards: int) -> int:
 def _make_shard(run: str, cfg: RayConfig, i: int, placement: Any) -> ray.actor.ActorHandle:
     n = cfg.num_storage_actors
     # The shard count is part of the name: a client with another count would map keys to other shards.
-    return _ShardActor.options(
+    return remote_class(Shard, num_cpus=0, max_restarts=-1).options(
         name=actor_name(run, f"tq-{i}-of-{n}"),
         namespace=cfg.namespace,
         lifetime="detached",
@@ -85,9 +85,6 @@ def _spread_over_nodes(n: int) -> list[Any]:
     if len(nodes) < 2:
         return ["DEFAULT"] * n
     return [NodeAffinitySchedulingStrategy(node_id=nodes[i % len(nodes)][1], soft=False) for i in range(n)]
-
-
-_ShardActor = ray.remote(num_cpus=0, max_restarts=-1)(Shard)
 
 
 class TransferQueue:

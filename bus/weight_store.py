@@ -25,13 +25,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
+from typing import Any
 
 import blake3
 import numpy as np
 import ray
 import torch
 
-from rlbus.bus.actors import WeightsInfo, WeightVersions
+from rlbus.bus.actors import WeightsInfo, WeightVersions, remote_class
 from rlbus.bus.ray_cluster import ensure_ray
 from rlbus.bus.ray_store import (
     Packed,
@@ -76,7 +77,9 @@ def check_checksum(version: int, packed: Mapping[str, Packed], expected: str) ->
         raise WeightsChecksumMismatch(version, expected=expected, actual=actual)
 
 
-_WeightStoreActor = ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=4)(WeightVersions)
+def weight_store_actor() -> Any:
+    """The store's actor class (bus/actors.py `remote_class`: made on first use, not at import)."""
+    return remote_class(WeightVersions, num_cpus=0, max_restarts=-1, max_concurrency=4)
 
 
 class WeightStore:
@@ -94,7 +97,7 @@ class WeightStore:
         (trainer.weight_sync.encoding: delta), one actor each."""
         ensure_ray(cfg)
         name = actor_name(run, what)
-        actor = _WeightStoreActor.options(
+        actor = weight_store_actor().options(
             name=name, namespace=cfg.namespace, lifetime="detached", get_if_exists=True
         ).remote(cfg.weight_versions_kept, name)
         store = cls(run, actor, name)

@@ -75,3 +75,32 @@ def test_a_forked_role_is_its_own_session_titled_with_its_command_and_killed_by_
         assert again.wait(timeout=30) == -signal.SIGKILL
     finally:
         again.kill()
+
+
+# Run in a fresh interpreter: this test process may have drawn from Ray's ID generator already.
+_FORK_IDS = """
+import importlib, os, sys
+from rlbus.cli.preload import ENGINE_MODULES, ROLE_MODULES
+for m in (*ROLE_MODULES, *ENGINE_MODULES.values(), "rlbus.producers.evaluator"):
+    importlib.import_module(m)
+from ray._raylet import ObjectID
+for _ in range(2):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(w, ObjectID.from_random().hex().encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    print(os.read(r, 200).decode())
+"""
+
+
+def test_roles_forked_from_the_server_draw_different_ray_ids():
+    # Everything the fork server may import leaves Ray's ID generator undrawn, so each forked role seeds its own:
+    # a draw before the fork (a module-level ray.remote did one) gave sibling roles the same "random" object IDs,
+    # and two producers starting together then collided on the object store's warm-up object.
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _FORK_IDS], capture_output=True, text=True, timeout=120, check=True)
+    ids = out.stdout.split()
+    assert len(ids) == 2 and ids[0] != ids[1], out.stdout

@@ -91,7 +91,7 @@ def _publish(address: str, run: str) -> None:
 
     from rlbus.bus.ray_cluster import ensure_ray
     from rlbus.bus.ray_store import actor_name, teardown
-    from rlbus.bus.weight_store import WeightStore, _WeightStoreActor, state_dict_checksum
+    from rlbus.bus.weight_store import WeightStore, state_dict_checksum, weight_store_actor
     from rlbus.schemas.config import RayConfig
 
     cfg = RayConfig(address=address, namespace="rlbus-tests", weight_versions_kept=2)
@@ -111,7 +111,7 @@ def _publish(address: str, run: str) -> None:
         # elsewhere); connect() then attaches to it by name. Soft affinity may also place it on the head from the
         # start (a node still settling on a busy machine): then it is made again, for the test to mean anything.
         for _attempt in range(5):
-            actor = _WeightStoreActor.options(
+            actor = weight_store_actor().options(
                 name=name, namespace=cfg.namespace, lifetime="detached",
                 scheduling_strategy=NodeAffinitySchedulingStrategy(second, soft=True),
             ).remote(cfg.weight_versions_kept, name)  # fmt: skip

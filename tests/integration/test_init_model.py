@@ -119,6 +119,26 @@ def test_a_few_warm_start_steps_lower_the_loss():
     assert after < 0.6 * before, f"held-out demonstration loss {before:.3f} -> {after:.3f}"
 
 
+def test_the_warm_starts_loss_is_the_full_cross_entropy_and_its_attention_is_put_back():
+    """The build computes logits only where labels are supervised, with plain attention: the same loss as the whole
+    logits with the model's own attention, and the model leaves the warm start with the attention it came with."""
+    from rlbus.common.model.tiny import tiny_model
+    from rlbus.common.model.tokenizer import build_tokenizer
+    from rlbus.common.model.warm_start import _loss
+
+    tok = build_tokenizer()
+    model = tiny_model(tok, seed=0)
+    ids, attn, labels = demo_batch(tok, random.Random(5), 8, 0.5)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn).logits
+        full = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+        assert _loss(model, (ids, attn, labels)).item() == pytest.approx(full.item(), rel=1e-5)
+    before = model.config._attn_implementation
+    warm_start(model, tok, WarmStartConfig(steps=1, batch_size=2, drill_batch_size=2, log_every=0, check_target=0),
+               log=lambda _: None)
+    assert model.config._attn_implementation == before
+
+
 class _Oracle(torch.nn.Module):
     """Teacher-forced logits that put all mass on the next token of the input, except where told to share it: a
     stand-in for a model that copies perfectly, or one that guesses some tokens."""

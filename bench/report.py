@@ -203,9 +203,11 @@ def _trl_env(files: list[dict[str, Any]]) -> Reading:
     beside = ""
     for side in others:  # rlbus on another engine, against the same target (bench/peer_env.py --sides)
         o = peer_summary(files[0], mine=side, target=s["target"])
-        if got := o["reached"]["rlbus"]:
-            beside += (f"; {side}: {statistics.fmean(got):.0f} s in {len(got)} of {len(o['times']['rlbus'])}, "
-                       f"final {o['final']['rlbus']:.3f}")
+        got, of = o["reached"]["rlbus"], len(o["times"]["rlbus"])
+        if not of:
+            continue
+        when = f"{statistics.fmean(got):.0f} s in {len(got)} of {of}" if got else f"not reached in {of} of {of}"
+        beside += f"; {side}: {when}, final {o['final']['rlbus']:.3f}"
     return Reading(value=f"held-out accuracy {s['target']:.3f} reached in {statistics.fmean(mine):.0f} s "
                          f"(TRL {statistics.fmean(trl):.0f} s); final {s['final']['rlbus']:.3f} (TRL "
                          f"{s['final']['trl']:.3f}){beside}",

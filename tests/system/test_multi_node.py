@@ -5,7 +5,10 @@ multi-machine recipes start them:
   spread over both; the second node SIGKILLed mid-run under a real `rlbus up`, and the run finishes;
 - one short job across all of it: a three-server NATS cluster, the trainer under `torchrun` with two ranks (PPO
   with a critic, two updates a step), producers pinned to the second Ray node; then `rlbus replay` of the recorded
-  run on one process.
+  run on one process;
+- the same short job twice, full fine-tuning and LoRA, the trainer on the head node and the producers on the second:
+  the bytes that cross to the second "machine" per weight version, from the kernel's TCP counters
+  (tests/support/netbytes.py).
 
     .venv/bin/python -m pytest -q tests/system/test_multi_node.py
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,7 +29,10 @@ import pytest
 
 from rlbus.bus.ray_cluster import free_port, start_ray_head, start_ray_node, stop_ray_head
 from rlbus.bus.server import EmbeddedServer
+from rlbus.consumers.event_log import read_entries
+from rlbus.schemas.wire import WeightsPublished
 from tests.support.nats_cluster import cluster, wait_for_meta_leader
+from tests.support.netbytes import crossed, snapshot
 from tests.support.runs import ROOT, check_ledger, small_run_config, start_role, stop, wait_for_steps, write_config
 
 pytestmark = pytest.mark.slow
@@ -165,3 +172,56 @@ def test_a_job_across_a_nats_cluster_two_ray_nodes_and_torchrun(tmp_path, tiny_m
             stop(p, signal.SIGKILL, timeout=10)
         for s in servers:
             s.stop()
+
+
+def _job_across_nodes(tmp_path, model_dir, run: str, server: EmbeddedServer, head, node, **sections) -> dict:
+    """The trainer attached to the head node, two producers to the second, 4 steps; what crossed to the second
+    node's processes from the head's (Ray's object transfers and calls; the bus is a machine of its own)."""
+    run_dir = tmp_path / run
+    cfg = small_run_config(run, run_dir, model_dir, server.url, "", head.address,
+                           trainer={"total_steps": 4, "checkpoint_interval": 4}, **sections)
+    cfg_path = write_config(tmp_path / f"{run}.yaml", cfg)
+    creds = {role: str(server.creds_file(role, run)) for role in ("trainer", "producer")}
+    logs = tmp_path / f"{run}-logs"
+    before = snapshot()
+    procs = [start_role("trainer", cfg_path, logs, f"ray.node_ip_address={HEAD_IP}", creds=creds)]
+    try:
+        for i in range(2):
+            procs.append(start_role("producer", cfg_path, logs, f"ray.node_ip_address={NODE_IP}", "--id", f"p{i}",
+                                    name=f"producer-{i}", creds=creds))
+        wait_for_steps(run_dir, 4, procs, timeout=400)
+        assert procs[0].wait(timeout=180) == 0, (logs / "trainer.log").read_text()[-3000:]
+        after = snapshot()
+    finally:
+        for p in procs:
+            stop(p, signal.SIGKILL, timeout=10)
+    check_ledger(run_dir, cfg)
+    loaded = {int(v) for i in range(2)
+              for v in re.findall(r"loaded weights v(\d+)", (logs / f"producer-{i}.log").read_text())}
+    receivers = {node.pid, *(p.pid for p in procs[1:])}  # a Ray node, a role: each its own process group
+    senders = {head.pid, procs[0].pid}
+    published = [e.msg for e in read_entries(run_dir, "weights") if isinstance(e.msg, WeightsPublished)]
+    return {"bytes": crossed(before, after, receivers=receivers, senders=senders), "versions": len(loaded),
+            "version_bytes": max(w.num_bytes for w in published), "encoding": {w.encoding for w in published}}
+
+
+def test_lora_sends_the_second_node_a_fraction_of_full_syncs_bytes(tmp_path, tiny_model_dir, run_name,
+                                                                     two_ray_nodes):
+    """Per weight version the producers on the second node loaded, the bytes that crossed to it: a LoRA job's
+    adapter-only versions against full fine-tuning's whole copies, the same job otherwise."""
+    pytest.importorskip("peft")
+    head, node = two_ray_nodes
+    runs = [f"{run_name}-full", f"{run_name}-lora"]
+    with EmbeddedServer(tmp_path / "bus", runs=runs) as server:
+        full = _job_across_nodes(tmp_path, tiny_model_dir, runs[0], server, head, node)
+        lora = _job_across_nodes(tmp_path, tiny_model_dir, runs[1], server, head, node,
+                                 model={"lora": {"rank": 4, "alpha": 8.0}})
+    assert full["encoding"] == {"full"} and lora["encoding"] == {"adapter"}
+    assert full["versions"] >= 2 and lora["versions"] >= 2
+    per_full, per_lora = full["bytes"] / full["versions"], lora["bytes"] / lora["versions"]
+    print(f"\ncrossed to the second node per version loaded: full {per_full / 1e6:.2f} MB "
+          f"({full['bytes']} B, {full['versions']} versions of {full['version_bytes']} B), "
+          f"LoRA {per_lora / 1e6:.3f} MB ({lora['bytes']} B, {lora['versions']} versions of "
+          f"{lora['version_bytes']} B): {per_lora / per_full:.1%}")
+    assert per_full >= 0.9 * full["version_bytes"]  # every loaded version crossed (the counters see the weights)
+    assert per_lora < 0.25 * per_full

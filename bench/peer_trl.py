@@ -352,8 +352,7 @@ class Bench:
             out[side] = {
                 "runs": len(runs),
                 "steps_per_min": [r.steps_per_min for r in runs],
-                "wall_s": [r.wall_s for r in runs],
-                "startup_s": [r.startup_s for r in runs],
+                "wall_s": [r.wall_s for r in runs], "startup_s": [r.startup_s for r in runs],
                 "first5": [mean(r.rewards[:5]) for r in runs],
                 "last10": [mean(r.rewards[-10:]) for r in runs],
                 "reach_s": reach,

@@ -182,3 +182,16 @@ def test_the_circle_check_catches_a_circle_through_type_checking(tmp_path: Path)
         (tmp_path / f"{stem}.py").write_text(text)
         modules[f"rlbus.bus.{stem}"] = tmp_path / f"{stem}.py"
     assert _circles(_import_graph(modules)) == [("rlbus.bus.a", "rlbus.bus.b", "rlbus.bus.c")]
+
+
+#: The longest a Python file of the project may grow (STYLE: split by what the parts do, not by size alone).
+MAX_LINES = 600
+
+
+def test_no_python_file_is_longer_than_the_house_allows() -> None:
+    """Every .py file of the project, tests and benchmarks included (the virtualenv and run outputs are not)."""
+    skip = {".venv", ".bench", "runs", ".rlbus", ".pytest-shards", "node_modules"}
+    long = sorted((n, str(p.relative_to(ROOT))) for p in ROOT.rglob("*.py")
+                  if not skip & set(p.relative_to(ROOT).parts)
+                  and (n := len(p.read_text(errors="replace").splitlines())) > MAX_LINES)
+    assert not long, f"over {MAX_LINES} lines: {long}"

@@ -10,7 +10,8 @@ VLLM_STAMP := $(VENV)/.vllm-installed
 
 # What the quickstart needs (`make run`): the CPU build of torch first, by pip (it lies on disk, where pip's
 # configuration points; a looser pin could pull a multi-GB CUDA build), then rlbus with its own dependencies, no extra,
-# by uv, which unpacks and byte-compiles in parallel: the core setup took 41 s against pip's 82 s (docs/quickstart.md).
+# by uv, which unpacks and byte-compiles in parallel: the core setup took 39 s against pip's 82 s from a fresh
+# clone (README).
 # torch is byte-compiled apart (compileall skips one file of its test helpers written in Python 3.12 syntax).
 $(CORE_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -195,7 +195,8 @@ def main() -> int:
     else:
         commit = git_commit()
         d = {"command": shlex.join([".venv/bin/python", "bench/quickstart_seeds.py", *sys.argv[1:]]),
-             "machine": machine(), "commit": commit, "date": time.strftime("%Y-%m-%d"), "config": args.config, "overrides": args.overrides, "runs": [],
+             "machine": machine(), "commit": commit, "date": time.strftime("%Y-%m-%d"), "config": args.config,
+             "overrides": args.overrides, "runs": [],
              "results": str(Path(args.results).resolve().relative_to(ROOT)) if Path(args.results).resolve()
              .is_relative_to(ROOT) else args.results}
         work = Path(tempfile.mkdtemp(prefix="rlbus-qs-seeds-"))

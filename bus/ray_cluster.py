@@ -70,7 +70,6 @@ class RayHead:
     temp_dir: str  # ray-start.log, the token's folder (by default) and Ray's temp dir `ray/` (session files, logs)
     env: dict[str, str] = field(default_factory=dict)  # environment a process needs to connect to this head
     token_path: str = ""  # the head's auth token (0600, in a 0700 directory of its own); "" = token auth off
-    ports: dict[str, int] = field(default_factory=dict)  # the node's own listening ports, by NODE_PORTS flag
 
     def apply_env(self, environ: MutableMapping[str, str] | None = None) -> None:
         """Put what a process needs to join this head into `environ` (default os.environ), for it and its children.
@@ -164,8 +163,7 @@ def start_ray_head(
         f"--dashboard-port={dashboard_port}",
     ]  # fmt: skip
     head_env[UP_ENV] = os.path.join(root, UP_FILE)
-    head = RayHead(pid=0, address=f"{node_ip}:{port}", temp_dir=root, env=head_env, token_path=token_path,
-                   ports=dict(zip(NODE_PORTS, node_ports, strict=True)))
+    head = RayHead(pid=0, address=f"{node_ip}:{port}", temp_dir=root, env=head_env, token_path=token_path)
     try:
         pid = _spawn(cmd, head, node_ports, num_cpus, object_store_memory, resources, die_with_parent)
         head = dataclasses.replace(head, pid=pid)
@@ -230,10 +228,8 @@ def start_ray_node(
     root = tempfile.mkdtemp(prefix="rlbus-ray-", dir="/tmp")
     cmd = [*_ray_start(), f"--address={head.address}", "--block", "--disable-usage-stats",
            f"--node-ip-address={node_ip}"]
-    ports = free_ports(len(NODE_PORTS))
-    node = RayHead(pid=0, address=head.address, temp_dir=root, env=dict(head.env), token_path="",
-                   ports=dict(zip(NODE_PORTS, ports, strict=True)))
-    pid = _spawn(cmd, node, ports, num_cpus, object_store_memory, resources, die_with_parent)
+    node = RayHead(pid=0, address=head.address, temp_dir=root, env=dict(head.env), token_path="")
+    pid = _spawn(cmd, node, free_ports(len(NODE_PORTS)), num_cpus, object_store_memory, resources, die_with_parent)
     return await_ray_head(dataclasses.replace(node, pid=pid), timeout_s)
 
 

@@ -291,30 +291,33 @@ def _train(
     # than the matrix products it replaces (a step took 49 ms against 61).
     attn_implementation = model.config._attn_implementation
     model.set_attn_implementation("eager")
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg))
-    losses: list[float] = []
-    start = time.perf_counter()
-    for step in range(cfg.steps):
-        opt.zero_grad(set_to_none=True)
-        loss = _loss(model, demo_batch(tokenizer, rng, cfg.batch_size, cfg.tool_fraction))
-        loss.backward()
-        if cfg.drill_batch_size:
-            # A separate, short batch (not padded to the demonstrations' length); its loss counts as much again.
-            _loss(model, drill_batch(tokenizer, rng, cfg.drill_batch_size)).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
-        if cfg.log_every and ((step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps):
-            log(f"warm start {step + 1}/{cfg.steps}: loss {sum(losses[-cfg.log_every:]) / len(losses[-cfg.log_every:]):.4f} "
-                f"({time.perf_counter() - start:.1f}s)")
-        if cfg.check_every and (step + 1) % cfg.check_every == 0:
-            check = tool_copy_check(model, tokenizer)
-            log(f"warm start {step + 1}/{cfg.steps}: check call {check.call:.3f}, answer {check.answer:.3f}, "
-                f"tool_ok {check.tool_ok:.3f}")
-    model.set_attn_implementation(attn_implementation)
-    model.eval()
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg))
+        losses: list[float] = []
+        start = time.perf_counter()
+        for step in range(cfg.steps):
+            opt.zero_grad(set_to_none=True)
+            loss = _loss(model, demo_batch(tokenizer, rng, cfg.batch_size, cfg.tool_fraction))
+            loss.backward()
+            if cfg.drill_batch_size:
+                # A separate, short batch (not padded to the demonstrations' length); its loss counts as much again.
+                _loss(model, drill_batch(tokenizer, rng, cfg.drill_batch_size)).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            losses.append(loss.item())
+            if cfg.log_every and ((step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps):
+                recent = losses[-cfg.log_every:]
+                log(f"warm start {step + 1}/{cfg.steps}: loss {sum(recent) / len(recent):.4f} "
+                    f"({time.perf_counter() - start:.1f}s)")
+            if cfg.check_every and (step + 1) % cfg.check_every == 0:
+                check = tool_copy_check(model, tokenizer)
+                log(f"warm start {step + 1}/{cfg.steps}: check call {check.call:.3f}, answer {check.answer:.3f}, "
+                    f"tool_ok {check.tool_ok:.3f}")
+    finally:
+        model.set_attn_implementation(attn_implementation)
+        model.eval()
     return losses
 
 

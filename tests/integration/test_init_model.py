@@ -99,6 +99,15 @@ def test_loss_mask_covers_exactly_the_assistant_output():
     assert ids == encode_chat(tok, conv)[:-1]
 
 
+def _full_cross_entropy(model, batch) -> torch.Tensor:
+    """Next-token cross-entropy from the whole logits, with the model's own attention: what the warm start's `_loss`
+    must equal."""
+    ids, attn, labels = batch
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn).logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+
 def test_a_few_warm_start_steps_lower_the_loss():
     from rlbus.common.model.tiny import tiny_model
     from rlbus.common.model.tokenizer import build_tokenizer
@@ -107,15 +116,9 @@ def test_a_few_warm_start_steps_lower_the_loss():
     model = tiny_model(tok, seed=0)
     batch = demo_batch(tok, random.Random(99), 16, 0.5)
 
-    def loss() -> float:
-        ids, attn, labels = batch
-        with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=attn).logits
-        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)).item()
-
-    before = loss()
+    before = _full_cross_entropy(model, batch).item()
     warm_start(model, tok, WarmStartConfig(steps=30, batch_size=16, warmup_steps=5, log_every=0), log=lambda _: None)
-    after = loss()
+    after = _full_cross_entropy(model, batch).item()
     assert after < 0.6 * before, f"held-out demonstration loss {before:.3f} -> {after:.3f}"
 
 
@@ -128,11 +131,9 @@ def test_the_warm_starts_loss_is_the_full_cross_entropy_and_its_attention_is_put
 
     tok = build_tokenizer()
     model = tiny_model(tok, seed=0)
-    ids, attn, labels = demo_batch(tok, random.Random(5), 8, 0.5)
+    batch = demo_batch(tok, random.Random(5), 8, 0.5)
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=attn).logits
-        full = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
-        assert _loss(model, (ids, attn, labels)).item() == pytest.approx(full.item(), rel=1e-5)
+        assert _loss(model, batch).item() == pytest.approx(_full_cross_entropy(model, batch).item(), rel=1e-5)
     before = model.config._attn_implementation
     warm_start(model, tok, WarmStartConfig(steps=1, batch_size=2, drill_batch_size=2, log_every=0, check_target=0),
                log=lambda _: None)

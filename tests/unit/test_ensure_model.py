@@ -79,7 +79,8 @@ def test_the_configs_warm_start_steps_build_the_model(tmp_path, monkeypatch, cap
         ensure_model(ModelConfig(path=str(tmp_path / "m"), init_if_missing=True, init_head_dim=32, init_steps=3000))
         assert caplog.text == ""
         ensure_model(ModelConfig(path=str(tmp_path / "m"), init_if_missing=True, init_head_dim=32))
-    assert "warm start of 3000 steps" in caplog.text and f"this config builds {WarmStartConfig().steps} steps" in caplog.text
+    assert "warm start of 3000 steps" in caplog.text
+    assert f"this config builds {WarmStartConfig().steps} steps" in caplog.text
     with pytest.raises(ValueError, match="init_steps"):  # the loader names it model.init_steps
         ModelConfig(path="x", init_steps=-1)
 

@@ -39,8 +39,9 @@ def run_one(config: Path, seed: int, overrides: list[str], work: Path, timeout: 
     series = got.get("series", {})
     out: dict = {
         "seed": seed, "rc": got["rc"], "wall_s": round(got["wall_s"], 1),
-        "train": [{"step": i + 1, "reward": round(r, 4), "step_s": round(t or 0.0, 1)}
-                  for i, (r, t) in enumerate(zip(got.get("rewards", []), series.get("time/step", [])))],
+        "train": [{"step": i + 1, "reward": round(r, 4), "step_s": round(t or 0.0, 1), "wait_s": round(w or 0.0, 1)}
+                  for i, (r, t, w) in enumerate(zip(got.get("rewards", []), series.get("time/step", []),
+                                                    series.get("time/wait_data", [])))],
         "eval": [{"version": e["version"], "accuracy": round(e["eval/accuracy"], 4),
                   "pass@n": round(next((v for k, v in e.items() if k.startswith("eval/pass@")), float("nan")), 4),
                   "prompts": e["eval/num_prompts"], "response_tokens": round(e["eval/response_length"], 1),
@@ -142,10 +143,11 @@ def main() -> int:
     ap.add_argument("--title", default="", help="the docs heading's and the plot's title")
     ap.add_argument("--docs", action="store_true", help="write the section into docs/benchmarks.md")
     ap.add_argument("--from-json", default="", help="re-render the report and plot of a results file")
+    ap.add_argument("--tag", default="", help="results in env_task_<config name>_<tag>.json (a variant's runs)")
     ap.add_argument("overrides", nargs="*", help="config overrides k=v for every run")
     args = ap.parse_intermixed_args()
     config = Path(args.config)
-    results = ROOT / "bench" / "results" / f"env_task_{config.stem}.json"
+    results = ROOT / "bench" / "results" / f"env_task_{config.stem}{'_' + args.tag if args.tag else ''}.json"
     if args.from_json:
         results = Path(args.from_json).resolve()
         d = json.loads(results.read_text())

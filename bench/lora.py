@@ -4,7 +4,8 @@ the generation pause per load of a full copy, a delta (float32 and bfloat16) and
     flock /tmp/rlbus-heavy.lock .venv/bin/python bench/lora.py --docs docs/benchmarks.md
 
 1. Trainer, one variant per fresh process (FSDP2, one rank, gloo; `--threads` intra-op threads): full fine-tuning
-   (lr 4e-5, configs/smollm2_calculator.yaml's) and LoRA on every linear layer at two ranks (lr 4e-4); the
+   (lr 4e-5, configs/smollm2_calculator.yaml's) and LoRA on every linear layer at two ranks (lr 4e-4), rank 8
+   also with peft's own `Linear` forward in place of trainer/lora_linear.py's (`lora_r8_peft`); the
    batch is bench/critic.py's (4 groups x 8 sequences of up to 160 tokens, seeded by step). Step time and the
    step's peak RSS (the engine's perf/peak_rss_gb), median and range of the steps after one warm-up. The full
    variant also gathers its weights after every step and encodes the delta from the version before
@@ -42,19 +43,23 @@ from rlbus.schemas.lora import LoraConfig  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "lora.json"
 HEADING = "## LoRA and weight sync"
-VARIANTS = {"full": 0, "lora_r8": 8, "lora_r32": 32}  # name -> LoRA rank (0: full fine-tuning)
+#: name -> (LoRA rank, 0: full fine-tuning; peft's own forward instead of trainer/lora_linear.py's)
+VARIANTS = {"full": (0, False), "lora_r8_peft": (8, True), "lora_r8": (8, False), "lora_r32": (32, False)}
 
 
 def spread(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
-def _train(model: str, rank: int, steps: int, threads: int, out_dir: str) -> dict:
+def _train(model: str, rank: int, peft_forward: bool, steps: int, threads: int, out_dir: str) -> dict:
     from rlbus.common.delta import encode_delta
+    from rlbus.trainer import lora_linear
     from rlbus.trainer.dist import destroy_distributed, init_distributed
     from rlbus.trainer.engine import TrainEngine
 
     torch.set_num_threads(threads)
+    if peft_forward:  # this process only: the adapted layers keep peft's Linear
+        lora_linear.install = lambda model: 0
     init_distributed("cpu")
     lora = LoraConfig(rank=rank, alpha=2.0 * rank) if rank else LoraConfig()
     trainer = TrainerConfig(micro_batch_size=8, lr=4e-4 if rank else 4e-5, total_steps=steps + 1)
@@ -137,7 +142,8 @@ def table(res: dict, command: str) -> list[str]:
         f"Model: SmolLM2-135M-Instruct (float32 weights); batch 4 groups x 8 sequences of up to 160 tokens "
         f"(bench/critic.py's, seeded by step), micro-batch 8, one FSDP2 rank, {full['threads']} threads; median "
         f"[min-max] of {full['step_s']['n']} steps after a warm-up, each variant in a fresh process, one after "
-        f"the other. LoRA on every linear layer, alpha = 2 x rank. Command: `{command}`.  ",
+        f"the other. LoRA on every linear layer, alpha = 2 x rank; `lora_r8_peft` runs peft's own layer forward, the "
+        f"others trainer/lora_linear.py's. Command: `{command}`.  ",
         machine_line(res["machine"]), "",
         "| trainer | trainable params | step s | speed-up vs full | update s | step peak RSS GB |",
         "|---|---:|---:|---:|---:|---:|",
@@ -181,7 +187,8 @@ def main() -> None:
     command = "python bench/lora.py " + " ".join(sys.argv[1:])
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = {v: spawn_local(1, _train, model, r, args.steps, args.threads, tmp)[0] for v, r in VARIANTS.items()}
+        trainer = {v: spawn_local(1, _train, model, *vp, args.steps, args.threads, tmp)[0]
+                   for v, vp in VARIANTS.items()}
         from rlbus.bus.ray_cluster import ensure_ray
         from rlbus.schemas.config import RayConfig
 

@@ -40,7 +40,7 @@ GOAL = 0.9
 LOW_ENTROPY = 0.01
 #: Per-step metrics kept in the results, to judge the guard's rules on them afterwards (trainer/guard.py).
 SERIES = ("reward/mean", "actor/entropy", "mismatch/kl_k3", "actor/grad_norm", "actor/clipfrac", "guard/fired",
-          "time/step", "perf/peak_rss_gb")  # time/step: seconds per step, for the wall time to a version
+          "time/step", "time/wait_data", "perf/peak_rss_gb")  # a step's seconds and its wait for groups before it
 
 
 def summarise(rows: list[dict], discarded: list[dict] = ()) -> dict[str, float]:

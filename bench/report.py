@@ -239,6 +239,19 @@ def _lora(files: list[dict[str, Any]]) -> Reading:
                    ratio=f"{full['median'] / r8['median']:.2f}x full fine-tuning's step")
 
 
+def _lora_layer(files: list[dict[str, Any]]) -> Reading:
+    p = files[0]["passes"]
+    med = {v: statistics.median(xs) for v, xs in p.items()}
+    per_round = lambda a, b: statistics.median(x / y for x, y in zip(p[a], p[b]))  # noqa: E731
+    ours = p["lora_rlbus"]
+    return Reading(value=f"LoRA r8 pass {med['lora_rlbus']:.2f} s, peft's {med['lora_peft']:.2f} s, full "
+                         f"{med['full']:.2f} s, frozen base {med['frozen']:.2f} s",
+                   spread=f"{min(ours):.2f}-{max(ours):.2f} s over {len(ours)} rounds",
+                   ratio=f"{per_round('lora_peft', 'lora_rlbus'):.2f}x peft's speed; "
+                         f"{per_round('full', 'lora_rlbus'):.2f}x full's (a frozen base: "
+                         f"{per_round('full', 'frozen'):.2f}x)")
+
+
 def _endpoint(files: list[dict[str, Any]]) -> Reading:
     c = files[0]["calls"]
     return Reading(value=f"{c['overhead_ms']:.1f} ms added per call", spread=f"p90 {c['overhead_p90_ms']:.1f} ms",
@@ -335,6 +348,8 @@ FIGURES: tuple[Figure, ...] = (
     Figure("Event recorder (logging.record: full)", "Recorder", ("recorder.json",), _recorder),
     Figure("OpenAI-compatible endpoint", "OpenAI endpoint", ("endpoint.json",), _endpoint),
     Figure("LoRA and weight sync (SmolLM2)", "LoRA and weight sync", ("lora.json",), _lora),
+    Figure("LoRA's adapted layers: one forward and backward (SmolLM2)", "LoRA's adapted layers", ("lora_layer.json",),
+           _lora_layer),
     Figure("Web inspector (`rlbus ui`) on a large run", "Inspector", ("inspector.json",), _inspector),
 )
 

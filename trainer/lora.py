@@ -54,12 +54,15 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     """Inject `cfg`'s adapter into `model` (in place; A from torch's RNG, B zero) and freeze everything else."""
     from peft import inject_adapter_in_model
 
+    from rlbus.trainer import lora_linear
+
     mode = model.training
     try:
         inject_adapter_in_model(peft_config(cfg), model)
     except ValueError as e:  # peft: "Target modules {...} not found in the base model"
         raise ValueError(f"model.lora.target_modules: {cfg.target_modules} do not fit this model ({e})") from None
     model.train(mode)  # the new modules are made in training mode: their dropout would act in every pass
+    lora_linear.install(model)  # the same modules, a forward and backward in fewer passes (trainer/lora_linear.py)
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
     return model

@@ -110,3 +110,12 @@ def test_the_traj_ack_pending_limit_is_sized_from_the_trainer():
                              "trainer.max_staleness=1"])
     assert cfg.min_ack_pending == (5 + 1 + 2) * 8 and cfg.traj_max_ack_pending == 2 * 64
     assert load_config(None, ["model.path=m", "bus.max_ack_pending=500"]).traj_max_ack_pending == 500
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_every_shipped_config_loads(path: Path) -> None:
+    """Each configs/*.yaml is a valid run config as shipped (the model need not be there yet: it is built or imported
+    at start)."""
+    cfg = load_config(str(path), [])
+    assert isinstance(cfg, RunConfig) and cfg.name

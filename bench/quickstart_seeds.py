@@ -17,6 +17,7 @@ import argparse
 import json
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -86,23 +87,44 @@ def collapsed(s: dict[str, float]) -> bool:
     return s["last10"] < BAR
 
 
+TIMED_OUT = 124  # a run's exit status when it ran past its timeout (as timeout(1) reports it)
+
+
+def _run_up(argv: list[str], timeout: float) -> tuple[int, str]:
+    """`rlbus up ...`'s exit status and output. Past `timeout` it is stopped as Ctrl-C would (its roles stop and
+    write what they have: the metrics of the steps and evaluations done so far), killed if it has not exited a
+    minute later, and the status is TIMED_OUT."""
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output = proc.communicate(timeout=timeout)[0]
+        return proc.returncode, output
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        try:
+            output = proc.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output = proc.communicate()[0]
+        return TIMED_OUT, f"{output}\nrlbus up ran past its timeout of {timeout:.0f} s and was stopped"
+
+
 def run_seed(seed: int, overrides: list[str], work: Path, timeout: float, config: Path = CONFIG,
              keep: Path | None = None) -> dict:
     run_dir = work / f"qs-s{seed}"
     argv = [sys.executable, "-m", "rlbus.cli", "up", str(config), f"name=qs-seed{seed}", f"logging.run_dir={run_dir}",
             f"trainer.seed={seed}", f"feeder.seed={seed}", f"data.seed={seed}", "logging.plot=false", *overrides]
     t0 = time.monotonic()
-    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
+    rc, output = _run_up(argv, timeout)
     wall = time.monotonic() - t0
     metrics = run_dir / "metrics.jsonl"
     every = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.is_file() else []
     rows = [r for r in every if "reward/mean" in r]  # the training steps; an evaluation is a row of its own
-    out = {"seed": seed, "rc": proc.returncode, "wall_s": wall, "rewards": [r["reward/mean"] for r in rows],
+    out = {"seed": seed, "rc": rc, "wall_s": wall, "rewards": [r["reward/mean"] for r in rows],
            "series": {k: [r.get(k) for r in rows] for k in SERIES},
            "evals": [{k: v for k, v in r.items() if k in ("step", "version") or k.startswith("eval/")}
                      for r in every if "eval/accuracy" in r]}
-    if proc.returncode != 0 or not rows:
-        out["error"] = (proc.stdout + proc.stderr).strip().splitlines()[-40:]
+    if rc != 0 or not rows:
+        out["error"] = output.strip().splitlines()[-40:]
         if keep is not None and run_dir.is_dir():  # the roles' logs say why
             dest = keep / f"{run_dir.name}-failed-{int(time.time())}"
             shutil.copytree(run_dir, dest, ignore=shutil.ignore_patterns("bus"))

@@ -1,5 +1,6 @@
 """bench/lora_accuracy.py: a version's time is its trainer's steps and waits summed, and equal wall clock scores
-each side by the last version it had evaluated by the shorter run's end."""
+each side by the last version it had evaluated by the shorter run's end; the runner of the runs it reads
+(bench/quickstart_seeds.py's) stops a run past its timeout and reports it."""
 
 from __future__ import annotations
 
@@ -38,3 +39,19 @@ def test_runs_without_waits_are_refused() -> None:
     del run["train"][3]["wait_s"]
     with pytest.raises(SystemExit, match="wait_s"):
         timeline(run)
+
+
+def test_a_run_past_its_timeout_is_stopped_and_reported_not_raised() -> None:
+    """bench/quickstart_seeds.py's runner (bench/env_task.py's too): a run past its timeout gets Ctrl-C, and the
+    bench records it as timed out (exit 124) with what it printed, instead of losing every seed's results."""
+    import sys
+    import time
+
+    from bench.quickstart_seeds import TIMED_OUT, _run_up
+
+    t0 = time.monotonic()
+    code = ("print('started', flush=True)\n"
+            "try:\n    __import__('time').sleep(60)\nexcept KeyboardInterrupt:\n    print('stopped')")
+    rc, out = _run_up([sys.executable, "-c", code], timeout=2.0)
+    assert rc == TIMED_OUT and "started" in out and "stopped" in out and "past its timeout of 2 s" in out
+    assert time.monotonic() - t0 < 30

@@ -10,11 +10,13 @@ package (`rlbus.bus`, `rlbus.trainer`, ...), which no script name can shadow.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +102,21 @@ def bounded_ratio(s: dict[str, Any]) -> tuple[str, float, float, float] | None:
     mine, trl = (statistics.fmean(s["bounded"][side]) for side in ("rlbus", "trl"))
     how = "" if all(short.values()) else "at most" if short["trl"] else "at least"
     return how, mine, trl, mine / trl
+
+
+@contextlib.contextmanager
+def peft_lora_forward(active: bool = True) -> Iterator[None]:
+    """Inside the block (`active`), `apply_lora` leaves peft's own `Linear` in the model instead of
+    trainer/lora_linear.py's: the LoRA benches' baseline."""
+    from rlbus.trainer import lora_linear
+
+    install = lora_linear.install
+    if active:
+        lora_linear.install = lambda _model: 0
+    try:
+        yield
+    finally:
+        lora_linear.install = install
 
 
 def machine_line(m: dict[str, Any]) -> str:

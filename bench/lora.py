@@ -35,7 +35,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch  # noqa: E402
 
-from bench.common import git_commit, machine, machine_line, write_section  # noqa: E402
+from bench.common import git_commit, machine, machine_line, peft_lora_forward, write_section  # noqa: E402
 from bench.critic import make_batch  # noqa: E402
 from bench.weights import model_dir as smollm2_dir  # noqa: E402
 from rlbus.schemas.config import AlgorithmConfig, TrainerConfig  # noqa: E402
@@ -53,17 +53,15 @@ def spread(xs: list[float]) -> dict[str, float]:
 
 def _train(model: str, rank: int, peft_forward: bool, steps: int, threads: int, out_dir: str) -> dict:
     from rlbus.common.delta import encode_delta
-    from rlbus.trainer import lora_linear
     from rlbus.trainer.dist import destroy_distributed, init_distributed
     from rlbus.trainer.engine import TrainEngine
 
     torch.set_num_threads(threads)
-    if peft_forward:  # this process only: the adapted layers keep peft's Linear
-        lora_linear.install = lambda model: 0
     init_distributed("cpu")
     lora = LoraConfig(rank=rank, alpha=2.0 * rank) if rank else LoraConfig()
     trainer = TrainerConfig(micro_batch_size=8, lr=4e-4 if rank else 4e-5, total_steps=steps + 1)
-    engine = TrainEngine(model, trainer, AlgorithmConfig(), temperature=1.0, lora_cfg=lora)
+    with peft_lora_forward(peft_forward):
+        engine = TrainEngine(model, trainer, AlgorithmConfig(), temperature=1.0, lora_cfg=lora)
     vocab = int(engine.model.config.vocab_size)
     trainable = sum(p.numel() for p in engine.model.parameters() if p.requires_grad)
     rows, deltas = [], {"float32": [], "bfloat16": []}

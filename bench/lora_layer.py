@@ -27,7 +27,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: the r
 
 import torch  # noqa: E402
 
-from bench.common import git_commit, machine, machine_line, write_section  # noqa: E402
+from bench.common import git_commit, machine, machine_line, peft_lora_forward, write_section  # noqa: E402
 from bench.weights import model_dir as smollm2_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,20 +41,15 @@ def build(path: str, variant: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     from rlbus.schemas.lora import LoraConfig
-    from rlbus.trainer import lora, lora_linear
+    from rlbus.trainer import lora
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     if variant == "frozen":  # no adapter, every weight frozen: the hidden states still carry gradients
         model.requires_grad_(False)
         model.get_input_embeddings().register_forward_hook(lambda _m, _i, out: out.requires_grad_(True))
     elif variant.startswith("lora"):
-        if variant == "lora_peft":
-            install, lora_linear.install = lora_linear.install, lambda _m: 0
-        try:
+        with peft_lora_forward(variant == "lora_peft"):
             lora.apply_lora(model, LoraConfig(rank=RANK, alpha=2.0 * RANK))
-        finally:
-            if variant == "lora_peft":
-                lora_linear.install = install
         gen = torch.Generator().manual_seed(1)
         for name, p in model.named_parameters():
             if ".lora_B." in name:

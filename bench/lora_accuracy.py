@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import shlex
-import shutil
 import statistics
 import sys
 import tempfile
@@ -34,7 +33,7 @@ import msgspec
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: the repository root, for `bench.*`
 
 from bench.common import TARGET_SHARE, git_commit, machine, time_to, write_section
-from bench.peer_env import evaluate, run_rlbus
+from bench.peer_env import evaluate, run_rlbus, score_saved
 from rlbus.schemas.config_io import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -199,10 +198,7 @@ def main() -> int:
                     load = round(os.getloadavg()[0], 2)
                     run = run_rlbus(configs[side], args.overrides, seed, steps, args.save_every, work, args.timeout,
                                     side)
-                    for saved in run["saved"]:  # scored now, alone on the machine, then removed
-                        saved.update({k2.removeprefix("eval/"): round(v, 4) for k2, v in
-                                      evaluate(cfgs["full"], Path(saved["path"])).items()})
-                        shutil.rmtree(saved.pop("path"), ignore_errors=True)
+                    score_saved(cfgs["full"], run)
                     d["runs"].append({**run, "load1_at_start": load})
                     print(f"{side} seed {seed}: exit {run['rc']}, {run['wall_s']:.0f} s, "
                           + ", ".join(f"step {x['step']} {x['accuracy']:.3f} at {x['t']:.0f} s" for x in run["saved"]),

@@ -92,6 +92,13 @@ def evaluate(cfg: RunConfig, model_dir: Path) -> dict[str, float]:
     return asyncio.run(run())
 
 
+def score_saved(cfg: RunConfig, run: dict) -> None:
+    """Score each of `run`'s saved models now, alone on the machine, into its entry, then remove the model."""
+    for saved in run["saved"]:
+        saved.update({k.removeprefix("eval/"): round(v, 4) for k, v in evaluate(cfg, Path(saved["path"])).items()})
+        shutil.rmtree(saved.pop("path"), ignore_errors=True)
+
+
 def run_rlbus(config: Path, overrides: list[str], seed: int, steps: int, every: int, work: Path,
               timeout: float, side: str = "rlbus") -> dict:
     run_dir = work / f"{side}-s{seed}"
@@ -257,10 +264,7 @@ def main() -> int:
                                    args.timeout)
                            if side == "trl" else
                            run_rlbus(config, args.overrides, seed, steps, args.save_every, work, args.timeout, side))
-                    for saved in run["saved"]:  # scored now, alone on the machine, then removed
-                        saved.update({k2.removeprefix("eval/"): round(v, 4) for k2, v in
-                                      evaluate(cfg, Path(saved["path"])).items()})
-                        shutil.rmtree(saved.pop("path"), ignore_errors=True)
+                    score_saved(cfg, run)
                     d["runs"].append({**run, "commit": commit, "load1_at_start": load})
                     print(f"{side} seed {seed}: exit {run['rc']}, {run['wall_s']:.0f} s, "
                           + ", ".join(f"step {x['step']} {x['accuracy']:.3f} at {x['t']:.0f} s" for x in run["saved"]),

@@ -94,7 +94,10 @@ def _run_up(argv: list[str], timeout: float) -> tuple[int, str]:
     """`rlbus up ...`'s exit status and output. Past `timeout` it is stopped as Ctrl-C would (its roles stop and
     write what they have: the metrics of the steps and evaluations done so far), killed if it has not exited a
     minute later, and the status is TIMED_OUT."""
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # A bench started in the background (`cmd &` in a script) has SIGINT ignored, and a child inherits that: give
+    # the run Ctrl-C's default back, so that it can be stopped as Ctrl-C would stop it.
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         output = proc.communicate(timeout=timeout)[0]
         return proc.returncode, output

@@ -149,6 +149,8 @@ def report(d: dict, rows: list[dict]) -> str:
             step, acc = r[f"{side}_at"]
             lines.append(f"| {r['seed']} | {side} | " + " | ".join(cells)
                          + f" | {acc:.3f} (step {step} at {r['equal_s']:.0f} s) | {walls[side, r['seed']]:.0f} |")
+    if d.get("note"):
+        lines += ["", d["note"]]
     failed = [r for r in d["runs"] if r["rc"] != 0]
     lines += [f"- {r['side']} seed {r['seed']}: failed (exit {r['rc']})" for r in failed]
     if rows:
@@ -208,6 +210,9 @@ def main() -> int:
     title = f"{Path(d['config']).stem}: LoRA against full fine-tuning"
     if rows:
         plot(rows, title, PNG)
+        d["summary"] = {**summary(d, rows), "at_equal_wall_clock": [
+            {"seed": r["seed"], "s": r["equal_s"], "full": r["full_at"], "lora": r["lora_at"]} for r in rows]}
+        RESULTS.write_text(json.dumps(d, indent=1) + "\n")  # bench/report.py reads the summary
     text = report(d, rows)
     print(text)
     if args.docs:

@@ -252,6 +252,17 @@ def _lora_layer(files: list[dict[str, Any]]) -> Reading:
                          f"{per_round('full', 'frozen'):.2f}x)")
 
 
+def _lora_accuracy(files: list[dict[str, Any]]) -> Reading:
+    s = files[0]["summary"]
+    at = s["at_equal_wall_clock"]
+    mean = lambda side: statistics.fmean(a[side][1] for a in at)  # noqa: E731
+    diffs = ", ".join(f"{d * 100:+.1f}" for d in s["diffs"])
+    return Reading(value=f"held-out accuracy at equal wall clock: LoRA {mean('lora'):.3f}, full {mean('full'):.3f}",
+                   spread=f"LoRA minus full {diffs} points over {len(at)} seed(s)",
+                   ratio=f"{statistics.fmean(s['diffs']) * 100:+.1f} points (goal: no worse than -2); full's runs "
+                         f"{statistics.fmean(s['length']):.2f}x LoRA's time")
+
+
 def _endpoint(files: list[dict[str, Any]]) -> Reading:
     c = files[0]["calls"]
     return Reading(value=f"{c['overhead_ms']:.1f} ms added per call", spread=f"p90 {c['overhead_p90_ms']:.1f} ms",
@@ -350,6 +361,8 @@ FIGURES: tuple[Figure, ...] = (
     Figure("LoRA and weight sync (SmolLM2)", "LoRA and weight sync", ("lora.json",), _lora),
     Figure("LoRA's adapted layers: one forward and backward (SmolLM2)", "LoRA's adapted layers", ("lora_layer.json",),
            _lora_layer),
+    Figure("LoRA against full fine-tuning at equal wall clock (gcd up to 20, SmolLM2)",
+           "LoRA against full fine-tuning at equal wall clock", ("lora_accuracy.json",), _lora_accuracy),
     Figure("Web inspector (`rlbus ui`) on a large run", "Inspector", ("inspector.json",), _inspector),
 )
 

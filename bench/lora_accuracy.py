@@ -1,7 +1,7 @@
 """LoRA against full fine-tuning at equal wall clock: held-out accuracy of each side's models by the time it had them.
 
     .venv/bin/python bench/lora_accuracy.py [configs/gcd_smollm2.yaml] [--lora configs/gcd_lora_smollm2.yaml] \
-        [--seeds 0 1 2] [--save-every 5] [--docs]
+        [--seeds 0 1 2] [--save-every 5] [--append] [--docs]
 
 For each seed, `rlbus up` of the full fine-tuning config and of the LoRA config, one after the other (the order
 alternating by seed), run and scored as bench/peer_env.py runs and scores its rlbus side: the evaluator off (so it
@@ -59,6 +59,18 @@ def check_pair(full_cfg, lora_cfg) -> None:
     for field in msgspec.structs.fields(full_cfg.trainer):
         if field.name not in keep and getattr(full_cfg.trainer, field.name) != getattr(lora_cfg.trainer, field.name):
             raise SystemExit(f"the two configs' `trainer.{field.name}` differ: only model.lora and trainer.lr may")
+
+
+def appended(old: dict, new: dict) -> dict:
+    """`old` results with `new`'s run recorded beside its own: the same configs, overrides and --save-every only.
+    Its note and summary go: they spoke of the runs before."""
+    key = ("config", "lora_config", "overrides", "save_every")
+    if any(old[k] != new[k] for k in key):
+        raise SystemExit(f"--append: {RESULTS.name} holds another comparison: " + ", ".join(
+            f"{k} {old[k]!r}" for k in key if old[k] != new[k]))
+    more = {k: new[k] for k in ("command", "commit", "machine", "date")}
+    out = {k: v for k, v in old.items() if k not in ("note", "summary")}
+    return {**out, "more": [*old.get("more", []), more]}
 
 
 def timeline(run: dict, v0: float) -> list[tuple[int, float, float]]:
@@ -122,7 +134,7 @@ def _mean_time(ts: list[float | None]) -> str:
 
 
 def report(d: dict, rows: list[dict]) -> str:
-    m, s = d["machine"], summary(d, rows)
+    m, s = d["machine"], summary(d, rows) if rows else {}
     steps = sorted({step for r in rows for side in SIDES for step, _, _ in r[side]} - {0})
     lines = [
         HEADING, "",
@@ -149,6 +161,7 @@ def report(d: dict, rows: list[dict]) -> str:
             step, acc = r[f"{side}_at"]
             lines.append(f"| {r['seed']} | {side} | " + " | ".join(cells)
                          + f" | {acc:.3f} (step {step} at {r['equal_s']:.0f} s) | {walls[side, r['seed']]:.0f} |")
+    lines += [f"More seeds: `{x['command']}` at `{x['commit']}`, {x['date']}." for x in d.get("more", [])]
     if d.get("note"):
         lines += ["", d["note"]]
     failed = [r for r in d["runs"] if r["rc"] != 0]
@@ -175,6 +188,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds a run may take")
     ap.add_argument("--docs", action="store_true", help="write the section into docs/benchmarks.md")
     ap.add_argument("--from-json", default="", help="only report these results")
+    ap.add_argument("--append", action="store_true", help="add these seeds' runs to the results of the same pair")
     ap.add_argument("overrides", nargs="*", help="config overrides k=v for both sides")
     args = ap.parse_intermixed_args()
     if "=" in args.config:  # no config named: the first override landed in its place
@@ -191,10 +205,13 @@ def main() -> int:
              "lora": (f"rank {lo.rank}, alpha {lo.alpha:g}, LR {cfgs['lora'].trainer.lr:g} against "
                       f"{cfgs['full'].trainer.lr:g}"),
              "machine": machine(), "commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "runs": []}
+        if args.append:
+            d = appended(json.loads(RESULTS.read_text()), d)
         steps = cfgs["full"].trainer.total_steps
         with tempfile.TemporaryDirectory(prefix="rlbus-lora-accuracy-") as tmp:
             work = Path(tmp)
-            d["v0"] = {k: round(v, 4) for k, v in evaluate(cfgs["full"], Path(cfgs["full"].model.path)).items()}
+            if "v0" not in d:
+                d["v0"] = {k: round(v, 4) for k, v in evaluate(cfgs["full"], Path(cfgs["full"].model.path)).items()}
             for k, seed in enumerate(args.seeds):
                 for side in SIDES if k % 2 == 0 else SIDES[::-1]:
                     load = round(os.getloadavg()[0], 2)

@@ -46,12 +46,13 @@ GOAL_POINTS = 0.02
 
 
 def check_pair(full_cfg, lora_cfg) -> None:
-    """Refuse two configs that differ in more than the LoRA settings and the learning rate."""
+    """Refuse two configs that differ in more than the LoRA settings and the learning rate in what shapes learning
+    (the bus, Ray, logging and launcher settings may differ)."""
     if not lora_cfg.model.lora.enabled or full_cfg.model.lora.enabled:
         raise SystemExit("--lora: its config must set model.lora (a rank above 0), and the full one must not")
     same = {"model": lambda c: msgspec.structs.replace(c.model, lora=type(c.model.lora)()),
             "eval": lambda c: msgspec.structs.replace(c.eval, interval=0)}  # the bench turns the evaluator off
-    for part in ("model", "env", "data", "rollout", "algorithm", "eval"):
+    for part in ("model", "env", "data", "rollout", "algorithm", "critic", "feeder", "guard", "eval"):
         get = same.get(part, lambda c, part=part: getattr(c, part))
         if get(full_cfg) != get(lora_cfg):
             raise SystemExit(f"the two configs' `{part}` differ: only model.lora and trainer.lr may")

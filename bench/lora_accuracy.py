@@ -168,8 +168,8 @@ def report(d: dict, rows: list[dict]) -> str:
     failed = [r for r in d["runs"] if r["rc"] != 0]
     lines += [f"- {r['side']} seed {r['seed']}: failed (exit {r['rc']})" for r in failed]
     if rows:
-        lines += ["", (f"LoRA minus full fine-tuning at equal wall clock: mean {statistics.fmean(s['diffs']) * 100:+.1f}"
-                       f" points (per seed: {', '.join(f'{x * 100:+.1f}' for x in s['diffs'])}); the goal is no worse "
+        lines += ["", (f"LoRA minus full fine-tuning at equal wall clock: mean "
+                       f"{statistics.fmean(s['diffs']) * 100:+.1f} points (per seed: {', '.join(f'{x * 100:+.1f}' for x in s['diffs'])}); the goal is no worse "
                        f"than {-GOAL_POINTS * 100:.0f} points. Mean final accuracy: full {s['final']['full']:.3f}, "
                        f"LoRA {s['final']['lora']:.3f}. Time to held-out accuracy {s['target']:.3f} (0.9 x the lower "
                        f"side's mean final): full {_mean_time(s['times']['full'])}, LoRA "

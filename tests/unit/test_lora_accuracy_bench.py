@@ -29,7 +29,8 @@ def test_timeline_starts_at_version_0() -> None:
 
 
 def test_equal_wall_clock_is_the_shorter_runs_last_publish() -> None:
-    d = _results(_run("full", 0, 3.0, {10: 0.2, 20: 0.3, 30: 0.4}), _run("lora", 0, 2.0, {10: 0.15, 20: 0.25, 30: 0.35}),
+    d = _results(_run("full", 0, 3.0, {10: 0.2, 20: 0.3, 30: 0.4}),
+                 _run("lora", 0, 2.0, {10: 0.15, 20: 0.25, 30: 0.35}),
                  _run("full", 1, 3.0, {10: 0.2}), _run("lora", 1, 2.0, {}, rc=1))
     (row,) = compare(d)  # seed 1's LoRA run failed: left out of the comparison, named in the report
     assert row["equal_s"] == 60.0  # LoRA's step 30 at 2 s a step

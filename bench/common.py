@@ -104,6 +104,23 @@ def bounded_ratio(s: dict[str, Any]) -> tuple[str, float, float, float] | None:
     return how, mine, trl, mine / trl
 
 
+def appended(old: dict[str, Any], new: dict[str, Any], same: tuple[str, ...], drop: tuple[str, ...] = ()
+             ) -> dict[str, Any]:
+    """A bench's `--append`: the `old` results, to which `new`'s runs will be added, with `new`'s command, commit,
+    machine and date recorded under "more". They must agree on every key of `same`; the keys in `drop` go (they
+    spoke of the runs before)."""
+    if differ := [k for k in same if old[k] != new[k]]:
+        raise SystemExit("--append: the results file holds another comparison: "
+                         + ", ".join(f"{k} {old[k]!r} (not {new[k]!r})" for k in differ))
+    more = {k: new[k] for k in ("command", "commit", "machine", "date")}
+    return {**{k: v for k, v in old.items() if k not in drop}, "more": [*old.get("more", []), more]}
+
+
+def more_seeds(d: dict[str, Any]) -> list[str]:
+    """One sentence for each `--append` run of a bench (appended's "more")."""
+    return [f"More seeds: `{m['command']}` at `{m['commit']}`, {m['date']}." for m in d.get("more", [])]
+
+
 @contextlib.contextmanager
 def peft_lora_forward(active: bool = True) -> Iterator[None]:
     """Inside the block (`active`), `apply_lora` leaves peft's own `Linear` in the model instead of

@@ -32,8 +32,8 @@ import msgspec
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: the repository root, for `bench.*`
 
-from bench.common import TARGET_SHARE, git_commit, machine, time_to, write_section
-from bench.peer_env import evaluate, run_rlbus, score_saved
+from bench.common import TARGET_SHARE, appended, git_commit, machine, more_seeds, time_to, write_section
+from bench.peer_env import run_rlbus, score_saved, scored
 from rlbus.schemas.config_io import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,22 +56,10 @@ def check_pair(full_cfg, lora_cfg) -> None:
         get = same.get(part, lambda c, part=part: getattr(c, part))
         if get(full_cfg) != get(lora_cfg):
             raise SystemExit(f"the two configs' `{part}` differ: only model.lora and trainer.lr may")
-    keep = {"lr", "checkpoint_interval", "keep_checkpoints"}
+    may_differ = {"lr", "checkpoint_interval", "keep_checkpoints"}  # the bench sets the checkpoints itself
     for field in msgspec.structs.fields(full_cfg.trainer):
-        if field.name not in keep and getattr(full_cfg.trainer, field.name) != getattr(lora_cfg.trainer, field.name):
+        if field.name not in may_differ and getattr(full_cfg.trainer, field.name) != getattr(lora_cfg.trainer, field.name):
             raise SystemExit(f"the two configs' `trainer.{field.name}` differ: only model.lora and trainer.lr may")
-
-
-def appended(old: dict, new: dict) -> dict:
-    """`old` results with `new`'s run recorded beside its own: the same configs, overrides and --save-every only.
-    Its note and summary go: they spoke of the runs before."""
-    key = ("config", "lora_config", "overrides", "save_every")
-    if any(old[k] != new[k] for k in key):
-        raise SystemExit(f"--append: {RESULTS.name} holds another comparison: " + ", ".join(
-            f"{k} {old[k]!r}" for k in key if old[k] != new[k]))
-    more = {k: new[k] for k in ("command", "commit", "machine", "date")}
-    out = {k: v for k, v in old.items() if k not in ("note", "summary")}
-    return {**out, "more": [*old.get("more", []), more]}
 
 
 def timeline(run: dict, v0: float) -> list[tuple[int, float, float]]:
@@ -162,7 +150,7 @@ def report(d: dict, rows: list[dict]) -> str:
             step, acc = r[f"{side}_at"]
             lines.append(f"| {r['seed']} | {side} | " + " | ".join(cells)
                          + f" | {acc:.3f} (step {step} at {r['equal_s']:.0f} s) | {walls[side, r['seed']]:.0f} |")
-    lines += [f"More seeds: `{x['command']}` at `{x['commit']}`, {x['date']}." for x in d.get("more", [])]
+    lines += more_seeds(d)
     if d.get("note"):
         lines += ["", d["note"]]
     failed = [r for r in d["runs"] if r["rc"] != 0]
@@ -206,13 +194,14 @@ def main() -> int:
              "lora": (f"rank {lo.rank}, alpha {lo.alpha:g}, LR {cfgs['lora'].trainer.lr:g} against "
                       f"{cfgs['full'].trainer.lr:g}"),
              "machine": machine(), "commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "runs": []}
-        if args.append:
-            d = appended(json.loads(RESULTS.read_text()), d)
+        if args.append and RESULTS.is_file():
+            d = appended(json.loads(RESULTS.read_text()), d, same=("config", "lora_config", "overrides", "save_every"),
+                         drop=("note", "summary"))
         steps = cfgs["full"].trainer.total_steps
         with tempfile.TemporaryDirectory(prefix="rlbus-lora-accuracy-") as tmp:
             work = Path(tmp)
             if "v0" not in d:
-                d["v0"] = {k: round(v, 4) for k, v in evaluate(cfgs["full"], Path(cfgs["full"].model.path)).items()}
+                d["v0"] = scored(cfgs["full"], Path(cfgs["full"].model.path))
             for k, seed in enumerate(args.seeds):
                 for side in SIDES if k % 2 == 0 else SIDES[::-1]:
                     load = round(os.getloadavg()[0], 2)

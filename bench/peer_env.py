@@ -43,10 +43,12 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: the r
 
 from bench.common import (
     TARGET_SHARE,
+    appended,
     bounded_ratio,
     git_commit,
     machine,
     machine_line,
+    more_seeds,
     peer_summary,
     run_ledger,
     time_to,
@@ -92,10 +94,15 @@ def evaluate(cfg: RunConfig, model_dir: Path) -> dict[str, float]:
     return asyncio.run(run())
 
 
+def scored(cfg: RunConfig, model_dir: Path) -> dict[str, float]:
+    """evaluate()'s eval/*, rounded as the results files keep them."""
+    return {k: round(v, 4) for k, v in evaluate(cfg, model_dir).items()}
+
+
 def score_saved(cfg: RunConfig, run: dict) -> None:
     """Score each of `run`'s saved models now, alone on the machine, into its entry, then remove the model."""
     for saved in run["saved"]:
-        saved.update({k.removeprefix("eval/"): round(v, 4) for k, v in evaluate(cfg, Path(saved["path"])).items()})
+        saved.update({k.removeprefix("eval/"): v for k, v in scored(cfg, Path(saved["path"])).items()})
         shutil.rmtree(saved.pop("path"), ignore_errors=True)
 
 
@@ -159,7 +166,7 @@ def report(d: dict) -> str:
          f"{TARGET_SHARE} x the lower side's mean final accuracy: {s['target']:.3f}."), "",
         f"Command: `{d['command']}`  ",
         f"{machine_line(d['machine'])} rlbus at `{d['commit']}`, {d['date']}."
-        + "".join(f" More seeds: `{m['command']}` at `{m['commit']}`, {m['date']}." for m in d.get("more", []))
+        + "".join(f" {x}" for x in more_seeds(d))
         + (f" {d['stopped']}" if d.get("stopped") else ""),
         "",
         "| side | seed | " + " | ".join(f"step {k}: accuracy (s)" for k in steps)
@@ -244,13 +251,7 @@ def main() -> int:
              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "date": time.strftime("%Y-%m-%d"),
              "results": str(results.relative_to(ROOT)), "runs": []}
         if args.append and results.is_file():
-            d = json.loads(results.read_text())
-            same = (d["config"], d["overrides"], d["steps"]) == (str(config), args.overrides, steps)
-            if not same:
-                raise SystemExit(f"--append: {results} holds {d['config']} {d['overrides']} for {d['steps']} steps")
-            d.pop("stopped", None)
-            d.setdefault("more", []).append({"command": command, "commit": git_commit(), "machine": machine(),
-                                             "date": time.strftime("%Y-%m-%d")})
+            d = appended(json.loads(results.read_text()), d, same=("config", "overrides", "steps"), drop=("stopped",))
         with tempfile.TemporaryDirectory(prefix="rlbus-peer-env-") as tmp:
             work = Path(tmp)
             prompts = work / "train.jsonl"
@@ -270,7 +271,7 @@ def main() -> int:
                           + ", ".join(f"step {x['step']} {x['accuracy']:.3f} at {x['t']:.0f} s" for x in run["saved"]),
                           flush=True)
                     if "v0" not in d:
-                        d["v0"] = {k2: round(v, 4) for k2, v in evaluate(cfg, Path(cfg.model.path)).items()}
+                        d["v0"] = scored(cfg, Path(cfg.model.path))
                     results.write_text(json.dumps(d, indent=1) + "\n")
     text = report(d)
     print(text)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.lora_accuracy import appended, check_pair, compare, report, timeline
+from bench.common import appended
+from bench.lora_accuracy import check_pair, compare, report, timeline
 from rlbus.schemas.config_io import load_config
 
 
@@ -42,12 +43,13 @@ def test_equal_wall_clock_is_the_shorter_runs_last_publish() -> None:
 def test_appending_keeps_the_runs_and_refuses_another_comparison() -> None:
     old = {**_results(_run("full", 0, 3.0, {30: 0.4})), "note": "seed 0 only", "summary": {"diffs": [0.1]}}
     new = {**_results(), "command": "python bench/lora_accuracy.py --seeds 1 --append", "commit": "def"}
-    d = appended(old, new)
+    pair = ("config", "lora_config", "overrides", "save_every")
+    d = appended(old, new, same=pair, drop=("note", "summary"))
     assert d["runs"] == old["runs"] and "note" not in d and "summary" not in d
     assert d["more"] == [{"command": new["command"], "commit": "def", "machine": new["machine"], "date": new["date"]}]
     assert "More seeds: `python bench/lora_accuracy.py --seeds 1 --append` at `def`" in report(d, [])
     with pytest.raises(SystemExit, match="save_every 10"):
-        appended(old, {**new, "save_every": 5})
+        appended(old, {**new, "save_every": 5}, same=pair)
 
 
 def test_only_lora_and_the_learning_rate_may_differ() -> None:

@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -50,6 +51,32 @@ def git_commit() -> str:
     out = subprocess.run(["git", "describe", "--always", "--dirty"], check=False, cwd=Path(__file__).resolve().parents[1],
                          capture_output=True, text=True)
     return out.stdout.strip() or "unknown"
+
+
+TIMED_OUT = 124  # a run's exit status when it ran past its timeout (as timeout(1) reports it)
+
+
+def run_up(argv: list[str], timeout: float) -> tuple[int, str]:
+    """A bench's run of `argv` (`rlbus up ...`, a peer's trainer) from the repository root: its exit status and
+    output. Past `timeout` it is stopped as Ctrl-C would (rlbus's roles stop and write what they have: the metrics
+    of the steps and evaluations done so far), killed if it has not exited a minute later, and the status is
+    TIMED_OUT: the bench records the run and goes on to the next, instead of losing every seed's results."""
+    # A bench started in the background (`cmd &` in a script) has SIGINT ignored, and a child inherits that: give
+    # the run Ctrl-C's default back, so that it can be stopped as Ctrl-C would stop it.
+    proc = subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        output = proc.communicate(timeout=timeout)[0]
+        return proc.returncode, output
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        try:
+            output = proc.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output = proc.communicate()[0]
+        return TIMED_OUT, f"{output}\nthe run ran past its timeout of {timeout:.0f} s and was stopped"
 
 
 def run_ledger(run_dir: Path) -> dict[str, Any]:

@@ -51,6 +51,7 @@ from bench.common import (
     more_seeds,
     peer_summary,
     run_ledger,
+    run_up,
     time_to,
     write_section,
 )
@@ -114,11 +115,11 @@ def run_rlbus(config: Path, overrides: list[str], seed: int, steps: int, every: 
             f"trainer.checkpoint_interval={every}", f"trainer.keep_checkpoints={steps // every + 1}",
             "logging.plot=false", *overrides, *ENGINES.get(side, [])]
     t0 = time.time()
-    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
+    rc, output = run_up(argv, timeout)
     wall = time.time() - t0
-    out: dict = {"side": side, "seed": seed, "rc": proc.returncode, "wall_s": round(wall, 1), "saved": []}
-    if proc.returncode != 0:
-        out["error"] = (proc.stdout + proc.stderr).strip().splitlines()[-20:]
+    out: dict = {"side": side, "seed": seed, "rc": rc, "wall_s": round(wall, 1), "saved": []}
+    if rc != 0:
+        out["error"] = output.strip().splitlines()[-20:]
         return out
     published = {e.msg.version: e.msg.created_at for e in read_entries(run_dir, "weights")}
     for step in range(every, steps + 1, every):
@@ -142,12 +143,12 @@ def run_trl(config: Path, overrides: list[str], cfg: RunConfig, seed: int, steps
             str(r.temperature), "--epsilon-high", str(a.clip_ratio_high), "--prompts-file", str(prompts),
             "--score-cmd", json.dumps(score), "--save-at", *map(str, range(every, steps + 1, every))]
     t0 = time.time()
-    with open(work / f"trl-s{seed}.log", "wb") as log:
-        proc = subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False)
+    rc, output = run_up(argv, timeout)
     wall = time.time() - t0
-    out: dict = {"side": "trl", "seed": seed, "rc": proc.returncode, "wall_s": round(wall, 1), "saved": []}
-    if proc.returncode != 0 or not result.is_file():
-        out["error"] = (work / f"trl-s{seed}.log").read_text(errors="replace").strip().splitlines()[-20:]
+    (work / f"trl-s{seed}.log").write_text(output)
+    out: dict = {"side": "trl", "seed": seed, "rc": rc, "wall_s": round(wall, 1), "saved": []}
+    if rc != 0 or not result.is_file():
+        out["error"] = output.strip().splitlines()[-20:]
         return out
     d = json.loads(result.read_text())
     out["saved"] = [{"step": s["step"], "t": round(s["t"] - t0, 1), "path": s["path"]} for s in d["saved"]]

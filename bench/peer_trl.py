@@ -56,7 +56,7 @@ from typing import Any
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: the repository root, for `bench.*`
 
-from bench.common import git_commit, machine, write_section
+from bench.common import git_commit, machine, run_up, write_section
 from bench.peer_task import TWO_DIGITS, messages, problems, write_jsonl
 from bench.peer_tasks import ROOT, TASKS, Task
 
@@ -200,13 +200,13 @@ def run_trl(task: Task, seed: int, steps: int, work: Path, timeout: float, threa
     argv = [str(TRL_PY), str(TRL_SIDE), "--model", str(task.model), "--out", str(out), "--seed", str(seed),
             "--steps", str(steps), *task.trl_args(), "--threads", str(threads)]
     load = os.getloadavg()[0]
-    with open(work / f"trl-s{seed}.log", "wb") as log:
-        t0 = time.time()
-        proc = subprocess.run(argv, check=False, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
-        t_end = time.time()
-    if proc.returncode != 0 or not out.is_file():
-        tail = (work / f"trl-s{seed}.log").read_text(errors="replace").strip().splitlines()[-3:]
-        return SideRun("trl", seed, ok=False, error=f"exit {proc.returncode}: {' | '.join(tail)}", load_before=load)
+    t0 = time.time()
+    rc, output = run_up(argv, timeout)
+    t_end = time.time()
+    (work / f"trl-s{seed}.log").write_text(output)
+    if rc != 0 or not out.is_file():
+        tail = output.strip().splitlines()[-3:]
+        return SideRun("trl", seed, ok=False, error=f"exit {rc}: {' | '.join(tail)}", load_before=load)
     d = json.loads(out.read_text())
     rows = d["steps"]
     run = SideRun("trl", seed, ok=True, rewards=[r["reward"] for r in rows], step_t=[r["t"] - t0 for r in rows],

@@ -17,7 +17,6 @@ import argparse
 import json
 import shlex
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from pathlib import Path
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: the repository root, for `bench.*`
 
-from bench.common import git_commit, machine, write_section
+from bench.common import git_commit, machine, run_up, write_section
 from rlbus.schemas.config import GUARD_RULES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,37 +86,13 @@ def collapsed(s: dict[str, float]) -> bool:
     return s["last10"] < BAR
 
 
-TIMED_OUT = 124  # a run's exit status when it ran past its timeout (as timeout(1) reports it)
-
-
-def _run_up(argv: list[str], timeout: float) -> tuple[int, str]:
-    """`rlbus up ...`'s exit status and output. Past `timeout` it is stopped as Ctrl-C would (its roles stop and
-    write what they have: the metrics of the steps and evaluations done so far), killed if it has not exited a
-    minute later, and the status is TIMED_OUT."""
-    # A bench started in the background (`cmd &` in a script) has SIGINT ignored, and a child inherits that: give
-    # the run Ctrl-C's default back, so that it can be stopped as Ctrl-C would stop it.
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
-        output = proc.communicate(timeout=timeout)[0]
-        return proc.returncode, output
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGINT)
-        try:
-            output = proc.communicate(timeout=60)[0]
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            output = proc.communicate()[0]
-        return TIMED_OUT, f"{output}\nrlbus up ran past its timeout of {timeout:.0f} s and was stopped"
-
-
 def run_seed(seed: int, overrides: list[str], work: Path, timeout: float, config: Path = CONFIG,
              keep: Path | None = None) -> dict:
     run_dir = work / f"qs-s{seed}"
     argv = [sys.executable, "-m", "rlbus.cli", "up", str(config), f"name=qs-seed{seed}", f"logging.run_dir={run_dir}",
             f"trainer.seed={seed}", f"feeder.seed={seed}", f"data.seed={seed}", "logging.plot=false", *overrides]
     t0 = time.monotonic()
-    rc, output = _run_up(argv, timeout)
+    rc, output = run_up(argv, timeout)
     wall = time.monotonic() - t0
     metrics = run_dir / "metrics.jsonl"
     every = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.is_file() else []

@@ -64,17 +64,17 @@ def test_only_lora_and_the_learning_rate_may_differ() -> None:
 
 
 def test_a_run_past_its_timeout_is_stopped_and_reported_not_raised() -> None:
-    """bench/quickstart_seeds.py's runner (bench/env_task.py's too): a run past its timeout gets Ctrl-C, and the
+    """bench/common.py's runner (every bench's `rlbus up` and TRL runs): a run past its timeout gets Ctrl-C, and the
     bench records it as timed out (exit 124) with what it printed, instead of losing every seed's results."""
     import sys
     import time
 
-    from bench.quickstart_seeds import TIMED_OUT, _run_up
+    from bench.common import TIMED_OUT, run_up
 
     t0 = time.monotonic()
     code = ("print('started', flush=True)\n"
             "try:\n    __import__('time').sleep(60)\nexcept KeyboardInterrupt:\n    print('got Ctrl-C')")
-    rc, out = _run_up([sys.executable, "-c", code], timeout=4.0)
+    rc, out = run_up([sys.executable, "-c", code], timeout=4.0)
     assert rc == TIMED_OUT and "started" in out and "got Ctrl-C" in out and "past its timeout of 4 s" in out
     assert time.monotonic() - t0 < 30
 
@@ -84,13 +84,13 @@ def test_a_run_gets_ctrl_c_even_when_the_bench_ignores_it() -> None:
     import signal
     import sys
 
-    from bench.quickstart_seeds import TIMED_OUT, _run_up
+    from bench.common import TIMED_OUT, run_up
 
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         code = ("print('started', flush=True)\n"
                 "try:\n    __import__('time').sleep(60)\nexcept KeyboardInterrupt:\n    print('got Ctrl-C')")
-        rc, out = _run_up([sys.executable, "-c", code], timeout=4.0)
+        rc, out = run_up([sys.executable, "-c", code], timeout=4.0)
     finally:
         signal.signal(signal.SIGINT, before)
     assert rc == TIMED_OUT and "got Ctrl-C" in out

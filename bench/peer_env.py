@@ -205,8 +205,11 @@ def report(d: dict) -> str:
                 if got else f"none of its {len(ran)} runs reached it")
         lines += ["", (f"{side} (`{' '.join(ENGINES[side])}`), against the same target: mean final accuracy "
                        f"{o['final']['rlbus']:.3f}; {when}.")]
-    lines += ["", ("rlbus runs `rlbus up` with the config's engine (HF); rlbus-vllm, where it ran, on vLLM's (the CPU "
-                   "build here). TRL's GRPOTrainer generates with transformers in its own process, then updates. A "
+    engines = ("rlbus runs `rlbus up` with the config's engine (HF), rlbus-vllm with vLLM's (the CPU build here)."
+               if any(r["side"] in ENGINES for r in d["runs"]) else
+               "rlbus runs `rlbus up` with the config's engine (HF). vLLM's engine did not run on this task: on these "
+               "2 cores its engine core and the trainer contend ('Against TRL's GRPOTrainer on a real model' above).")
+    lines += ["", (f"{engines} TRL's GRPOTrainer generates with transformers in its own process, then updates. A "
                    "step's time is both sides' generation plus update: rlbus overlaps the producers' generation of "
                    "the next groups with the trainer's update (`trainer.max_staleness`), TRL does one after the "
                    "other.")]

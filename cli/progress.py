@@ -213,7 +213,8 @@ def summary_table(run_dir: Path) -> Table:
         return f"{sum(vals) / len(vals):.3f}" if vals else "-"
 
     for key in ("reward/mean", "tool_calls/mean", "response_length/mean", "staleness/mean", "actor/pg_loss",
-                "actor/entropy", "actor/clipfrac", "actor/grad_norm", "perf/tokens_per_s", "time/step"):
+                "actor/entropy", "actor/clipfrac", "actor/grad_norm", "perf/tokens_per_s", "time/step",
+                "time/wait_data"):  # time/step leaves out the wait for data: a producer-bound run shows here
         table.add_row(key, avg(rows[:5], key), avg(rows[-10:], key))
     if evals:  # held-out accuracy: the first evaluation against the last
         table.add_row(f"eval/accuracy (step {evals[0]['step']} / {evals[-1]['step']})",

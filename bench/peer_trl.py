@@ -382,7 +382,19 @@ def spread(xs: list[float | None], fmt: str = ".1f") -> str:
     return s + (f" ({missed} never)" if missed else "")
 
 
-def report(b: Bench) -> str:
+def load_bench(path: Path) -> Bench:
+    """A results file this bench wrote, as the `Bench` it was made from."""
+    d = json.loads(path.read_text())
+    d.pop("summary", None)
+    return Bench(**{**d, "runs": [SideRun(**x) for x in d["runs"]]})
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
+
+
+def report(b: Bench, results: Path) -> str:
+    """The section of docs/benchmarks.md for `b`, whose results file is `results`."""
     s = b.summary()
     t, r = s["trl"], s["rlbus"]
 
@@ -469,7 +481,7 @@ def report(b: Bench) -> str:
                   + f"{statistics.fmean([x.wall_s - x.step_t[-1] for x in tr]):.1f} s later (mean)."]
     if rl and tr:
         lines += ["", *reading(rl, tr, task, b.rlbus_overrides)]
-    lines += ["", f"Results and every step's reward and time: `{task.results.relative_to(ROOT)}`.", ""]
+    lines += ["", f"Results and every step's reward and time: `{_shown(results)}`.", ""]
     return "\n".join(lines)
 
 
@@ -538,9 +550,7 @@ def main() -> int:
     ap.add_argument("--from-json", default="", help="only redo the report from a results file")
     args = ap.parse_args()
     if args.from_json:
-        d = json.loads(Path(args.from_json).read_text())
-        d.pop("summary", None)
-        b = Bench(**{**d, "runs": [SideRun(**x) for x in d["runs"]]})
+        b = load_bench(Path(args.from_json))
         args.task = b.task
         args.lr = b.lr
     task = TASKS[args.task]
@@ -551,7 +561,7 @@ def main() -> int:
     model = task.model
     steps = args.steps or task.steps
     warmup = task.warmup if args.warmup < 0 else args.warmup
-    results = Path(args.results) if args.results else task.results
+    results = Path(args.from_json or args.results or task.results).resolve()
     if args.setup:
         setup(task, args.rebuild_model)
         return 0
@@ -586,7 +596,7 @@ def main() -> int:
                           f"{mean(run.rewards[:5]):.3f} -> {mean(run.rewards[-10:]):.3f}", flush=True)
         b.wall_s = time.monotonic() - t0
     b.target = reward_target(b, task)
-    text = report(b)
+    text = report(b, results)
     print(text)
     if not args.from_json:
         results.parent.mkdir(parents=True, exist_ok=True)

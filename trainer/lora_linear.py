@@ -16,8 +16,9 @@ and names, and computes the same function in fewer passes:
                dx  = g W (+= g_h A when x_d is x) [N, in]    only when x needs a gradient
 
 W and b are frozen (no gradient). On SmolLM2-135M at rank 8 a forward and backward runs 1.13x faster than with peft's
-forward, and keeps less for the backward (bench/lora_layer.py; docs/benchmarks.md). Anything else (merged or disabled adapters, several active adapters, a LoRA variant
-such as DoRA, extra arguments, autocast) takes peft's own forward.
+forward, and keeps less for the backward (bench/lora_layer.py; docs/benchmarks.md). Anything else (merged or
+disabled adapters, several active adapters, a LoRA variant such as DoRA, extra arguments, autocast) takes peft's own
+forward.
 
     .venv/bin/python -m pytest -q tests/unit/test_lora_linear.py
 """

@@ -197,3 +197,13 @@ def test_step_cost_sorts_each_process_and_role_thread_into_its_group():
              (".venv/bin/nats-server -c x.conf", ""): "nats-server", ("raylet --raylet_socket", ""): "Ray and the rest"}
     for (cmd, thread), want in cases.items():
         assert group(cmd, thread) == want and want in names
+
+
+def test_report_names_the_results_file_it_was_made_from(tmp_path):
+    from bench.peer_trl import ROOT, load_bench, report
+
+    path = ROOT / "bench" / "results" / "peer_trl_smollm2_lora.json"
+    b = load_bench(path)
+    assert report(b, path).rstrip().endswith("`bench/results/peer_trl_smollm2_lora.json`.")
+    elsewhere = tmp_path / "seeds_2-5.json"  # `--results` or `--from-json` outside the repository
+    assert report(b, elsewhere).rstrip().endswith(f"`{elsewhere}`.")

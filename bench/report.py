@@ -300,6 +300,18 @@ def _trl_speed(files: list[dict[str, Any]]) -> Reading:
                          f"({statistics.fmean(trl):.0f})")
 
 
+def _trl_lora(files: list[dict[str, Any]]) -> Reading:
+    s = files[0]["summary"]
+    mine, trl = s["rlbus"], s["trl"]
+    rate = lambda side: statistics.fmean(side["steps_per_min"])  # noqa: E731
+    reward = lambda side: statistics.fmean(side["last10"])  # noqa: E731
+    return Reading(value=f"{rate(mine):.1f} steps/min (steady); last-10-step reward {reward(mine):.3f} (TRL "
+                         f"{reward(trl):.3f})",
+                   spread=f"{min(mine['steps_per_min']):.1f}-{max(mine['steps_per_min']):.1f} steps/min over "
+                          f"{len(mine['steps_per_min'])} seeds",
+                   ratio=f"{rate(mine) / rate(trl):.2f}x TRL's GRPOTrainer with LoRA ({rate(trl):.1f})")
+
+
 def _trl_learning(files: list[dict[str, Any]]) -> Reading:
     s = files[0]["summary"]
     mine, trl = s["rlbus"]["last10"], s["trl"]["last10"]
@@ -363,6 +375,9 @@ FIGURES: tuple[Figure, ...] = (
            _lora_layer),
     Figure("LoRA against full fine-tuning at equal wall clock (gcd up to 20, SmolLM2)",
            "LoRA against full fine-tuning at equal wall clock", ("lora_accuracy.json",), _lora_accuracy),
+    Figure("Against TRL with LoRA: speed and reward (two-digit sums, SmolLM2, 20 steps)",
+           "Against TRL's GRPOTrainer with LoRA: SmolLM2-135M-Instruct", ("peer_trl_smollm2_lora_s2-5.json",),
+           _trl_lora),
     Figure("Web inspector (`rlbus ui`) on a large run", "Inspector", ("inspector.json",), _inspector),
 )
 

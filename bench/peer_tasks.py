@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.peer_task import REAL_SYSTEM_PROMPT, SYSTEM_PROMPT, TWO_DIGITS
+from bench.peer_task import REAL_SYSTEM_PROMPT, SYSTEM_PROMPT, TWO_DIGITS, messages, problems
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -197,3 +197,19 @@ TASKS["smollm2-lora"] = replace(
            "take the same time and a second thread speeds either up little. Here that came to 1.04-1.24x, short "
            "of the 1.5x this comparison was set; generation on hardware of its own (a GPU, another machine) is "
            "where the overlap has more to win, and no GPU was lent to measure it."))
+
+
+def check_same_prompts(model: Path, system: str, operands: tuple[int, int] = TWO_DIGITS) -> None:
+    """The TRL side renders prompts with the tokenizer's chat template; rlbus with common/chat.py. Same ids?"""
+    from transformers import AutoTokenizer
+
+    from rlbus.common.chat import prompt_token_ids
+    from rlbus.schemas.wire import ChatMessage
+
+    tok = AutoTokenizer.from_pretrained(model)
+    for q, _ in problems(4, 0, operands):
+        conv = messages(q, system)
+        ours = prompt_token_ids(tok, [ChatMessage(role=m["role"], content=m["content"]) for m in conv])
+        theirs = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
+        if list(ours) != list(theirs):
+            raise SystemExit(f"prompt ids differ between the two sides for {q!r}: {ours} vs {theirs}")

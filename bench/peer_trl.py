@@ -57,8 +57,8 @@ from typing import Any
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: the repository root, for `bench.*`
 
 from bench.common import git_commit, machine, run_up, write_section
-from bench.peer_task import TWO_DIGITS, messages, problems, write_jsonl
-from bench.peer_tasks import ROOT, TASKS, Task
+from bench.peer_task import write_jsonl
+from bench.peer_tasks import ROOT, TASKS, Task, check_same_prompts
 
 VENV = ROOT / ".bench" / "trl-venv"
 TRL_PY = VENV / "bin" / "python"
@@ -112,22 +112,6 @@ def build_model(task: Task) -> Path:
     if task.drill_steps:
         return build(task.model, target=None, max_steps=task.drill_steps, operands=task.operands)
     return build(task.model, target=task.drill_target, operands=task.operands)
-
-
-def check_same_prompts(model: Path, system: str, operands: tuple[int, int] = TWO_DIGITS) -> None:
-    """The TRL side renders prompts with the tokenizer's chat template; rlbus with common/chat.py. Same ids?"""
-    from transformers import AutoTokenizer
-
-    from rlbus.common.chat import prompt_token_ids
-    from rlbus.schemas.wire import ChatMessage
-
-    tok = AutoTokenizer.from_pretrained(model)
-    for q, _ in problems(4, 0, operands):
-        conv = messages(q, system)
-        ours = prompt_token_ids(tok, [ChatMessage(role=m["role"], content=m["content"]) for m in conv])
-        theirs = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
-        if list(ours) != list(theirs):
-            raise SystemExit(f"prompt ids differ between the two sides for {q!r}: {ours} vs {theirs}")
 
 
 # ----------------------------------------------------------------------------------------------------------- runs
@@ -576,8 +560,7 @@ def main() -> int:
 
         versions = {"torch": torch.__version__, "transformers": transformers.__version__, "trl": TRL_PIN.split("==")[1]}
         b = Bench(command=shlex.join([".venv/bin/python", "bench/peer_trl.py", *sys.argv[1:]]), steps=steps,
-                  warmup=warmup, seeds=args.seeds, model=str(model.relative_to(ROOT) if model.is_relative_to(ROOT)
-                                                             else model),
+                  warmup=warmup, seeds=args.seeds, model=_shown(model),
                   machine=machine(), versions=versions, rlbus_commit=git_commit(), rlbus_overrides=args.rlbus_set,
                   task=task.name, lr=task.lr, trl_threads=args.trl_threads, date=time.strftime("%Y-%m-%d"))
         t0 = time.monotonic()

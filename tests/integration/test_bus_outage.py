@@ -69,6 +69,21 @@ def test_calls_made_while_the_server_is_down_complete_once_it_is_back(tmp_path: 
         server.stop()
 
 
+def _stop(pid: int) -> None:
+    """SIGSTOP `pid` and return once every thread of it has stopped: a thread still running when the signal is sent
+    could otherwise answer a request sent right after (and a settle it confirmed, then lost in the SIGKILL, fails the
+    check that only what the restarted server knows was confirmed)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        tasks = Path(f"/proc/{pid}/task").iterdir()
+        states = [(task / "stat").read_text().rsplit(")", 1)[1].split()[0] for task in tasks]
+        if all(s == "T" for s in states):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} did not stop within 5 s of SIGSTOP: thread states {states}")
+
+
 async def _fetch_until(bus: Bus, n: int) -> list:
     s, out = bus.subjects, []
     while len(out) < n:
@@ -89,7 +104,7 @@ def test_a_request_in_flight_when_the_connection_drops_is_asked_again_at_once(tm
         async with await Bus.connect(cfg, run="outage", name="t") as bus:
             await bus.ensure_streams()
             assert server.pid is not None
-            os.kill(server.pid, signal.SIGSTOP)  # our own server, by pid: the request goes out, no reply comes
+            _stop(server.pid)  # our own server, by pid: the request goes out, no reply comes
             started = time.monotonic()
             publishing = asyncio.create_task(bus.publish(bus.subjects.prompts, task, msg_id=task.task_id))
             await asyncio.sleep(0.5)
@@ -220,7 +235,7 @@ def test_a_settle_sent_as_the_server_dies_resolves_once_it_is_back(tmp_path: Pat
                 await bus.publish(s.prompts, t, msg_id=t.task_id)
             held = [d for _ in range(4) for d in await bus.fetch(s.prompts, s.prompts_consumer, PromptTask)]
             assert server.pid is not None
-            os.kill(server.pid, signal.SIGSTOP)  # our own server, by pid: the acks go out, no answer comes
+            _stop(server.pid)  # our own server, by pid: the acks go out, no answer comes
             started = time.monotonic()
             acking = asyncio.gather(*(d.ack() for d in held))
             await asyncio.sleep(0.3)

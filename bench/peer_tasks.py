@@ -178,7 +178,7 @@ TASKS["smollm2-lora"] = replace(
                                          "constant"),
     notes=("Learning per step: over the 9 seeds of this run and three others (seeds 0-1 on 6 December, "
            "`bench/results/peer_trl_smollm2_lora.json`; seeds 6-8 in the two layouts below) the last-10-step reward "
-           "is 0.125 +- 0.015 for rlbus and 0.119 +- 0.017 for TRL (mean +- standard error), rlbus higher on 6 "
+           "is 0.125 ± 0.015 for rlbus and 0.119 ± 0.017 for TRL (mean ± standard error), rlbus higher on 6 "
            "seeds of 9: at 16 samples a step and 20 steps the two learn alike within the noise. Seeds 0-1 alone "
            "had TRL ahead (0.181 against 0.106), which these seeds do not repeat.\n\n"
            "Speed: seeds 0-1, in a faster hour of this host (TRL 5.8 steps/min), gave rlbus 1.24x TRL's steps/min. "
@@ -192,11 +192,12 @@ TASKS["smollm2-lora"] = replace(
            "- the vLLM engine (`--rlbus-set 'rollout.engine={type: vllm, max_model_len: 512}'`, seed 8, "
            "`bench/results/peer_trl_smollm2_lora_vllm.json`): 3.5 against 3.4 steps/min, 1.04x; the wait for data "
            "was 6.1 s, and vLLM's start added 27 s.\n\n"
-           "On 2 cores rlbus runs generation and the update side by side, one core each, and TRL one after the "
-           "other on both: rlbus's step is its slower half on one core, so the gain is largest when the halves "
-           "take the same time and a second thread speeds either up little. Here that came to 1.04-1.24x, short "
-           "of the 1.5x this comparison was set; generation on hardware of its own (a GPU, another machine) is "
-           "where the overlap has more to win, and no GPU was lent to measure it."))
+           "On 2 cores rlbus runs generation and the update side by side on the same cores (in the task's layout "
+           "the update has both threads and the producer, at nice 10, takes what it leaves), and TRL runs them one "
+           "after the other on both. Overlap can at best hide the shorter half, and here the two halves also slow "
+           "each other down (they share the memory bus): 1.04-1.24x, short of the 1.5x goal set for this "
+           "comparison. Generation on hardware of its own (a GPU, another machine) is where the overlap has more "
+           "to win; no GPU was lent to measure it."))
 
 
 def check_same_prompts(model: Path, system: str, operands: tuple[int, int] = TWO_DIGITS) -> None:

@@ -341,8 +341,11 @@ def _engine_core_pid() -> int:
     import psutil
 
     for child in psutil.Process().children(recursive=True):
-        if "EngineCore" in " ".join(child.cmdline()) or child.name().startswith("VLLM::EngineCore"):
-            return child.pid
+        try:  # a child of an earlier test may be a zombie not yet reaped, or gone: not the engine core
+            if "EngineCore" in " ".join(child.cmdline()) or child.name().startswith("VLLM::EngineCore"):
+                return child.pid
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            continue
     raise AssertionError("no vLLM engine core process among this test's children")
 
 

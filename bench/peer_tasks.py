@@ -118,7 +118,7 @@ TASKS = {
                "- **Asynchrony costs no learning per step here.** Over 400 steps (TRL 10 seeds, asynchronous rlbus "
                "15 runs, synchronous 10, and 5 seeds a side on another host) rlbus trails TRL by 0.003-0.013 reward "
                "per 80-step span (1-5 standard errors) and ends level; asynchronous minus synchronous, seed by "
-               "seed on seeds 10-14, is within +-0.006 in every span. That rlbus computes TRL's update on a "
+               "seed on seeds 10-14, is within ±0.006 in every span. That rlbus computes TRL's update on a "
                "given batch is shown in [Same batch, same update](#same-batch-same-update-rlbuss-trainer-against-trls-"
                "grpo-loss).\n"
                "- **On a busy machine** (both cores kept busy by two spinning processes) rlbus made 254 steps/min "

@@ -7,7 +7,8 @@ the kernel SIGTERM them if the starter dies without doing so (a SIGKILLed `rlbus
 the run's store or ports.
 
 `descendants` and `command_line` find a run's processes from outside (fault tests, bench/soak.py): the roles of
-`rlbus up` are grandchildren of it (forked by its fork server, cli/preload.py) whose title is their command line.
+`rlbus up` are grandchildren of it (forked by its fork server, cli/preload.py) whose title is their command line;
+`state` tells a running process from a stopped one, a zombie or one that is gone.
 """
 
 from __future__ import annotations
@@ -46,3 +47,13 @@ def command_line(pid: int) -> list[str]:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ").split()
     except FileNotFoundError:
         return []
+
+
+def state(pid: int, thread: int | None = None) -> str:
+    """The state letter /proc shows for `pid` (or for one `thread` of it): R running, S sleeping, T stopped, Z a zombie
+    not yet reaped, ...; "gone" once it has exited."""
+    path = Path(f"/proc/{pid}/task/{thread}/stat" if thread is not None else f"/proc/{pid}/stat")
+    try:
+        return path.read_text().rsplit(")", 1)[1].split()[0]  # after the command name, which may hold ") "
+    except FileNotFoundError:
+        return "gone"

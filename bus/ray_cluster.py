@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlbus.bus.proc import die_with_parent as kill_with_parent
+from rlbus.bus.proc import state as proc_state
 from rlbus.schemas.config import RayConfig
 
 log = logging.getLogger(__name__)
@@ -294,11 +295,7 @@ def _alive(pid: int) -> bool:
     proc = _STARTED.get(pid)
     if proc is not None:
         return proc.poll() is None
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
+    return proc_state(pid) not in ("Z", "gone")
 
 
 def _group_alive(pgid: int) -> bool:

@@ -16,6 +16,7 @@ import msgspec
 import nats.errors
 
 from rlbus.bus.client import Bus
+from rlbus.bus.proc import state as proc_state
 from rlbus.bus.server import EmbeddedServer
 from rlbus.schemas.config import BusConfig
 from rlbus.schemas.wire import ChatMessage, PromptTask
@@ -76,8 +77,7 @@ def _stop(pid: int) -> None:
     os.kill(pid, signal.SIGSTOP)
     deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline:
-        tasks = Path(f"/proc/{pid}/task").iterdir()
-        states = [(task / "stat").read_text().rsplit(")", 1)[1].split()[0] for task in tasks]
+        states = [proc_state(pid, int(thread.name)) for thread in Path(f"/proc/{pid}/task").iterdir()]
         if all(s == "T" for s in states):
             return
         time.sleep(0.001)

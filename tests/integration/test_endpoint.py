@@ -22,6 +22,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from rlbus.bus.proc import state as proc_state
 from rlbus.common.model.demos import prompt_messages
 from rlbus.producers.agent_loops import make_agent_loop
 from rlbus.producers.agent_loops.openai_agent import AgentFailed
@@ -383,7 +384,7 @@ def test_an_agent_process_dies_with_its_producer(tmp_path, monkeypatch):
         except ProcessLookupError:
             break
         # a zombie until its new parent reaps it counts as ended
-        if Path(f"/proc/{agent}/stat").read_text().split(") ")[1].startswith("Z"):
+        if proc_state(agent) == "Z":
             break
         assert time.monotonic() < deadline, f"agent {agent} outlived its producer"
         time.sleep(0.1)

@@ -32,7 +32,7 @@ from rlbus.producers.engines.base import SamplingParams
 from rlbus.schemas.config import VLLMEngineConfig
 from rlbus.schemas.errors import EngineDead, GenerationRefused
 from tests.support.engines import assert_cut_at_first_stop, teacher_forced_logprobs
-from tests.support.vllm import require_vllm
+from tests.support.vllm import engine_core, require_vllm
 
 require_vllm()
 
@@ -337,21 +337,9 @@ async def test_a_weight_load_the_worker_never_answers_counts_the_engine_as_dead(
         await eng.close()
 
 
-def _engine_core_pid() -> int:
-    import psutil
-
-    for child in psutil.Process().children(recursive=True):
-        try:  # a child of an earlier test may be a zombie not yet reaped, or gone: not the engine core
-            if "EngineCore" in " ".join(child.cmdline()) or child.name().startswith("VLLM::EngineCore"):
-                return child.pid
-        except (psutil.ZombieProcess, psutil.NoSuchProcess):
-            continue
-    raise AssertionError("no vLLM engine core process among this test's children")
-
-
 async def test_killed_engine_core_is_noticed(engine):
     """Runs last: it kills the module's engine."""
-    pid = _engine_core_pid()
+    pid = engine_core(os.getpid(), timeout=10)  # the module's engine runs: its core is there already
     running = asyncio.create_task(engine.generate(_prompts(4), SamplingParams(max_new_tokens=200)))
     await asyncio.sleep(0.3)
     os.kill(pid, signal.SIGKILL)

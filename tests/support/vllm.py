@@ -32,7 +32,8 @@ def vllm_model_dir(tmp_path_factory):
 
 
 def engine_core(launcher_pid: int, timeout: float = 240.0) -> int:
-    """The pid of vLLM's engine core process under the launcher (vLLM titles it `VLLM::EngineCore`)."""
+    """The pid of vLLM's engine core process under `launcher_pid` (an `rlbus up`, or this test process running an
+    engine itself; vLLM titles it `VLLM::EngineCore`)."""
     from rlbus.bus.proc import command_line, descendants
 
     deadline = time.monotonic() + timeout

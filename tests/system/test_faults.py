@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from rlbus.bus.proc import command_line, descendants
+from rlbus.bus.proc import state as proc_state
 from rlbus.consumers.ledger import read_ledger
 from rlbus.trainer.metrics import read_metrics
 from tests.support.runs import check_ledger, small_run_config, start_role, stop, wait_for_steps, write_config
@@ -188,7 +189,7 @@ def test_a_producer_stopped_past_ack_wait_has_its_task_redelivered_and_catches_u
         assert went_on > 2, "the run did not go on without the stopped producer"  # > weight_versions_kept too
         assert up.poll() is None, "the run ended before the producer woke: make it longer"
         assert up.wait(timeout=600) == 0
-        assert _state(victim) == "gone"  # it drained and stopped with the run, not crashed and restarted
+        assert proc_state(victim) == "gone"  # it drained and stopped with the run, not crashed and restarted
     finally:
         stop(up, signal.SIGKILL)
     log = (tmp_path / "logs" / "up.log").read_text()
@@ -272,20 +273,13 @@ def test_rlbus_up_sigkilled_leaves_nothing_behind_and_the_same_command_resumes(t
     # They shut down as on a Ctrl-C (the trainer checkpoints, producers give tasks back); with the bus and Ray gone
     # too, their bounded retries take a while. The same command, run at once, waits for them (the run directory's
     # lock, cli/run_lock.py) instead of racing them for the run's checkpoints and streams.
-    assert any(Path(f"/proc/{pid}").exists() and _state(pid) != "Z" for pid in children), "nothing to wait for"
+    assert any(proc_state(pid) not in ("Z", "gone") for pid in children), "nothing to wait for"
     second = subprocess.run([sys.executable, "-m", "rlbus.cli", "up", str(cfg_path)], capture_output=True,
                             text=True, timeout=900)
     assert second.returncode == 0, second.stderr[-4000:] + second.stdout[-4000:]
     assert "waiting for the roles of an earlier rlbus up" in second.stderr + second.stdout
-    assert not [p for p in children if Path(f"/proc/{p}").exists() and _state(p) != "Z"], "left behind"
+    assert not [p for p in children if proc_state(p) not in ("Z", "gone")], "left behind"
     check_ledger(run_dir, cfg)
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return "gone"
 
 
 async def _kill_after_a_delivery(launcher: subprocess.Popen, admin: Path, run: str) -> tuple[int, float]:

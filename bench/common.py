@@ -24,6 +24,12 @@ from typing import Any
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 
 
+def shown(path: Path) -> str:
+    """A path as results files and docs name it: from the repository root when it lies inside it."""
+    root = DOCS.parents[1]
+    return str(path.relative_to(root) if path.is_relative_to(root) else path)
+
+
 def machine(**extra: Any) -> dict[str, Any]:
     """CPU model, cores, OS, Python, torch, the 1-minute load (a shared machine makes absolute numbers noisy)."""
     import torch

@@ -56,7 +56,7 @@ from typing import Any
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: the repository root, for `bench.*`
 
-from bench.common import git_commit, machine, run_up, write_section
+from bench.common import git_commit, machine, run_up, shown, write_section
 from bench.peer_task import write_jsonl
 from bench.peer_tasks import ROOT, TASKS, Task, check_same_prompts
 
@@ -373,10 +373,6 @@ def load_bench(path: Path) -> Bench:
     return Bench(**{**d, "runs": [SideRun(**x) for x in d["runs"]]})
 
 
-def _shown(path: Path) -> str:
-    return str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
-
-
 def report(b: Bench, results: Path) -> str:
     """The section of docs/benchmarks.md for `b`, whose results file is `results`."""
     s = b.summary()
@@ -465,7 +461,7 @@ def report(b: Bench, results: Path) -> str:
                   + f"{statistics.fmean([x.wall_s - x.step_t[-1] for x in tr]):.1f} s later (mean)."]
     if rl and tr:
         lines += ["", *reading(rl, tr, task, b.rlbus_overrides)]
-    lines += ["", f"Results and every step's reward and time: `{_shown(results)}`.", ""]
+    lines += ["", f"Results and every step's reward and time: `{shown(results)}`.", ""]
     return "\n".join(lines)
 
 
@@ -560,7 +556,7 @@ def main() -> int:
 
         versions = {"torch": torch.__version__, "transformers": transformers.__version__, "trl": TRL_PIN.split("==")[1]}
         b = Bench(command=shlex.join([".venv/bin/python", "bench/peer_trl.py", *sys.argv[1:]]), steps=steps,
-                  warmup=warmup, seeds=args.seeds, model=_shown(model),
+                  warmup=warmup, seeds=args.seeds, model=shown(model),
                   machine=machine(), versions=versions, rlbus_commit=git_commit(), rlbus_overrides=args.rlbus_set,
                   task=task.name, lr=task.lr, trl_threads=args.trl_threads, date=time.strftime("%Y-%m-%d"))
         t0 = time.monotonic()

@@ -47,7 +47,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from rich.console import Console  # noqa: E402
 
-from bench.common import machine  # noqa: E402
+from bench.common import machine, shown  # noqa: E402
 from bench.pipeline_report import MODES, console_table, ratios, write_docs  # noqa: E402
 from bench.step_breakdown import breakdown, mean_parts, plot_compare, plot_run  # noqa: E402
 
@@ -403,7 +403,7 @@ def main() -> int:
                   sim_engine={**{f: getattr(sim.rollout.engine, f) for f in sim.rollout.engine.__struct_fields__},
                               "n": sim.rollout.n, "groups_per_step": sim.trainer.groups_per_step,
                               "max_new_tokens": sim.rollout.max_new_tokens},
-                  quickstart_model=str(qs_model.relative_to(ROOT) if qs_model.is_relative_to(ROOT) else qs_model))
+                  quickstart_model=shown(qs_model))
     t0 = time.monotonic()
     with infrastructure("rlbus-pipeline-", args.keep_runs, console) as (infra, runs_dir):
         for spec in run_specs(args.workload, args.steps, qs_model, tuple(args.producers),

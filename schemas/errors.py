@@ -75,3 +75,14 @@ class EngineDead(RlbusError):
 
 class GenerationRefused(RlbusError, ValueError):
     """The rollout engine refused one request (a prompt over max_model_len, say); the engine itself is fine."""
+
+
+class InfrastructureError(RlbusError):
+    """A service an episode depends on failed after its retries: a tool's backend, a code sandbox, a judge, a
+    timeout of one of them. Not the policy's doing, so never trained as a reward: the producer gives the task back
+    (it is rolled out again) and records the failure as `infrastructure`. `source` names what failed ("tool
+    calculator", "sandbox", "judge http://...")."""
+
+    def __init__(self, source: str, reason: str):
+        self.source, self.reason = source, reason
+        super().__init__(f"{source}: {reason}")

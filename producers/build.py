@@ -16,6 +16,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from rlbus.common.model.ensure import ensure_model
 from rlbus.producers.agent_loops import AgentLoop, make_agent_loop
+from rlbus.producers.blocking import configure as configure_blocking
 from rlbus.producers.engines import RolloutEngine, make_engine
 from rlbus.producers.rewards import env_reward
 from rlbus.producers.tools import Tool, load_tools
@@ -35,6 +36,7 @@ def build_rollout(cfg: RunConfig, *, seed: int | None = None, instance: str = ""
     """Everything `cfg.model`, `cfg.env` and `cfg.rollout` describe, ready to roll out (the model is built first if the config
     asks for it). `seed` makes the agent loop's sampling reproducible (the dry run); None leaves it random.
     `instance` (the producer id) tells apart the random streams of engines built from one config."""
+    configure_blocking(cfg.rollout.blocking_workers)
     model_path = ensure_model(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     tools = load_tools(cfg.rollout.tools)

@@ -36,9 +36,10 @@ from rlbus.producers.weight_sync import WeightSync, connect_deltas
 from rlbus.common.logs import setup_logging
 from rlbus.common.threads import apply_torch_threads, lower_priority
 from rlbus.producers.agent_loops import AgentLoop
-from rlbus.producers.agent_loops.base import StalenessWatch
+from rlbus.producers.agent_loops.base import StalenessWatch, failure_kind
 from rlbus.producers.build import build_rollout
 from rlbus.producers.engines import RolloutEngine
+from rlbus.producers.inflight import WINDOW_S, InflightSizer
 from rlbus.schemas import staleness
 from rlbus.schemas.config import RunConfig
 from rlbus.schemas.errors import EngineDead, WeightsChecksumMismatch, WeightsLost, WeightsMissing
@@ -69,6 +70,8 @@ ENGINE_DEATH_EXIT_S = 60.0
 #: Once the engine is found dead, how long the tasks it held get to end on the engine's own error (an agent's call
 #: answered with the endpoint's 500, a rollout failing with it) before they are cancelled.
 ENGINE_DEATH_GRACE_S = 3.0
+#: Longest pause before a task whose tool, sandbox or judge failed is handed out again (2, 4, 8, ... seconds).
+INFRA_RETRY_MAX_S = 30.0
 
 
 def default_producer_id() -> str:
@@ -103,11 +106,14 @@ class Producer:
     weight_sync: WeightSync | None  # fetches announced versions into the engine (full, or an adapter on the base)
     engine: RolloutEngine | None
     agent_loop: AgentLoop | None
+    sizer: InflightSizer | None  # how many tasks it holds at once (set by start())
     trainer_version: int  # newest version the trainer announced
     groups_done: int
     groups_abandoned: int
     tokens_generated: int  # generated tokens of the groups this producer published
     tokens_discarded: int  # generated tokens of groups it gave back as too stale (restarts: discarded())
+    infra_failures: int  # tasks given back because a tool, sandbox or judge failed (never trained)
+    env_failures: int  # tasks failed because the environment raised or gave bad output
     _inflight: dict[str, asyncio.Task]
     _named: bool  # its id was given (`rlbus up` gives p0, p1, ...): a successor under it takes over its tasks
     _handover: Handover | None  # the ack subjects of the tasks it holds, kept for that successor (bus/handover.py)
@@ -125,9 +131,10 @@ class Producer:
         self._named = bool(producer_id)  # a given id: a restart under it takes over what this one held
         self._handover = None
         self._unsettled = {}
-        self.bus = self.tq = self.weight_store = self.weight_sync = self.engine = self.agent_loop = None
+        self.bus = self.tq = self.weight_store = self.weight_sync = self.engine = self.agent_loop = self.sizer = None
         self.trainer_version = 0
         self.groups_done = self.groups_abandoned = self.tokens_generated = self.tokens_discarded = 0
+        self.infra_failures = self.env_failures = 0
         self._inflight = {}
         self._stopping = asyncio.Event()
         self._started_at = time.monotonic()
@@ -153,6 +160,7 @@ class Producer:
         # Before Ray: under `rlbus up` the head may still be starting (ensure_ray waits).
         stack = build_rollout(cfg, instance=self.producer_id)
         self.engine, self.agent_loop = stack.engine, stack.agent_loop
+        self.sizer = InflightSizer(cfg.rollout.max_inflight_tasks, cfg.rollout.max_inflight_cap, self.agent_loop.meter)
         if cfg.rollout.partial_rollout:
             self.agent_loop.staleness = StalenessWatch(cfg.trainer, self.trainer_version)
         ensure_ray(cfg.ray)  # from the main thread: a head it starts lives as long as this process
@@ -167,23 +175,32 @@ class Producer:
         log.info("producer %s up (weights v%d)", self.producer_id, self.engine.version)
 
     async def run(self) -> None:
-        """Main loop: until stopped, keep up to `rollout.max_inflight_tasks` tasks rolling out."""
+        """Main loop: until stopped, keep as many tasks rolling out as `self.sizer` allows (producers/inflight.py:
+        `rollout.max_inflight_tasks`, or sized from the engine's idle time)."""
         background = [asyncio.create_task(self._heartbeats(), name="heartbeats"),
                       asyncio.create_task(self._watch_weights(), name="weights"),
                       asyncio.create_task(self._watch_engine(), name="engine")]
-        slots = asyncio.Semaphore(self.cfg.rollout.max_inflight_tasks)
         subjects = self.bus.subjects
+        sizer = self.sizer
+        room = asyncio.Event()  # set when a task ends
+
+        def ended(task_id: str) -> None:
+            self._inflight.pop(task_id, None)
+            self._unsettled.pop(task_id, None)
+            sizer.held(len(self._inflight))
+            room.set()
+
         try:
             while not self._stopping.is_set():
                 raise_if_failed(*background)
-                await slots.acquire()
-                if self._stopping.is_set():
-                    slots.release()
-                    break
+                if len(self._inflight) >= sizer.update():
+                    room.clear()
+                    with contextlib.suppress(asyncio.TimeoutError):  # the limit may grow meanwhile
+                        await asyncio.wait_for(room.wait(), WINDOW_S)
+                    continue
                 deliveries = await self.bus.fetch(subjects.prompts, subjects.prompts_consumer, PromptTask,
                                                   batch=1, timeout=1.0)
                 if not deliveries:
-                    slots.release()
                     continue
                 delivery = deliveries[0]
                 self._unsettled[delivery.data.task_id] = delivery.reply
@@ -192,13 +209,12 @@ class Producer:
                     await self._handover.share()
                 if self._stopping.is_set():  # fetched while asked to stop: give it straight back
                     await delivery.nak()
-                    slots.release()
+                    self._unsettled.pop(delivery.data.task_id, None)
                     break
                 task = asyncio.create_task(self._handle(delivery), name=delivery.data.task_id)
                 self._inflight[delivery.data.task_id] = task
-                task.add_done_callback(lambda t, tid=delivery.data.task_id: (self._inflight.pop(tid, None),
-                                                                             self._unsettled.pop(tid, None),
-                                                                             slots.release()))
+                sizer.held(len(self._inflight))
+                task.add_done_callback(lambda t, tid=delivery.data.task_id: ended(tid))
             await self._drain()
             if self._fatal is not None:  # the engine is gone: exit non-zero (`rlbus up` restarts the producer)
                 raise self._fatal
@@ -305,15 +321,23 @@ class Producer:
             await self._free(unpublished)
             await self._engine_died(e)
         except Exception as e:
-            log.exception("task %s failed", task.task_id)
+            failure = failure_kind(e)
+            if failure == "infrastructure":  # not the task's fault: no traceback, a longer pause before the retry
+                self.infra_failures += 1
+                log.warning("task %s: %s failure, giving it back: %s", task.task_id, failure, e)
+                delay = min(2.0 ** delivery.num_delivered, INFRA_RETRY_MAX_S)
+            else:
+                self.env_failures += 1
+                log.exception("task %s failed", task.task_id)
+                delay = 1.0
             await self._free(unpublished)
             await self.bus.publish_event(ErrorRaised(role="producer", role_id=self.producer_id,
-                                                     error=type(e).__name__,
+                                                     error=type(e).__name__, failure=failure,
                                                      message=task_error_message(task.task_id, e)))
             if delivery.num_delivered >= max_deliver:
-                await delivery.dead_letter(f"producer {self.producer_id}: {type(e).__name__}: {e}")
+                await delivery.dead_letter(f"producer {self.producer_id}: {failure} failure: {type(e).__name__}: {e}")
             else:
-                await delivery.nak(delay=1.0)
+                await delivery.nak(delay=delay)
         finally:
             ticker.cancel()
 
@@ -463,7 +487,10 @@ class Producer:
                 pid=os.getpid(), status="draining" if self._stopping.is_set() else "running",
                 groups_done=self.groups_done, tokens_generated=self.tokens_generated,
                 tokens_discarded=self.discarded()[0], samples_restarted=self.discarded()[1],
-                groups_per_min=self.groups_done / minutes, inflight=len(self._inflight)))
+                groups_per_min=self.groups_done / minutes, inflight=len(self._inflight),
+                inflight_limit=self.sizer.limit, engine_idle=round(self.sizer.idle_share(), 3),
+                infra_failures=self.infra_failures, env_failures=self.env_failures,
+                tool_retries=getattr(getattr(self.agent_loop, "runner", None), "infra_retries", 0)))
             await asyncio.sleep(self.cfg.rollout.heartbeat_interval_s)
 
 

@@ -18,6 +18,7 @@ from typing import Literal, Union
 import msgspec
 
 from rlbus.schemas.env import DataEnvConfig, EnvConfig
+from rlbus.schemas.judge import JudgeConfig
 from rlbus.schemas.lora import LoraConfig, WeightSyncConfig, check_lora
 from rlbus.schemas.sections import _need, _Section
 from rlbus.schemas.subjects import check_run_name
@@ -221,8 +222,13 @@ class RolloutConfig(_Section):
     num_producers: int = 2  # producers `rlbus up` starts
     heartbeat_interval_s: float = 5.0  # seconds between producer heartbeats
     in_progress_interval_s: float = 10.0  # how often a producer tells JetStream it still works on a task
-    max_inflight_tasks: int = 1  # prompt tasks a producer rolls out at once (the HF engine batches them together)
-    tool_timeout_s: float = 30.0  # a tool call running longer answers "error: ... timed out" to the model
+    # Prompt tasks a producer rolls out at once; 0 = sized from what it measures: more while its engine idles with
+    # tasks to be had (episodes waiting on tools, environments or judges), up to max_inflight_cap.
+    max_inflight_tasks: int = 0
+    max_inflight_cap: int = 64  # the most tasks in flight that automatic sizing may reach
+    tool_timeout_s: float = 30.0  # one attempt of a tool call (a tool's own timeout_s wins); past it, retried
+    tool_retries: int = 2  # attempts after the first when a tool's service fails (a tool's own retries wins)
+    blocking_workers: int = 16  # synchronous tools, rewards and environment steps running at once (worker threads)
     episode_timeout_s: float = 600.0  # a group's episodes (turns, environment steps, scoring) running longer fail the task
     torch_threads: int = 0  # torch CPU threads of each producer; 0 = auto (OMP_NUM_THREADS, else CPUs / processes)
     nice: int = 0  # CPU priority of each producer (nice, 0-19): > 0 lets a trainer on the same CPUs preempt it
@@ -240,8 +246,11 @@ class RolloutConfig(_Section):
         _need(self.num_producers >= 0, "num_producers", "must be >= 0")
         _need(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "must be > 0")
         _need(self.in_progress_interval_s > 0, "in_progress_interval_s", "must be > 0")
-        _need(self.max_inflight_tasks >= 1, "max_inflight_tasks", "must be >= 1")
+        _need(self.max_inflight_tasks >= 0, "max_inflight_tasks", "must be >= 0 (0 = sized from measurements)")
+        _need(self.max_inflight_cap >= 1, "max_inflight_cap", "must be >= 1")
         _need(self.tool_timeout_s > 0, "tool_timeout_s", "must be > 0")
+        _need(self.tool_retries >= 0, "tool_retries", "must be >= 0")
+        _need(self.blocking_workers >= 1, "blocking_workers", "must be >= 1")
         _need(self.episode_timeout_s > 0, "episode_timeout_s", "must be > 0")
         _need(self.torch_threads >= 0, "torch_threads", "must be >= 0 (0 = auto)")
         _need(0 <= self.nice <= 19, "nice", "must be in [0, 19] (a role may lower its own priority, not raise it)")
@@ -562,6 +571,7 @@ class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     launcher: LauncherConfig = msgspec.field(default_factory=LauncherConfig)
     guard: GuardConfig = msgspec.field(default_factory=GuardConfig)
+    judge: JudgeConfig = msgspec.field(default_factory=JudgeConfig)  # a model-based reward served to producers
 
     def __post_init__(self) -> None:
         try:

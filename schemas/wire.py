@@ -156,6 +156,11 @@ class ProducerHeartbeat(Wire, tag="producer_heartbeat"):
     created_at: float = msgspec.field(default_factory=now)
     tokens_discarded: int = 0  # generated tokens thrown away as too stale (groups given back, samples restarted)
     samples_restarted: int = 0  # samples begun again from the prompt under partial rollout
+    inflight_limit: int = 0  # tasks it may hold now (rollout.max_inflight_tasks, or sized from its engine's idle time)
+    engine_idle: float = 0.0  # share of the last sizing window its engine had no turn to work on
+    infra_failures: int = 0  # tasks given back because a tool, sandbox or judge failed (not trained)
+    env_failures: int = 0  # tasks that failed because the environment raised or gave bad output
+    tool_retries: int = 0  # tool attempts retried after their service failed
 
 
 class RoleStarted(Wire, tag="role_started"):
@@ -188,6 +193,9 @@ class ErrorRaised(Wire, tag="error_raised"):
     message: str  # what happened
     fatal: bool = False  # True when the role stops because of it
     created_at: float = msgspec.field(default_factory=now)
+    # Whose failure, for a failed episode: "infrastructure" (a tool's service, a sandbox, a judge, their timeouts:
+    # retried, never trained), "environment" (it raised or gave bad output); "" for anything else.
+    failure: str = ""
 
 
 class DeadLetter(Wire, tag="dead_letter"):

@@ -1,8 +1,9 @@
 """What an agent loop produces (`Trajectory`) and the shared machinery of every loop (`AgentLoop`).
 
-An agent loop turns one `PromptTask` into a GRPO group of n trajectories. The n samples run together: each turn,
-one `engine.generate` call covers every sample still active, so a batched engine sees n sequences at once instead
-of n calls of one. Per token, a trajectory records
+An agent loop turns one `PromptTask` into a GRPO group of n trajectories. Each sample's episode runs on its own
+(generate a turn, call tools or step the environment, score), so no sample waits for another's slow tool, and each
+turn is its own engine call: the engine batches the turns that are ready at the same time (the HF engine merges
+waiting calls, vLLM batches its requests continuously). Per token, a trajectory records
 
     response_ids       every token after the prompt: the model's turns and the tokens the environment inserted
     response_mask      1 where the model generated the token (its closing <|im_end|> included), 0 where the
@@ -29,11 +30,12 @@ from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 from rlbus.common.chat import as_dicts, prompt_token_ids
 from rlbus.producers.engines.base import Generation, RolloutEngine, SamplingParams
+from rlbus.producers.inflight import EngineMeter
 from rlbus.producers.rewards.registry import RewardFn
 from rlbus.producers.tools.registry import Tool
 from rlbus.schemas import staleness
 from rlbus.schemas.config import RolloutConfig, TrainerConfig
-from rlbus.schemas.errors import RlbusError
+from rlbus.schemas.errors import InfrastructureError, RlbusError
 from rlbus.schemas.staleness import NO_VERSION, generated_span
 from rlbus.schemas.wire import ChatMessage, PromptTask, SampleMeta
 
@@ -145,6 +147,14 @@ class EpisodeTimeout(RlbusError):
     """A group's episodes ran past rollout.episode_timeout_s: the task fails (given back, or dead-lettered)."""
 
 
+def failure_kind(error: BaseException) -> str:
+    """Whose failure a failed rollout is: "infrastructure" (a tool's service, a sandbox or a judge that failed its
+    retries, or episodes that ran past rollout.episode_timeout_s: retried, never trained as a reward) or
+    "environment" (the environment, its reward or its agent raised or gave bad output). What the policy does wrong
+    never fails a rollout: it is scored."""
+    return "infrastructure" if isinstance(error, (InfrastructureError, EpisodeTimeout)) else "environment"
+
+
 class ChatTemplateError(RlbusError):
     """The tokenizer's chat template cannot be extended turn by turn (rendering is not prefix-stable)."""
 
@@ -155,8 +165,9 @@ class StalenessWatch:
     A sample whose oldest generated token the staleness bound (schemas/staleness.py) no longer admits at the
     trainer's version would make its whole group be dropped. With a watch, the agent loop restarts just that sample
     from its prompt, on the newest weights, as soon as it is known: when a turn begins, when a new version arrives
-    while the sample's turn is in flight (the turn is interrupted: the engine aborts the request), and, for samples
-    that finished early, once the others are done. The rest of the group goes on, and a turn in flight on an engine
+    while the sample's turn is in flight (on an engine whose loads reach requests in flight: the engine aborts the
+    request), and, for samples that finished early, when the version arrives. The rest of the group goes on, and a
+    turn in flight on an engine
     that loads weights between decode steps (vLLM) simply continues on the new weights from its prefix.
     """
 
@@ -199,7 +210,7 @@ class StalenessWatch:
 
 
 class AgentLoop(abc.ABC):
-    """Rolls out prompt tasks on one engine. Subclasses define the turn structure in `_episodes`."""
+    """Rolls out prompt tasks on one engine. Subclasses define one episode's turn structure in `_episode`."""
 
     cfg: RolloutConfig
     engine: RolloutEngine
@@ -209,6 +220,7 @@ class AgentLoop(abc.ABC):
     stop_token_id: int
     seed: int | None  # None: the engine's own random stream; else call k samples with seed + k (reproducible)
     staleness: StalenessWatch | None  # set by a producer under rollout.partial_rollout; None: no restarts
+    meter: EngineMeter  # how much of the time the engine had a turn to work on
     _num_calls: int
 
     def __init__(self, cfg: RolloutConfig, engine: RolloutEngine, tokenizer: Any, tools: Mapping[str, Tool],
@@ -223,6 +235,7 @@ class AgentLoop(abc.ABC):
         self.stop_token_id = int(tokenizer.eos_token_id)
         self.seed = seed
         self.staleness = None
+        self.meter = EngineMeter()
         self._num_calls = 0
 
     async def close(self) -> None:
@@ -237,54 +250,53 @@ class AgentLoop(abc.ABC):
                                  f"{self.cfg.episode_timeout_s:g}s (a hung environment, tool or reward?)") from None
 
     async def rollout_many(self, tasks: list[PromptTask], n: int) -> list[list[Trajectory]]:
-        """A group for each task (the evaluator's held-out set, a producer's task): every turn is one engine call
-        over every sample of every task still running."""
+        """A group for each task (the evaluator's held-out set, a producer's task): every sample's episode runs on
+        its own, and the engine batches the turns that are ready together."""
         groups = [self.start(task, n) for task in tasks]
-        await self.run_episodes([t for g in groups for t in g])
-        await asyncio.gather(*(self.score(task, g) for task, g in zip(tasks, groups)))
+        await asyncio.gather(*(self.run_episodes(task, g) for task, g in zip(tasks, groups)))
         return groups
 
     @abc.abstractmethod
-    async def _episodes(self, trajs: list[Trajectory]) -> None:
-        """Run every trajectory of `trajs` to its end (the loop's turn structure), through `generate_turn`."""
+    async def _episode(self, traj: Trajectory) -> None:
+        """Run one sample to its end (the loop's turn structure), through `generate_turn`."""
 
-    async def run_episodes(self, trajs: list[Trajectory]) -> None:
-        """`_episodes`; under partial rollout, samples that finished and whose tokens the trainer has since moved
-        too far past restart from the prompt, until every sample is fresh enough or out of restarts.
+    async def _episode_scored(self, task: PromptTask, traj: Trajectory) -> None:
+        await self._episode(traj)
+        await self.score_one(task, traj)
 
-        On an engine whose loads reach requests in flight each sample runs its own episode, so a finished sample
-        restarts the moment a version makes it too stale, beside the group's stragglers; otherwise the group's
-        samples run together (one batched call a turn) and the finished ones are judged once all are done."""
+    async def run_episodes(self, task: PromptTask, trajs: list[Trajectory]) -> None:
+        """Each sample's episode on its own: generate, call tools or step the environment, score; no sample waits
+        for another's tool call, environment step or reward. The engine batches whatever turns are ready at once
+        (across samples, groups and tasks). The group is done when its last episode is.
+
+        Under partial rollout a sample that finished, and that a newer version has since made too stale, begins
+        again from its prompt as soon as that version is known, beside the group's stragglers, until every sample
+        is fresh enough or out of restarts."""
         watch = self.staleness
-        if watch is not None and self.engine.updates_in_flight:
-            await self._episodes_each(trajs, watch)
-            return
-        await self._episodes(trajs)
-        while watch is not None and (stale := [t for t in trajs if watch.too_stale(t)]):
-            for traj in stale:
-                watch.restart(traj, "finished early")
-            await self._episodes(stale)
-
-    async def _episodes_each(self, trajs: list[Trajectory], watch: StalenessWatch) -> None:
-        running: dict[asyncio.Future, Trajectory] = {asyncio.ensure_future(self._episodes([t])): t for t in trajs}
-        changed = asyncio.ensure_future(watch.changed())
+        running: dict[asyncio.Future, Trajectory] = {
+            asyncio.ensure_future(self._episode_scored(task, t)): t for t in trajs}
+        changed = asyncio.ensure_future(watch.changed()) if watch is not None else None
         try:
             while running:
-                done, _ = await asyncio.wait([*running, changed], return_when=asyncio.FIRST_COMPLETED)
-                for task in done - {changed}:
-                    running.pop(task)
-                    task.result()  # an engine failure ends the group
+                waiting = [*running] if changed is None else [*running, changed]
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                for future in done - {changed}:
+                    running.pop(future)
+                    future.result()  # an engine, environment or infrastructure failure ends the group
+                if watch is None:
+                    continue
                 if changed.done():
                     changed = asyncio.ensure_future(watch.changed())
                 busy = {id(t) for t in running.values()}
                 for traj in trajs:
                     if id(traj) not in busy and watch.too_stale(traj):
                         watch.restart(traj, "finished early")
-                        running[asyncio.ensure_future(self._episodes([traj]))] = traj
+                        running[asyncio.ensure_future(self._episode_scored(task, traj))] = traj
         finally:
-            for task in [*running, changed]:
-                task.cancel()
-            await asyncio.gather(*running, changed, return_exceptions=True)
+            rest = [*running] + ([changed] if changed is not None else [])
+            for future in rest:
+                future.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
 
     # -- shared steps -------------------------------------------------------------------------------------------
 
@@ -315,33 +327,38 @@ class AgentLoop(abc.ABC):
             stop_token_ids=(self.stop_token_id,),
         )
 
-    async def generate_turn(self, active: list[Trajectory]) -> list[str]:
-        """One turn of every sample in `active`; appends each sample's tokens and returns each turn's text.
+    async def generate_turn(self, traj: Trajectory) -> str:
+        """One turn of `traj`: appends its tokens and returns the turn's text.
 
-        Without a staleness watch: one batched generate call (ask for the largest budget any sample has, then cut
-        each to its own). With one (partial rollout), a sample the bound no longer admits restarts from its prompt
-        first, and on an engine that loads weights between decode steps each sample is its own call, so a version
-        that arrives mid-turn can interrupt just the samples it makes too stale (`_fresh_turn`).
-        A sample whose turn is cut off (by max_new_tokens, or by what is left of max_response_tokens) finishes
-        with "length"; the others are left running for the subclass to decide.
+        Its own engine call, asking for what is left of the sample's budget; the engine merges it with the other
+        turns ready at the same time. With a staleness watch (partial rollout), a sample the bound no longer admits
+        restarts from its prompt first, and on an engine that loads weights between decode steps a version that
+        arrives mid-turn can interrupt it (`_fresh_turn`). A turn cut off (by max_new_tokens, or by what is left of
+        max_response_tokens) finishes the sample with "length"; otherwise the subclass decides.
         """
         watch = self.staleness
-        for traj in active:
-            if watch is not None and watch.too_stale(traj):
-                watch.restart(traj, "stale at a turn's start")
-        budgets = [self.cfg.max_response_tokens - len(t.response_ids) for t in active]
+        if watch is not None and watch.too_stale(traj):
+            watch.restart(traj, "stale at a turn's start")
         if watch is not None and self.engine.updates_in_flight:
-            done = await asyncio.gather(*(self._fresh_turn(t, watch) for t in active))
-            gens, elapsed = [g for g, _ in done], [e for _, e in done]
-            budgets = [self.cfg.max_response_tokens - len(t.response_ids) for t in active]  # restarts reset some
+            gen, elapsed = await self._fresh_turn(traj, watch)
         else:
-            params = self.sampling_params(min(self.cfg.max_new_tokens, max(budgets)))
+            budget = self.cfg.max_response_tokens - len(traj.response_ids)
+            params = self.sampling_params(min(self.cfg.max_new_tokens, budget))
             t0 = time.perf_counter()
-            gens = await self.engine.generate([t.prompt_ids + t.response_ids for t in active], params)
-            elapsed = [time.perf_counter() - t0] * len(active)
-        if len(gens) != len(active):
-            raise RuntimeError(f"engine returned {len(gens)} generations for {len(active)} prompts")
-        return [self._take_turn(traj, gen, budget, secs) for traj, gen, budget, secs in zip(active, gens, budgets, elapsed)]
+            gens = await self._generate([traj.prompt_ids + traj.response_ids], params)
+            if len(gens) != 1:
+                raise RuntimeError(f"engine returned {len(gens)} generations for 1 prompt")
+            gen, elapsed = gens[0], time.perf_counter() - t0
+        budget = self.cfg.max_response_tokens - len(traj.response_ids)  # after any restart
+        return self._take_turn(traj, gen, budget, elapsed)
+
+    async def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """engine.generate, metered (the producer sizes its tasks in flight from the engine's idle time)."""
+        self.meter.begin()
+        try:
+            return await self.engine.generate(prompts, params)
+        finally:
+            self.meter.end()
 
     async def _fresh_turn(self, traj: Trajectory, watch: StalenessWatch) -> tuple[Generation, float]:
         """One sample's turn as its own engine call, interrupted (the engine aborts it) and begun again from the
@@ -351,7 +368,7 @@ class AgentLoop(abc.ABC):
             params = self.sampling_params(min(self.cfg.max_new_tokens, budget))
             since = self.engine.version  # the turn's first token is of this version (or newer)
             t0 = time.perf_counter()
-            call = asyncio.ensure_future(self.engine.generate([traj.prompt_ids + traj.response_ids], params))
+            call = asyncio.ensure_future(self._generate([traj.prompt_ids + traj.response_ids], params))
             try:
                 while not call.done():
                     changed = asyncio.ensure_future(watch.changed())
@@ -399,12 +416,8 @@ class AgentLoop(abc.ABC):
         # What the template writes after the eos the model generated (ChatML: "\n") is inserted too.
         return self.encode(before[end + len(eos):] + after[len(before):])
 
-    async def score(self, task: PromptTask, trajs: list[Trajectory]) -> None:
-        """Reward every trajectory (concurrently: a reward may be an async call to a verifier)."""
-
-        async def one(traj: Trajectory) -> None:
-            t0 = time.perf_counter()
-            traj.reward = await self.reward_fn(self.decode(traj.response_ids), task.ground_truth, task=task)
-            traj.reward_time_s = time.perf_counter() - t0
-
-        await asyncio.gather(*(one(t) for t in trajs))
+    async def score_one(self, task: PromptTask, traj: Trajectory) -> None:
+        """Reward one finished trajectory (a reward may be an async call to a verifier or a judge)."""
+        t0 = time.perf_counter()
+        traj.reward = await self.reward_fn(self.decode(traj.response_ids), task.ground_truth, task=task)
+        traj.reward_time_s = time.perf_counter() - t0

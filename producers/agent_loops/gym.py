@@ -5,10 +5,13 @@ group's samples begin alike. A turn: the model generates (mask 1, with log-probs
 the closing eos, is the action of `env.step(action)`; the observation comes back as a user message, tokenized from
 the chat template's own rendering (mask 0), and the model's next turn follows. The episode ends when the
 environment says terminated or truncated ("stop"), at rollout.max_turns ("max_turns"), or when the response is out
-of tokens ("length"). The sample's reward is the sum of the rewards `step` paid.
+of tokens ("length"). A turn cut off by a token limit is still stepped, as it is, before the episode ends: the
+environment sees every action the policy is trained on. The sample's reward is the sum of the rewards `step` paid.
+Each sample's episode runs on its own: one game's slow `step` holds no other sample of its group.
 
 A sample restarted for staleness (partial rollout) begins again on a fresh environment, reset with the same seed.
-`step` and `reset` run in a worker thread (a Gymnasium env is synchronous); one that raises or returns a
+`step` and `reset` run in the producer's bounded pool of worker threads (producers/blocking.py: a Gymnasium env is
+synchronous); one that raises or returns a
 non-text observation or a non-finite reward fails the task, which the producer gives back or dead-letters with
 the reason; one that hangs is cut off by rollout.episode_timeout_s.
 
@@ -17,15 +20,13 @@ the reason; one that hangs is cut off by rollout.episode_timeout_s.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import math
-import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from rlbus.common.envs.gym import EnvProtocolError, env_factory, observation_text, reset
 from rlbus.producers.agent_loops.base import AgentLoop, Trajectory
+from rlbus.producers.blocking import in_daemon_thread, run_blocking
 from rlbus.producers.engines.base import RolloutEngine
 from rlbus.producers.rewards.registry import RewardFn
 from rlbus.producers.tools.registry import Tool
@@ -59,36 +60,44 @@ class GymAgentLoop(AgentLoop):
             self._seeds[id(traj)] = seed
         return trajs
 
-    async def _fresh(self, traj: Trajectory, episodes: dict[int, _Episode]) -> _Episode:
+    async def run_episodes(self, task: PromptTask, trajs: list[Trajectory]) -> None:
+        try:
+            await super().run_episodes(task, trajs)
+        finally:
+            for traj in trajs:
+                self._seeds.pop(id(traj), None)
+
+    async def _fresh(self, traj: Trajectory, ep: _Episode | None) -> _Episode:
         """The sample's environment, made and reset anew if it has none yet or the sample restarted since."""
-        ep = episodes.get(id(traj))
         if ep is not None and ep.restarts == traj.restarts:
             return ep
         if ep is not None:
-            await in_daemon_thread(_close, ep.env)
-        env = await in_daemon_thread(self._make_env)
-        first = await in_daemon_thread(reset, env, self._seeds[id(traj)])
+            in_daemon_thread(_close, ep.env)
+        env = await run_blocking(self._make_env)
+        first = await run_blocking(reset, env, self._seeds[id(traj)])
         if first != traj.messages[traj.num_prompt_messages - 1].content:
             raise EnvProtocolError(f"reset(seed={self._seeds[id(traj)]}) gives another first observation than the "
                                    "task was released with: the environment is not deterministic in its seed")
-        episodes[id(traj)] = ep = _Episode(env=env, restarts=traj.restarts)
-        return ep
+        return _Episode(env=env, restarts=traj.restarts)
 
-    async def _episodes(self, trajs: list[Trajectory]) -> None:
-        episodes: dict[int, _Episode] = {}
+    async def _episode(self, traj: Trajectory) -> None:
+        ep: _Episode | None = None
         try:
-            while active := [t for t in trajs if not t.done]:
-                await asyncio.gather(*(self._fresh(t, episodes) for t in active))
-                texts = await self.generate_turn(active)
-                await asyncio.gather(*(self._step(t, text, episodes) for t, text in zip(active, texts) if not t.done))
+            while not traj.done:
+                ep = await self._fresh(traj, ep)
+                text = await self.generate_turn(traj)
+                ep = await self._fresh(traj, ep)  # a sample restarted during the turn acts on a fresh episode
+                await self._step(traj, text, ep)
         finally:
             # Not awaited: an env that hung in step() may hang in close() too, and the episode timeout must fire.
-            for ep in episodes.values():
+            if ep is not None:
                 in_daemon_thread(_close, ep.env)
 
-    async def _step(self, traj: Trajectory, action: str, episodes: dict[int, _Episode]) -> None:
-        ep = await self._fresh(traj, episodes)  # a sample restarted during the turn acts on a fresh episode
-        out = await in_daemon_thread(ep.env.step, action)
+    async def _step(self, traj: Trajectory, action: str, ep: _Episode) -> None:
+        """Give the turn to the environment. A turn cut off by a token limit ("length") is stepped as it is: the
+        environment sees every action the policy is trained on, and pays for it; the episode then ends there."""
+        cut = traj.done
+        out = await run_blocking(ep.env.step, action)
         if not isinstance(out, tuple) or len(out) not in (4, 5):
             raise EnvProtocolError(f"step() returned {type(out).__name__}; expected (obs, reward, terminated, "
                                    "truncated, info)")
@@ -97,6 +106,8 @@ class GymAgentLoop(AgentLoop):
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
             raise EnvProtocolError(f"step() returned reward {reward!r}; expected a finite number")
         traj.env_return += float(reward)
+        if cut:
+            return
         if done:
             traj.finish_reason = "stop"
             return
@@ -111,35 +122,9 @@ class GymAgentLoop(AgentLoop):
         traj.messages.append(message)
         traj.add_inserted(inserted)
 
-    async def score(self, task: PromptTask, trajs: list[Trajectory]) -> None:
-        """The environment scored each episode as it went: the reward is what its steps paid."""
-        for traj in trajs:
-            traj.reward = traj.env_return
-            self._seeds.pop(id(traj), None)
-
-
-def in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
-    """`fn(*args)` in a thread of its own, as a future of this loop. A daemon thread, not the loop's executor: a
-    step that never returns (a hung environment) holds that thread forever, and executor threads are joined when
-    the process exits, so one hung game would keep a stopping producer alive."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def settle(error: BaseException | None, result: Any) -> None:
-        if not future.done():  # the awaiting coroutine may have been cancelled (the episode timed out)
-            future.set_exception(error) if error is not None else future.set_result(result)
-
-    def run() -> None:
-        try:
-            outcome: tuple[BaseException | None, Any] = (None, fn(*args))
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine, which re-raises it
-            outcome = (e, None)
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits for this any more
-            loop.call_soon_threadsafe(settle, *outcome)
-
-    threading.Thread(target=run, name=f"env-{getattr(fn, '__name__', 'call')}", daemon=True).start()
-    return future
-
+    async def score_one(self, task: PromptTask, traj: Trajectory) -> None:
+        """The environment scored the episode as it went: the reward is what its steps paid."""
+        traj.reward = traj.env_return
 
 def _close(env: Any) -> None:
     if hasattr(env, "close"):

@@ -147,7 +147,7 @@ class OpenAIAgentLoop(AgentLoop):
         self._http = None
         self._started = asyncio.Lock()
 
-    async def _episodes(self, trajs: list[Trajectory]) -> None:
+    async def _episode(self, traj: Trajectory) -> None:
         raise NotImplementedError("the agent function drives its own turns (rollout_many)")
 
     async def _ensure_started(self) -> None:

@@ -1,26 +1,29 @@
 """The multi-turn tool agent loop: the model may call tools between turns until it answers.
 
-`rollout.agent_loop: tool` (the default). Each turn, the samples of a group that are still running generate
-together (one batched engine call) until `<|im_end|>` or max_new_tokens. A turn holding
+`rollout.agent_loop: tool` (the default). Each sample's episode runs on its own: it generates a turn until
+`<|im_end|>` or max_new_tokens (the engine batches it with the other turns ready at the time), and a turn holding
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (or another form real models write: tool_parser.py) runs
-the tool(s) (async, timed, all samples at once)
-and the environment inserts the tool response and the next assistant header -- tokenized from the chat
+the tool(s) through producers/tools/runner.py (each tool's concurrency limit, timeout and retries; synchronous tools
+in a worker pool) while the group's other samples go on; then the environment inserts the tool response and the next assistant header -- tokenized from the chat
 template's own rendering, with mask 0. A turn with no tool call, or with an `<answer>`, ends the episode
 ("stop"); so do a tool call in the last allowed turn ("max_turns") and running out of response tokens ("length").
-A malformed call (bad JSON, unknown tool, a tool that raises) becomes an "error: ..." tool response for the model
-to read: the rollout never fails because of what the model wrote.
+A malformed call (bad JSON, unknown tool, a tool that refuses its arguments) becomes an "error: ..." tool response
+for the model to read: the rollout never fails because of what the model wrote. A tool whose service fails (it
+raises InfrastructureError, or times out) on every retry ends the episode with InfrastructureError instead: the task
+is rolled out again, never trained on the outage.
 
     .venv/bin/python -m pytest -q tests/unit/test_agent_loop.py
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
+from typing import Any
 
 from rlbus.common.chat import ANSWER_START
 from rlbus.producers.agent_loops.base import AgentLoop, ChatTemplateError, Trajectory
 from rlbus.producers.agent_loops.tool_parser import ToolCall, parse_tool_calls
+from rlbus.producers.tools.runner import ToolRunner
 from rlbus.schemas.wire import ChatMessage
 
 
@@ -28,21 +31,24 @@ __all__ = ["ChatTemplateError", "ToolAgentLoop", "ToolCall", "parse_tool_calls"]
 
 
 class ToolAgentLoop(AgentLoop):
-    async def _episodes(self, trajs: list[Trajectory]) -> None:
-        while active := [t for t in trajs if not t.done]:
-            texts = await self.generate_turn(active)
-            pending: list[tuple[Trajectory, list[ToolCall]]] = []
-            for traj, text in zip(active, texts):
-                if traj.done:  # cut off by a token limit
-                    continue
-                calls = parse_tool_calls(text)
-                if not calls or ANSWER_START in text:
-                    traj.finish_reason = "stop"
-                elif traj.num_turns >= self.cfg.max_turns:
-                    traj.finish_reason = "max_turns"
-                else:
-                    pending.append((traj, calls))
-            await asyncio.gather(*(self._run_tools(traj, calls) for traj, calls in pending))
+    runner: ToolRunner  # calls the tools with each one's concurrency limit, timeout and retries
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.runner = ToolRunner(self.tools, self.cfg)
+
+    async def _episode(self, traj: Trajectory) -> None:
+        while not traj.done:
+            text = await self.generate_turn(traj)
+            if traj.done:  # cut off by a token limit
+                return
+            calls = parse_tool_calls(text)
+            if not calls or ANSWER_START in text:
+                traj.finish_reason = "stop"
+            elif traj.num_turns >= self.cfg.max_turns:
+                traj.finish_reason = "max_turns"
+            else:
+                await self._run_tools(traj, calls)
 
     async def _run_tools(self, traj: Trajectory, calls: list[ToolCall]) -> None:
         t0 = time.perf_counter()
@@ -60,16 +66,7 @@ class ToolAgentLoop(AgentLoop):
     async def _call(self, call: ToolCall) -> str:
         if call.error:
             return call.error
-        tool = self.tools.get(call.name)
-        if tool is None:
-            return f"error: unknown tool {call.name!r}; available: {', '.join(sorted(self.tools)) or 'none'}"
-        try:
-            out = await asyncio.wait_for(tool(call.arguments or {}), timeout=self.cfg.tool_timeout_s)
-        except asyncio.TimeoutError:
-            return f"error: tool {call.name!r} timed out after {self.cfg.tool_timeout_s:g}s"
-        except Exception as e:  # noqa: BLE001 - a tool's failure is an observation for the model, not a crash
-            return f"error: {type(e).__name__}: {e}"
-        return out if isinstance(out, str) else str(out)
+        return await self.runner.call(call.name, call.arguments or {})
 
     def _truncate(self, text: str) -> str:
         """Cut a tool response to max_tool_response_tokens tokens (re-encoding stays within the cap)."""

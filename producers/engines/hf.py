@@ -24,6 +24,7 @@ import time
 from functools import partial
 from typing import Callable, Mapping
 
+import msgspec
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
@@ -62,9 +63,15 @@ def sample(
     version: int = 0,
     generator: torch.Generator | None = None,
     on_step: Callable[[list[int], list[int], list[float]], None] | None = None,
+    limits: list[int] | None = None,
+    generators: list[torch.Generator | None] | None = None,
 ) -> list[Generation]:
     """Sample one continuation per prompt in a single batch (synchronous; the engine runs it in a worker thread).
-    `on_step(rows, ids, log_probs)`: after each decode step, the token each unfinished row sampled."""
+    `on_step(rows, ids, log_probs)`: after each decode step, the token each unfinished row sampled.
+
+    Rows of several calls can share the batch: `limits` gives each row its own max_new_tokens (params' is the
+    largest; a row past its limit finishes "length"), `generators` each row's random stream (rows sharing one draw
+    together, one multinomial per stream and step, so a seeded call samples what it would alone)."""
     if params.temperature <= 0:
         raise ValueError(f"temperature: must be > 0 (log-probs are of softmax(logits / temperature)), got {params.temperature}")
     if any(len(p) == 0 for p in prompts):
@@ -82,6 +89,12 @@ def sample(
     cache = DynamicCache(config=model.config)
     cache_kw = _cache_kwarg(model)
     stop_ids = torch.tensor(list(params.stop_token_ids) or [-1], device=device)
+    limits = list(limits) if limits is not None else [params.max_new_tokens] * num_seqs
+    row_gens = list(generators) if generators is not None else [generator] * num_seqs
+    streams: dict[int, tuple[torch.Generator | None, list[int]]] = {}  # one draw per random stream and step
+    for i, g in enumerate(row_gens):
+        streams.setdefault(id(g), (g, []))[1].append(i)
+    draws = [(g, torch.tensor(rows, device=device)) for g, rows in streams.values()]
     tokens: list[list[int]] = [[] for _ in range(num_seqs)]
     logps: list[list[float]] = [[] for _ in range(num_seqs)]
     finish = ["length"] * num_seqs
@@ -93,7 +106,13 @@ def sample(
         scaled_BV = out.logits[:, -1, :].float() / params.temperature
         logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)  # what the trainer computes: unfiltered
         choose_BV = _filter_logits(scaled_BV, params.top_k, params.top_p)
-        next_B = torch.multinomial(torch.softmax(choose_BV, dim=-1), 1, generator=generator).squeeze(-1)
+        probs_BV = torch.softmax(choose_BV, dim=-1)
+        if len(draws) == 1:
+            next_B = torch.multinomial(probs_BV, 1, generator=draws[0][0]).squeeze(-1)
+        else:
+            next_B = torch.empty(num_seqs, dtype=torch.long, device=device)
+            for g, rows_R in draws:
+                next_B[rows_R] = torch.multinomial(probs_BV[rows_R], 1, generator=g).squeeze(-1)
         next_lp_B = logprobs_BV.gather(-1, next_B.unsqueeze(-1)).squeeze(-1)
         rows = (~done_B).nonzero().flatten().tolist()
         ids, lps = next_B.tolist(), next_lp_B.tolist()  # one copy out each, not one per row (it adds up per token)
@@ -107,7 +126,10 @@ def sample(
         for i in hits:
             finish[i] = "stop"
         done_B |= hit_B
-        if hits and bool(done_B.all()):
+        full = [i for i in rows if i not in hits and len(tokens[i]) >= limits[i]]  # at its own limit: "length"
+        if full:
+            done_B[full] = True
+        if (hits or full) and bool(done_B.all()):
             break
         # Finished rows keep decoding junk that is never read; it costs less than reshaping the cache.
         step_ids_BT = next_B.unsqueeze(-1)
@@ -117,6 +139,11 @@ def sample(
         Generation(token_ids=tokens[i], log_probs=logps[i], finish_reason=finish[i], version=version)  # type: ignore[arg-type]
         for i in range(num_seqs)
     ]
+
+
+def _merge_key(params: SamplingParams) -> tuple:
+    """What calls must share to run in one batch: everything but max_new_tokens and the seed."""
+    return params.temperature, params.top_p, params.top_k, params.stop_token_ids
 
 
 def _shifted(on_step: Callable[[list[int], list[int], list[float]], None], start: int, rows: list[int], *step) -> None:
@@ -176,34 +203,42 @@ class HFEngine(RolloutEngine):
         prompts: list[list[int]],
         params: SamplingParams,
         on_step: Callable[[list[int], list[int], list[float]], None] | None = None,
+        rows: list[tuple[int, int | None]] | None = None,
     ) -> list[Generation]:
-        generator = self._generator
-        if params.seed is not None:
-            generator = torch.Generator(device=self._cfg.device)
-            generator.manual_seed(params.seed)
+        """`rows`: per prompt, its own max_new_tokens and seed (prompts of several merged calls); None: params'."""
+        if rows is None:
+            rows = [(params.max_new_tokens, params.seed)] * len(prompts)
+        streams: dict[int | None, torch.Generator] = {None: self._generator}
+        for _, seed in rows:  # a seeded call draws from its own stream, whatever else shares the batch
+            if seed not in streams:
+                streams[seed] = torch.Generator(device=self._cfg.device).manual_seed(seed)
         results: list[Generation] = []
         step = self._cfg.max_batch_size
         for start in range(0, len(prompts), step):
+            chunk = rows[start : start + step]
+            limits = [limit for limit, _ in chunk]
             # One chunk runs on one weight version; a load waits for it and the next chunk sees the new weights.
             with self._lock:
                 results += sample(
                     self.model,
                     prompts[start : start + step],
-                    params,
+                    msgspec.structs.replace(params, max_new_tokens=max(limits)),
                     pad_token_id=self.pad_token_id,
                     version=self._version,
-                    generator=generator,
                     on_step=None if on_step is None else partial(_shifted, on_step, start),
+                    limits=limits,
+                    generators=[streams[seed] for _, seed in chunk],
                 )
         return results
 
     async def generate(
         self, prompts: list[list[int]], params: SamplingParams, on_tokens: TokenSink | None = None
     ) -> list[Generation]:
-        """Sample `prompts`. Calls that wait together are merged into one batch (same sampling parameters, no
-        per-call seed, up to `max_batch_size` sequences): a producer rolling out several tasks at once
-        (`rollout.max_inflight_tasks`) runs one forward per token for all of them instead of one per task.
-        `on_tokens` hears of every token after the decode step that sampled it."""
+        """Sample `prompts`. Calls that wait together are merged into one batch (the same temperature, top-p,
+        top-k and stop tokens; each keeps its own max_new_tokens and seed; up to `max_batch_size` sequences): the
+        turns of episodes that are ready at once (a group's samples, other tasks' samples back from their tools)
+        run one forward per token for all of them instead of one per call. `on_tokens` hears of every token after
+        the decode step that sampled it."""
         if not prompts:
             return []
         loop = asyncio.get_running_loop()
@@ -221,20 +256,26 @@ class HFEngine(RolloutEngine):
             if not live:
                 self._waiting = []
                 break
-            head = live[0][1]  # the batch runs with the parameters of the oldest live request
+            head = live[0][1]  # the batch runs with the sampling settings of the oldest live request
             batch, rest, size = [], [], 0
             for request in live:
                 prompts, params, _, _ = request
-                mergeable = params == head and params.seed is None and size + len(prompts) <= self._cfg.max_batch_size
+                mergeable = _merge_key(params) == _merge_key(head) and size + len(prompts) <= self._cfg.max_batch_size
                 if not batch or mergeable:
                     batch.append(request)
                     size += len(prompts)
                 else:
                     rest.append(request)
             self._waiting = rest
+            rows = [(params.max_new_tokens, None if params.seed is None else params.seed + i)
+                    for prompts, params, _, _ in batch for i in range(len(prompts))]
+            if len(batch) == 1:
+                rows = None  # one call: its seed's stream draws for all its rows, as it always did
+            widest = max((r[1].max_new_tokens for r in batch), default=head.max_new_tokens)
             try:
                 out = await asyncio.to_thread(
-                    self._generate_sync, [p for r in batch for p in r[0]], head, self._step_sink(batch)
+                    self._generate_sync, [p for r in batch for p in r[0]],
+                    msgspec.structs.replace(head, max_new_tokens=widest), self._step_sink(batch), rows,
                 )
             except Exception as e:
                 for _, _, done, _ in batch:

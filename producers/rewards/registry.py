@@ -2,18 +2,22 @@
 
 A reward function is `fn(response_text: str, ground_truth: str, *, task: PromptTask) -> float`, sync or async.
 `load_reward(cfg.rollout)` returns an async callable of that signature (`env_reward(cfg)`: the environment's own
-scorer where it has one); sync functions run inline (rewards are
-expected to be cheap; a slow one should be written async).
+scorer where it has one); a synchronous function runs in the producer's bounded worker pool (producers/blocking.py),
+never on its event loop, unless it is marked `fn.inline = True` (the built-in math reward: microseconds of work). A
+reward that depends on a service (a judge, a sandbox) raises InfrastructureError when the service fails: the task is
+rolled out again, never scored 0.
 
     .venv/bin/python -m pytest -q tests/unit/test_rewards.py
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from typing import Any, Callable, Protocol
 
+from rlbus.producers.blocking import is_async, run_blocking
 from rlbus.producers.rewards.math import compute_score
 from rlbus.common.imports import import_object
 from rlbus.schemas.config import RolloutConfig, RunConfig
@@ -34,6 +38,7 @@ def _math_reward(format_reward: float) -> Callable[..., float]:
     def math_reward(response_text: str, ground_truth: str, *, task: PromptTask) -> float:
         return compute_score(response_text, ground_truth, format_reward=format_reward)
 
+    math_reward.inline = True  # type: ignore[attr-defined]  # microseconds of string work: a thread costs more
     return math_reward
 
 
@@ -49,8 +54,13 @@ def _resolve(cfg: RolloutConfig) -> Callable[..., Any]:
 def checked(fn: Callable[..., Any], name: str) -> RewardFn:
     """`fn` as an async reward whose result is checked to be a finite float (RewardError names `name` otherwise)."""
 
+    inline = getattr(fn, "inline", False) or is_async(fn)
+
     async def reward(response_text: str, ground_truth: str, *, task: PromptTask) -> float:
-        value: Any = fn(response_text, ground_truth, task=task)
+        if inline:
+            value: Any = fn(response_text, ground_truth, task=task)
+        else:  # a synchronous reward may block (a verifier's subprocess, an HTTP call): off the event loop
+            value = await run_blocking(functools.partial(fn, response_text, ground_truth, task=task))
         if inspect.isawaitable(value):
             value = await value
         # bool is accepted on purpose: `return answer == truth` is a natural 0/1 reward.

@@ -2,7 +2,9 @@
 
 `rollout.tools: [calculator, mypkg.search:SEARCH]` in a run config becomes `load_tools(cfg.rollout.tools)`, a
 name -> Tool mapping the agent loop dispatches `<tool_call>` names to. A user tool is any object with `name`,
-`description` and an async `__call__(arguments: dict) -> str`; a class or a zero-argument factory is instantiated.
+`description` and a `__call__(arguments: dict) -> str`, async or not (a synchronous one runs in the producer's worker
+pool, off its event loop); a class or a zero-argument factory is instantiated. It may declare `max_concurrency`,
+`timeout_s` and `retries` (producers/tools/runner.py says what each does).
 
     .venv/bin/python -m pytest -q tests/unit/test_agent_loop.py
 """
@@ -24,7 +26,7 @@ class Tool(Protocol):
     name: str
     description: str
 
-    async def __call__(self, arguments: dict[str, Any]) -> str: ...
+    def __call__(self, arguments: dict[str, Any]) -> Any: ...  # async, or a plain function run in a worker thread
 
 
 BUILTIN_TOOLS: dict[str, Callable[[], Tool]] = {"calculator": lambda: CALCULATOR}
@@ -46,8 +48,10 @@ def load_tool(spec: str) -> Tool:
             f"{spec!r} is not a tool: it needs str attributes name and description and an async __call__(arguments)"
             + (f" (missing {', '.join(missing)})" if missing else ""),
         )
-    if not inspect.iscoroutinefunction(obj.__call__) and not inspect.iscoroutinefunction(obj):
-        raise ConfigError("rollout.tools", f"{spec!r}: __call__ must be async (async def __call__(self, arguments))")
+    for attr, kind in (("max_concurrency", int), ("retries", int), ("timeout_s", (int, float))):
+        value = getattr(obj, attr, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, kind) or value < 0):
+            raise ConfigError("rollout.tools", f"{spec!r}: {attr} must be a number >= 0, got {value!r}")
     return obj
 
 

@@ -214,7 +214,7 @@ async def test_concurrent_calls_are_merged_into_one_batch(model_dir, prompts):
     run = engine._generate_sync
     engine._generate_sync = lambda ps, *rest: (batches.append(len(ps)), run(ps, *rest))[1]  # type: ignore[method-assign]
     calls = [engine.generate([p], greedy) for p in prompts] + [engine.generate(prompts, greedy)]
-    other = SamplingParams(temperature=1e-4, max_new_tokens=3)  # other parameters: a batch of its own
+    other = SamplingParams(temperature=2e-4, max_new_tokens=3)  # another temperature: a batch of its own
     together = await asyncio.gather(*calls, engine.generate(prompts[:1], other))
     # Queued together: the n single prompts go as one batch; the n-prompt call would pass max_batch_size (2n - 1)
     # with them, so it goes next; the call with other parameters goes alone.
@@ -223,6 +223,24 @@ async def test_concurrent_calls_are_merged_into_one_batch(model_dir, prompts):
         assert one[0].token_ids == merged[0].token_ids
     assert [g.token_ids for g in together[len(prompts)]] == [g[0].token_ids for g in alone]
     assert len(together[-1][0].token_ids) <= 3
+
+
+async def test_calls_with_their_own_limits_and_seeds_share_a_batch(model_dir, prompts):
+    """Episodes ask for what is left of their own budget, and a seeded run seeds each call: such calls still merge,
+    each cut at its own max_new_tokens, and a seeded call samples the same tokens merged as alone."""
+    engine = HFEngine(str(model_dir), HFEngineConfig(max_batch_size=16), seed=0)
+    limits = [2, 5, 9, 9]
+    params = [SamplingParams(temperature=1.0, max_new_tokens=k, seed=100 + i) for i, k in enumerate(limits)]
+    alone = [(await engine.generate([p], sp))[0] for p, sp in zip(prompts, params)]
+    batches: list[int] = []
+    run = engine._generate_sync
+    engine._generate_sync = lambda ps, *rest: (batches.append(len(ps)), run(ps, *rest))[1]  # type: ignore[method-assign]
+    merged = await asyncio.gather(*(engine.generate([p], sp) for p, sp in zip(prompts, params)))
+    assert batches == [len(limits)]
+    for one, (together,), limit in zip(alone, merged, limits):
+        assert together.token_ids == one.token_ids
+        assert len(together.token_ids) <= limit and len(together.log_probs) == len(together.token_ids)
+        assert together.finish_reason == ("stop" if len(together.token_ids) < limit else one.finish_reason)
 
 
 async def test_tokens_are_reported_as_they_are_sampled(model_dir, prompts):

@@ -33,8 +33,9 @@ def tok():
 class ScriptedEngine(RolloutEngine):
     """Sample i of a group speaks `behaviours[i]`, one turn per call; the version goes up by one per call.
 
-    Samples are told apart by position on the first call and by their first turn afterwards (the loop gives no
-    other identity), so behaviours must differ in their first turn when a test needs to tell them apart.
+    Samples are told apart by the order of their first turns (each sample's episode starts in order) and by their
+    first turn afterwards (the loop gives no other identity), so behaviours must differ in their first turn when a
+    test needs to tell them apart. `log` records, per call, (behaviour, turn, time): when each sample's turn ran.
     """
 
     def __init__(self, tokenizer, behaviours: list[list[str]]):
@@ -44,15 +45,18 @@ class ScriptedEngine(RolloutEngine):
         self.served = [0] * len(behaviours)
         self.calls: list[tuple[int, SamplingParams]] = []
         self.prompt_len: int | None = None
+        self.started = 0  # first turns served
+        self.log: list[tuple[int, int, float]] = []
         self._version = 0
 
     @property
     def version(self) -> int:
         return self._version
 
-    def _which(self, position: int, prompt: list[int]) -> int:
-        if self.prompt_len is None or len(prompt) == self.prompt_len:
-            return position  # first turn: the samples come in order
+    def _which(self, prompt: list[int]) -> int:
+        if len(prompt) == self.prompt_len:
+            self.started += 1
+            return self.started - 1  # first turn: the samples come in order
         tail = prompt[self.prompt_len:]
         matches = [i for i, b in enumerate(self.turns) if tail[: len(b[0])] == b[0]]
         assert len(matches) == 1, "scripted behaviours must differ in their first turn"
@@ -63,8 +67,9 @@ class ScriptedEngine(RolloutEngine):
             self.prompt_len = len(prompts[0])
         self.calls.append((len(prompts), params))
         out = []
-        for pos, prompt in enumerate(prompts):
-            i = self._which(pos, prompt)
+        for prompt in prompts:
+            i = self._which(prompt)
+            self.log.append((i, self.served[i], asyncio.get_running_loop().time()))
             ids = self.turns[i][self.served[i]]
             self.served[i] += 1
             finish = "stop"
@@ -263,16 +268,86 @@ class SlowTool:
         return "too late"
 
 
-async def test_a_tool_that_hangs_times_out_into_an_error_message(tok) -> None:
+async def test_a_tool_whose_service_never_answers_fails_the_episode_as_infrastructure(tok) -> None:
+    """A timeout is the tool's service failing, not the model: retried, then the episode fails with
+    InfrastructureError (the producer gives the task back), never an observation trained as a reward of 0."""
+    from rlbus.producers.agent_loops.base import failure_kind
+    from rlbus.schemas.errors import InfrastructureError
+
     loop, _ = _loop(tok, [['<tool_call>{"name": "slow", "arguments": {}}</tool_call>', answer_text("391")]],
-                    tools=[f"{__name__}:SlowTool"], tool_timeout_s=0.05, max_tool_response_tokens=64)
+                    tools=[f"{__name__}:SlowTool"], tool_timeout_s=0.05, tool_retries=1)
+    with pytest.raises(InfrastructureError, match=r"tool slow: timed out after 0.05s \(2 attempt") as caught:
+        await loop.rollout_group(_task(), 1)
+    assert failure_kind(caught.value) == "infrastructure"
+    assert loop.runner.infra_retries == 1
+
+
+class FlakyTool:
+    """Its service fails the first call of each argument, then answers."""
+
+    name = "flaky"
+    description = "Fails once, then works."
+    seen: set
+
+    def __init__(self):
+        self.seen = set()
+
+    def __call__(self, arguments: dict) -> str:  # synchronous: runs in the producer's worker pool
+        from rlbus.schemas.errors import InfrastructureError
+
+        key = arguments.get("x")
+        if key not in self.seen:
+            self.seen.add(key)
+            raise InfrastructureError("flaky service", "connection reset")
+        return f"ok {key}"
+
+
+async def test_a_failed_tool_service_is_retried_and_its_answer_used(tok) -> None:
+    loop, _ = _loop(tok, [['<tool_call>{"name": "flaky", "arguments": {"x": 1}}</tool_call>', answer_text("391")]],
+                    tools=[f"{__name__}:FlakyTool"], max_tool_response_tokens=64)
     [traj] = await loop.rollout_group(_task(), 1)
-    assert traj.messages[3].content == "error: tool 'slow' timed out after 0.05s"
-    assert 0.05 <= traj.tool_time_s < 1.0 and traj.reward == 1.0
+    assert traj.messages[3].content == "ok 1" and traj.reward == 1.0
+    assert loop.runner.infra_retries == 1
     _check_invariants(tok, traj)
 
 
-async def test_group_samples_are_batched_per_turn(tok) -> None:
+class PausingTool:
+    """Takes `arguments["s"]` seconds (a remote service's latency)."""
+
+    name = "pause"
+    description = "Sleeps."
+
+    async def __call__(self, arguments: dict) -> str:
+        await asyncio.sleep(float(arguments["s"]))
+        return "done"
+
+
+def _pause(seconds: float) -> str:
+    return '<tool_call>{"name": "pause", "arguments": {"s": %s}}</tool_call>' % seconds
+
+
+async def test_each_sample_advances_on_its_own(tok) -> None:
+    """A slow tool call of one sample holds no other sample: the fast samples take their next turns, and finish,
+    while it waits; the group is done when its last episode ends."""
+    behaviours = [
+        [_pause(0.6), answer_text("391")],  # one slow call
+        [_pause(0.01), _pause("0.02"), answer_text("391")],  # two quick calls: three turns
+        [answer_text("390")],  # answers at once
+    ]
+    loop, engine = _loop(tok, behaviours, tools=[f"{__name__}:PausingTool"], max_turns=3, max_response_tokens=300,
+                         max_tool_response_tokens=64)
+    t0 = asyncio.get_running_loop().time()
+    trajs = await loop.rollout_group(_task(n=3), 3)
+    when = {(i, turn): t - t0 for i, turn, t in engine.log}
+    assert when[(1, 2)] < 0.3 < when[(0, 1)]  # sample 1's third turn ran before sample 0's tool answered
+    assert [t.num_turns for t in trajs] == [2, 3, 1]
+    assert [t.reward for t in trajs] == [1.0, 1.0, 0.0]
+    assert trajs[0].tool_time_s >= 0.6 and trajs[1].tool_time_s < 0.3
+    for t in trajs:
+        _check_invariants(tok, t)
+
+
+async def test_group_samples_take_one_engine_call_a_turn_each(tok) -> None:
     behaviours = [
         [answer_text("390")],  # answers at once, wrongly
         [tool_call_text("17*23"), answer_text("391")],  # one call, then the answer
@@ -280,8 +355,9 @@ async def test_group_samples_are_batched_per_turn(tok) -> None:
     ]
     loop, engine = _loop(tok, behaviours, max_turns=3)
     trajs = await loop.rollout_group(_task(n=3), 3)
-    # One generate call per turn, over the samples still active only.
-    assert [c[0] for c in engine.calls] == [3, 2, 1]
+    # One call per sample and turn (the engine batches the calls that wait together).
+    assert [c[0] for c in engine.calls] == [1] * 6
+    assert sorted((i, turn) for i, turn, _ in engine.log) == [(0, 0), (1, 0), (1, 1), (2, 0), (2, 1), (2, 2)]
     assert [t.reward for t in trajs] == [0.0, 1.0, 1.0]
     assert [t.num_turns for t in trajs] == [1, 2, 3]
     assert [t.num_tool_calls for t in trajs] == [0, 1, 2]
@@ -289,13 +365,13 @@ async def test_group_samples_are_batched_per_turn(tok) -> None:
     assert [m.content for m in trajs[2].messages if m.role == "tool"] == ["391", "391"]
     for t in trajs:
         _check_invariants(tok, t)
-    assert trajs[2].sample_meta("k").max_version == 2
+    assert trajs[2].sample_meta("k").max_version >= 2
 
 
 async def test_single_turn_loop_generates_once(tok) -> None:
     loop, engine = _loop(tok, [[answer_text("391")], [tool_call_text("17*23")]], agent_loop="single_turn")
     trajs = await loop.rollout_group(_task(n=2), 2)
-    assert len(engine.calls) == 1 and engine.calls[0][0] == 2
+    assert [c[0] for c in engine.calls] == [1, 1]
     assert [t.reward for t in trajs] == [1.0, 0.0]
     assert all(t.num_turns == 1 and t.num_tool_calls == 0 and t.finish_reason == "stop" for t in trajs)
     for t in trajs:

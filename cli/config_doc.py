@@ -14,6 +14,7 @@ import msgspec
 
 from rlbus.schemas import config as C
 from rlbus.schemas import env as E
+from rlbus.schemas import judge as J
 from rlbus.schemas import lora as L
 
 _FIELD = re.compile(r"^    (\w+): [^=]+?(?: = (.+?))?\s*(?:#\s*(.*))?$")
@@ -29,7 +30,7 @@ SECTIONS = {
     "algorithm": C.AlgorithmConfig, "trainer": C.TrainerConfig, "trainer.weight_sync": L.WeightSyncConfig,
     "critic": C.CriticConfig, "feeder": C.FeederConfig,
     "eval": C.EvalConfig,
-    "logging": C.LoggingConfig, "launcher": C.LauncherConfig, "guard": C.GuardConfig,
+    "logging": C.LoggingConfig, "launcher": C.LauncherConfig, "guard": C.GuardConfig, "judge": J.JudgeConfig,
 }
 
 

@@ -71,6 +71,12 @@ def cmd_evaluator(args: argparse.Namespace) -> int:
     return evaluator_main(_load(args))
 
 
+def cmd_judge(args: argparse.Namespace) -> int:
+    from rlbus.producers.judge_service import main as judge_main
+
+    return judge_main(_load(args))
+
+
 def cmd_trainer(args: argparse.Namespace) -> int:
     from rlbus.trainer.service import main as trainer_main
 
@@ -173,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev = with_config(sub.add_parser("evaluator", help="score weight versions on held-out prompts (eval.interval)"))
     ev.set_defaults(func=cmd_evaluator)
     with_config(sub.add_parser("trainer", help="run the trainer (and the prompt feeder)")).set_defaults(func=cmd_trainer)
+    with_config(sub.add_parser("judge", help="serve the judge model of a model-based reward (judge.*): batched, "
+                                             "bounded, restartable")).set_defaults(func=cmd_judge)
     upp = with_config(sub.add_parser("up", help="all in one: bus, Ray, trainer and producers, supervised, "
                                                 "with progress"))
     upp.add_argument("--ui", action="store_true", help="also serve the web inspector (rlbus ui) beside the run")

@@ -114,6 +114,6 @@ class FeederLedger(msgspec.Struct):
 
 
 def admission_bound(cfg: RunConfig) -> int:
-    """How many releases admission lets be ahead of training: (max_staleness + 1) steps' groups, plus a step's
-    groups being trained."""
-    return (cfg.trainer.max_staleness + 2) * cfg.trainer.groups_per_step
+    """How many releases admission lets be ahead of training: (the highest staleness bound + 1) steps' groups, plus
+    a step's groups being trained."""
+    return (cfg.trainer.staleness_ceiling + 2) * cfg.trainer.groups_per_step

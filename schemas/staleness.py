@@ -20,6 +20,7 @@ left out of every judgement (its SampleMeta versions are NO_VERSION). Pure funct
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
@@ -97,3 +98,56 @@ def histogram(lags: Iterable[int]) -> dict[int, int]:
     """Samples per version lag, every bucket from 0 to the largest lag present (empty buckets are 0)."""
     counts = Counter(lags)
     return {k: counts.get(k, 0) for k in range(max(counts, default=-1) + 1)}
+
+
+#: Groups and steps the lag sizer remembers (its measurements are of the recent past).
+LAG_WINDOW = 32
+
+
+class LagSizer:
+    """The staleness bound that hides the latency episodes wait on, between `max_staleness` and
+    `max_staleness_for_latency`.
+
+    Hiding a wait of L seconds at a step time of T seconds takes about L / T steps of lag: while an episode waits on a
+    tool, an environment or a judge, the trainer goes on, and the tokens the episode generated before the wait age
+    by a version a step. Under a fixed bound of max_staleness those episodes would be restarted (partial rollout) or
+    dropped, and admission would hold back the very tasks that fill the wait, so the trainer would wait instead.
+    The bound in force is therefore
+
+        clamp(1 + ceil(p90 of a group's wait / median step time), max_staleness, max_staleness_for_latency)
+
+    where a group's wait is its slowest sample's time outside generation (tool calls and scoring: a group is done when
+    its last episode is) and a step's time is the trainer's own work, not its wait for data (otherwise a trainer
+    starved by a tight bound would measure long steps and never loosen it). A run whose episodes do not wait
+    (the quickstart's calculator answers in microseconds) keeps max_staleness. Tokens generated after a wait are on
+    fresh weights (each turn is a new engine call, and producers load new weights between calls), so only the
+    tokens before it are old, and the decoupled PPO objective (proximal log-probs recomputed by the trainer,
+    truncated importance weights) corrects for them; the stability guard still lowers the bound while it tightens.
+    Pure: the trainer feeds it measurements and reads `bound()`.
+    """
+
+    floor: int
+    ceiling: int
+    _waits: list[float]
+    _steps: list[float]
+
+    def __init__(self, floor: int, ceiling: int):
+        self.floor, self.ceiling = floor, max(floor, ceiling)
+        self._waits, self._steps = [], []
+
+    def group(self, wait_s: float) -> None:
+        """A group arrived whose slowest sample spent `wait_s` seconds outside generation."""
+        self._waits = (self._waits + [wait_s])[-LAG_WINDOW:]
+
+    def step(self, work_s: float) -> None:
+        """The trainer's own work on a step took `work_s` seconds."""
+        self._steps = (self._steps + [work_s])[-LAG_WINDOW:]
+
+    def bound(self) -> int:
+        if self.ceiling == self.floor or not self._waits or not self._steps:
+            return self.floor
+        waits, steps = sorted(self._waits), sorted(self._steps)
+        p90 = waits[min(len(waits) - 1, int(0.9 * len(waits)))]
+        step_s = max(steps[len(steps) // 2], 1e-3)
+        need = 1 + math.ceil(p90 / step_s)
+        return max(self.floor, min(self.ceiling, need))

@@ -73,7 +73,7 @@ class SampleMeta(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     min_version: int = 0  # oldest policy version among its generated tokens (-1: it has none)
     max_version: int = 0  # newest policy version among its generated tokens (-1: it has none)
     gen_time_s: float = 0.0  # seconds spent generating
-    tool_time_s: float = 0.0  # seconds spent in tool calls
+    tool_time_s: float = 0.0  # seconds spent in tool calls (or environment steps)
     reward_time_s: float = 0.0  # seconds spent scoring
 
 
@@ -124,6 +124,7 @@ class WeightsPublished(Wire, tag="weights_published"):
     base_version: int = -1  # "delta": the version it applies to
     base_checksum: str = ""  # "delta": that version's full checksum (the link a producer's weights must match)
     full_checksum: str = ""  # under trainer.weight_sync.encoding delta: the full weights' checksum of this version
+    max_staleness: int = -1  # the staleness bound in force from this version on (-1: trainer.max_staleness)
 
     @property
     def weights_checksum(self) -> str:

@@ -45,6 +45,7 @@ from rlbus.schemas import staleness
 from rlbus.schemas.config import RunConfig
 from rlbus.schemas.config_io import to_yaml
 from rlbus.schemas.errors import BusError
+from rlbus.schemas.staleness import LagSizer
 from rlbus.schemas.wire import (
     ErrorRaised,
     EvalCompleted,
@@ -99,6 +100,7 @@ class TrainerService:
         self._evals = {}
         self._incarnation = uuid.uuid4().hex[:12]
         self.guard = StabilityGuard(cfg.guard, cfg.trainer)
+        self.lag = LagSizer(cfg.trainer.max_staleness, cfg.trainer.max_staleness_for_latency)
         self._step_groups = {}
 
     async def start(self) -> None:
@@ -117,8 +119,9 @@ class TrainerService:
         self.recorder = Recorder(run_dir, cfg.logging.record, resume_step=self.step)
         await self.recorder.start(self.bus)
         dataset = load_tasks(cfg, self.worker.tokenizer)  # drops prompts over data.max_prompt_tokens
-        # Admission and the batcher use the staleness bound in force for the next step (the guard may lower it).
-        bound = lambda: self.guard.effective_max_staleness(self.step + 1)  # noqa: E731
+        # Admission and the batcher use the staleness bound in force for the next step (the lag the measured waits
+        # need, or what the guard lowers it to).
+        bound = lambda: self.staleness_bound(self.step + 1)  # noqa: E731
         self.feeder = Feeder(cfg, dataset, self.bus, lambda: self.version,
                              on_release=self.recorder.prompt,
                              forget=lambda task_ids: self.worker.tq.delete([], owners=task_ids), max_staleness=bound,
@@ -226,6 +229,8 @@ class TrainerService:
         if groups is None:
             return None
         wait_s = time.perf_counter() - t_wait
+        for g in groups:  # a group is done when its slowest episode is: that sample's wait is the group's
+            self.lag.group(max((m.tool_time_s + m.reward_time_s for m in g.samples), default=0.0))
         t_step = time.perf_counter()
         while True:
             publish = (self.step + 1) % self.cfg.trainer.weight_sync_interval == 0
@@ -262,6 +267,8 @@ class TrainerService:
         row["perf/peak_rss_gb"] = max(row.get("perf/peak_rss_gb", 0.0), peak_rss_bytes() / 1024**3)
         row["step"], row["version"] = self.step, self.version
         row["time/step"] = time.perf_counter() - t_step
+        self.lag.step(row["time/step"])
+        row["staleness/bound"] = float(self.staleness_bound(self.step + 1))
         row["perf/tokens_per_s"] = row.pop("_tokens") / max(row["time/step"], 1e-9)
         verdict = self.guard.observe(self.step, row)
         row.update(self._verdict_metrics(verdict))
@@ -399,8 +406,18 @@ class TrainerService:
         row.pop("time/gather_weights", None)
         return row
 
+    def staleness_bound(self, step: int) -> int:
+        """The staleness bound in force for `step`: what the guard tightened it to, else what the measured waits
+        need (schemas/staleness.py, LagSizer; max_staleness when episodes do not wait)."""
+        if self.guard.tightened(step):
+            return self.guard.effective_max_staleness(step)
+        return self.lag.bound()
+
     async def _publish_weights(self, state_dict: dict) -> WeightsPublished:
         msg = await self.weight_store.put(self.version, self.step, state_dict)
+        # Producers restart samples (partial rollout) and give back groups by the bound in force, not the configured
+        # one: a bound raised for latency must not make them throw away what the trainer would keep.
+        msg = msgspec.structs.replace(msg, max_staleness=self.staleness_bound(self.step + 1))
         # The id names this trainer process too: a trainer resumed from a checkpoint republishes that checkpoint's
         # version, and JetStream must not drop it as a duplicate of the dead process's announcement (whose
         # timeline is gone); within one process the id still de-duplicates a retried publish.

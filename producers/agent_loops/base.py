@@ -173,6 +173,7 @@ class StalenessWatch:
 
     cfg: TrainerConfig
     version: int  # the newest version whose weights the producer has loaded
+    bound: int | None  # the staleness bound in force, as the trainer announced it (None: trainer.max_staleness)
     samples_restarted: int
     tokens_discarded: int  # generated tokens dropped by restarts (a turn cut short counts where the engine says)
     _changed: asyncio.Event
@@ -180,6 +181,7 @@ class StalenessWatch:
     def __init__(self, cfg: TrainerConfig, version: int = 0):
         self.cfg = cfg
         self.version = version
+        self.bound = None
         self.samples_restarted = self.tokens_discarded = 0
         self._changed = asyncio.Event()
 
@@ -198,7 +200,7 @@ class StalenessWatch:
         if traj.restarts >= MAX_RESTARTS:
             return False
         oldest = staleness.oldest((traj.oldest_version, in_flight_since))
-        return staleness.too_stale(self.version, oldest, self.cfg)
+        return staleness.too_stale(self.version, oldest, self.cfg, self.bound)
 
     def restart(self, traj: Trajectory, why: str) -> None:
         oldest = traj.oldest_version

@@ -21,6 +21,7 @@ the reason; one that hangs is cut off by rollout.episode_timeout_s.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -97,7 +98,9 @@ class GymAgentLoop(AgentLoop):
         """Give the turn to the environment. A turn cut off by a token limit ("length") is stepped as it is: the
         environment sees every action the policy is trained on, and pays for it; the episode then ends there."""
         cut = traj.done
+        t0 = time.perf_counter()
         out = await run_blocking(ep.env.step, action)
+        traj.tool_time_s += time.perf_counter() - t0  # the environment's time, as a tool call's
         if not isinstance(out, tuple) or len(out) not in (4, 5):
             raise EnvProtocolError(f"step() returned {type(out).__name__}; expected (obs, reward, terminated, "
                                    "truncated, info)")

@@ -107,8 +107,12 @@ def test_impossible_schedules_are_refused_naming_the_field():
 
 def test_the_traj_ack_pending_limit_is_sized_from_the_trainer():
     cfg = load_config(None, ["model.path=m", "trainer.checkpoint_interval=5", "trainer.groups_per_step=8",
-                             "trainer.max_staleness=1"])
+                             "trainer.max_staleness=1", "trainer.max_staleness_for_latency=1"])
     assert cfg.min_ack_pending == (5 + 1 + 2) * 8 and cfg.traj_max_ack_pending == 2 * 64
+    # The staleness bound may rise for latency: the trainer may then hold what the highest bound admits.
+    cfg = load_config(None, ["model.path=m", "trainer.checkpoint_interval=5", "trainer.groups_per_step=8",
+                             "trainer.max_staleness=1", "trainer.max_staleness_for_latency=6"])
+    assert cfg.min_ack_pending == (5 + 6 + 2) * 8
     assert load_config(None, ["model.path=m", "bus.max_ack_pending=500"]).traj_max_ack_pending == 500
 
 

@@ -110,3 +110,16 @@ def test_a_bad_make_is_a_config_error_naming_the_key(tok):
         load_tasks(_cfg("tests.fixtures.text_games:NoSuchGame"), tok)
     with pytest.raises(ConfigError, match="env.make"):
         load_tasks(_cfg("NoSuchGame-v0"), tok)
+
+
+async def test_a_turn_cut_by_max_new_tokens_is_stepped_as_it_is(tok):
+    """A turn cut off by a token limit is trained (mask 1) and the environment sees it: the game pays for the
+    guess in it, and the episode ends there ("length")."""
+    cfg = _cfg(max_new_tokens=2)
+    task = example_to_task(load_tasks(cfg, tok)[0], task_id="t0", n=1)
+    secret = _secret(0)
+    engine = ScriptedEngine(tok, [[f"{secret} is my guess, and I say so at length"]])
+    loop = make_agent_loop(cfg, engine, tok, {}, env_reward(cfg))
+    [traj] = await loop.rollout_group(task, 1)
+    assert (traj.finish_reason, traj.num_turns, traj.reward) == ("length", 1, 1.0)
+    assert sum(traj.response_mask) == 2 == len(traj.response_ids)

@@ -90,3 +90,24 @@ def test_lag_and_histogram():
     assert staleness.lag(7, NO_VERSION) is None
     assert staleness.histogram([0, 2, 2, 0, 0]) == {0: 3, 1: 0, 2: 2}
     assert staleness.histogram([]) == {}
+
+
+def test_the_lag_sizer_keeps_max_staleness_when_episodes_do_not_wait():
+    sizer = staleness.LagSizer(2, 8)
+    assert sizer.bound() == 2  # nothing measured yet
+    for _ in range(10):
+        sizer.group(0.001)  # the quickstart's calculator
+        sizer.step(0.3)
+    assert sizer.bound() == 2
+
+
+def test_the_lag_sizer_raises_the_bound_to_hide_the_measured_wait_up_to_its_ceiling():
+    sizer = staleness.LagSizer(2, 8)
+    for wait in [0.5, 1.0, 1.2, 0.8, 0.9, 1.1, 1.0, 0.7, 1.3, 0.6]:  # tool waits around a second
+        sizer.group(wait)
+        sizer.step(0.5)
+    assert sizer.bound() == 1 + 3  # p90 1.3 s at 0.5 s a step: 3 steps of lag, plus the one in training
+    for _ in range(40):
+        sizer.group(30.0)  # a judge that takes half a minute
+    assert sizer.bound() == 8
+    assert staleness.LagSizer(2, 2).bound() == 2 and staleness.LagSizer(3, 1).bound() == 3  # fixed bounds

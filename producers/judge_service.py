@@ -55,7 +55,8 @@ from rlbus.common.threads import apply_torch_threads
 from rlbus.producers.capture import RequestError, parse_messages
 from rlbus.producers.endpoint import model_context
 from rlbus.producers.engines.base import SamplingParams
-from rlbus.schemas.config import HFEngineConfig, ModelConfig, RunConfig
+from rlbus.schemas.config import ModelConfig, RunConfig
+from rlbus.schemas.engines import HFEngineConfig
 from rlbus.schemas.errors import ConfigError
 from rlbus.schemas.judge import URL_FILE, JudgeConfig
 

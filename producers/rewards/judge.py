@@ -22,9 +22,9 @@ Failures are the judge's, never the policy's:
 At most `judge.max_concurrency` requests of one reward are in flight at once (an asyncio.Semaphore); the producer's
 episodes wait for the judge without holding up generation, since each awaits its own score.
 
-The registry (producers/rewards/registry.py) hands a reward no config, so `judge_reward` needs the run's: a reward
-imported by path is bound to its run with `judge_reward.for_run(cfg)` where the registry offers that hook. Without
-it, build the reward from a JudgeConfig yourself: `make_judge_reward(cfg.judge, run_dir=cfg.run_dir)`.
+`rollout.reward: rlbus.producers.rewards.judge:judge_reward` binds it to its run: the registry
+(producers/rewards/registry.py) calls `judge_reward.for_run(cfg)`, which reads the run's `judge` section and run
+directory. Outside a run, build one from a JudgeConfig: `make_judge_reward(cfg.judge, run_dir=cfg.run_dir)`.
 
     .venv/bin/python -m pytest -q tests/integration/test_judge.py tests/unit/test_judge_score.py
 """
@@ -228,12 +228,12 @@ def for_run(cfg: RunConfig) -> JudgeReward:
 
 
 async def judge_reward(response_text: str, ground_truth: str, *, task: PromptTask) -> float:
-    """`rollout.reward: rlbus.producers.rewards.judge:judge_reward`. A placeholder the registry replaces with
+    """`rollout.reward: rlbus.producers.rewards.judge:judge_reward`. The registry replaces it with
     `judge_reward.for_run(cfg)`, the reward bound to the run's `judge` section; called unbound, it cannot know
     which judge to ask."""
-    raise ConfigError("rollout.reward", "rlbus.producers.rewards.judge:judge_reward needs the run's judge section, "
-                      "which this reward registry does not pass to rewards (it binds a reward through its `for_run` "
-                      "attribute); build it with make_judge_reward(cfg.judge, run_dir=cfg.run_dir)")
+    raise ConfigError("rollout.reward", "rlbus.producers.rewards.judge:judge_reward is bound to a run by the reward "
+                      "registry (load_reward(cfg.rollout, cfg)); outside a run build it with "
+                      "make_judge_reward(cfg.judge, run_dir=cfg.run_dir)")
 
 
 judge_reward.for_run = for_run  # type: ignore[attr-defined]

@@ -71,9 +71,16 @@ def checked(fn: Callable[..., Any], name: str) -> RewardFn:
     return reward
 
 
-def load_reward(cfg: RolloutConfig) -> RewardFn:
-    """The run's reward as an async callable; its result is checked to be a finite float."""
-    return checked(_resolve(cfg), cfg.reward)
+def load_reward(cfg: RolloutConfig, run: RunConfig | None = None) -> RewardFn:
+    """The run's reward as an async callable; its result is checked to be a finite float. A reward that needs the
+    run's config (the judge's: its `judge` section and run directory) offers `fn.for_run(run)`, which binds it."""
+    fn = _resolve(cfg)
+    bind = getattr(fn, "for_run", None)
+    if callable(bind):
+        if run is None:
+            raise ConfigError("rollout.reward", f"{cfg.reward!r} needs the run's config to be loaded")
+        fn = bind(run)
+    return checked(fn, cfg.reward)
 
 
 def env_reward(cfg: RunConfig) -> RewardFn:
@@ -84,7 +91,7 @@ def env_reward(cfg: RunConfig) -> RewardFn:
         from rlbus.common.envs.reasoning_gym import ReasoningGymScorer
 
         return checked(ReasoningGymScorer(cfg.env, cfg.rollout.format_reward), "reasoning_gym")
-    return load_reward(cfg.rollout)
+    return load_reward(cfg.rollout, cfg)
 
 
 __all__ = ["RewardError", "RewardFn", "checked", "env_reward", "load_reward"]

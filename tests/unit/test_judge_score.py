@@ -101,3 +101,21 @@ async def test_a_served_judge_that_has_not_written_its_url_yet_is_retried(tmp_pa
     with pytest.raises(InfrastructureError) as e:
         await reward("x", "5", task=TASK)
     assert str(tmp_path / URL_FILE) in str(e.value) and reward.num_retries == 1
+
+
+async def test_the_registry_binds_the_judge_reward_to_its_run(tmp_path):
+    """Named by path in a config, the judge reward is bound to the run's judge section: asked to score with no
+    judge listening, it fails as infrastructure (after its retries), not as an unbound reward."""
+    from rlbus.producers.rewards.registry import env_reward, load_reward
+    from rlbus.schemas.config_io import load_config
+    from rlbus.schemas.wire import ChatMessage, PromptTask
+
+    cfg = load_config(None, ["model.path=m", "rollout.reward=rlbus.producers.rewards.judge:judge_reward",
+                             "judge.url=http://127.0.0.1:9/v1", "judge.model=m", "judge.retries=0",
+                             f"logging.run_dir={tmp_path}"])
+    reward = env_reward(cfg)
+    task = PromptTask(task_id="t", prompt=[ChatMessage(role="user", content="2+2?")], ground_truth="4")
+    with pytest.raises(InfrastructureError, match="judge http://127.0.0.1:9"):
+        await reward("4", "4", task=task)
+    with pytest.raises(ConfigError, match="needs the run's config"):
+        load_reward(cfg.rollout)

@@ -17,6 +17,7 @@ import platform
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,49 @@ def run_up(argv: list[str], timeout: float) -> tuple[int, str]:
             proc.kill()
             output = proc.communicate()[0]
         return TIMED_OUT, f"{output}\nthe run ran past its timeout of {timeout:.0f} s and was stopped"
+
+
+def tail_up(argv: list[str], run_dir: Path, timeout_s: float, env: dict[str, str] | None = None
+            ) -> tuple[list[dict], list[float], int, float, float]:
+    """Start `argv` (an `rlbus up` writing to `run_dir`) from the repository root, stamp each metrics row when it
+    appears, wait for the exit; past `timeout_s` it is stopped as Ctrl-C would. Returns the rows, their stamps
+    (time.monotonic()), the exit code (TIMED_OUT when stopped), start and end times. Output: run_dir/launcher.out."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    metrics = run_dir / "metrics.jsonl"
+    rows: list[dict] = []
+    stamps: list[float] = []
+    pending = ""
+    offset = 0
+    with open(run_dir / "launcher.out", "wb") as out:
+        started = time.monotonic()
+        proc = subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[1], stdout=out, stderr=subprocess.STDOUT,
+                                env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        while True:
+            code = proc.poll()
+            if metrics.is_file():
+                # Rows are appended whole by one writer; a partial last line waits for the next poll.
+                with metrics.open() as f:
+                    f.seek(offset)
+                    chunk = f.read()
+                    offset = f.tell()
+                pending += chunk
+                *lines, pending = pending.split("\n")
+                now = time.monotonic()
+                for line in lines:
+                    if line.strip():
+                        rows.append(json.loads(line))
+                        stamps.append(now)
+            if code is not None:
+                return rows, stamps, code, started, time.monotonic()
+            if time.monotonic() - started > timeout_s:
+                proc.send_signal(signal.SIGINT)  # the launcher stops its children in order
+                try:
+                    proc.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                return rows, stamps, TIMED_OUT, started, time.monotonic()
+            time.sleep(0.1)
 
 
 def run_ledger(run_dir: Path) -> dict[str, Any]:

@@ -32,7 +32,6 @@ import json
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -47,7 +46,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from rich.console import Console  # noqa: E402
 
-from bench.common import machine, shown  # noqa: E402
+from bench.common import machine, shown, tail_up  # noqa: E402
 from bench.pipeline_report import MODES, console_table, ratios, write_docs  # noqa: E402
 from bench.step_breakdown import breakdown, mean_parts, plot_compare, plot_run  # noqa: E402
 
@@ -248,47 +247,10 @@ def execute(spec: RunSpec, infra: Infrastructure, runs_dir: Path, warmup: int, t
 
 def tail_run(spec: RunSpec, name: str, run_dir: Path, infra_overrides: list[str], timeout_s: float
              ) -> tuple[list[dict], list[float], int, float, float]:
-    """Start `rlbus up`, stamp each metrics row when it appears, wait for the exit.
-
-    Returns the rows, their stamps (time.monotonic()), the exit code (124 = timed out), start and end times.
-    """
+    """Start `rlbus up` for `spec`, stamp each metrics row when it appears, wait for the exit (bench.common.tail_up)."""
     argv = [*RLBUS, "up", str(spec.config), f"name={name}", f"logging.run_dir={run_dir}",
             f"trainer.max_staleness={spec.max_staleness}", *spec.overrides, *infra_overrides]
-    run_dir.mkdir(parents=True, exist_ok=True)
-    metrics = run_dir / "metrics.jsonl"
-    rows: list[dict] = []
-    stamps: list[float] = []
-    pending = ""
-    offset = 0
-    with open(run_dir / "launcher.out", "wb") as out:
-        started = time.monotonic()
-        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-        while True:
-            code = proc.poll()
-            if metrics.is_file():
-                # Rows are appended whole by one writer; a partial last line waits for the next poll.
-                with metrics.open() as f:
-                    f.seek(offset)
-                    chunk = f.read()
-                    offset = f.tell()
-                pending += chunk
-                *lines, pending = pending.split("\n")
-                now = time.monotonic()
-                for line in lines:
-                    if line.strip():
-                        rows.append(json.loads(line))
-                        stamps.append(now)
-            if code is not None:
-                return rows, stamps, code, started, time.monotonic()
-            if time.monotonic() - started > timeout_s:
-                proc.send_signal(signal.SIGINT)  # the launcher stops its children in order
-                try:
-                    proc.wait(timeout=120)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-                return rows, stamps, 124, started, time.monotonic()
-            time.sleep(0.1)
+    return tail_up(argv, run_dir, timeout_s)
 
 
 def count_regenerated(run_dir: Path) -> int:

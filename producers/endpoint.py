@@ -96,7 +96,9 @@ class Session:
     capture: Conversation
 
 
-def _number(body: dict, name: str, default: float, *, lo: float, hi: float | None = None, integer: bool = False):
+def body_number(body: dict, name: str, default: float, *, lo: float, hi: float | None = None, integer: bool = False):
+    """A request body's number `name` (`default` when absent), or RequestError(400) naming it when it is no number or
+    outside [lo, hi]."""
     value = body.get(name)
     if value is None:
         return default
@@ -242,7 +244,7 @@ class Endpoint:
         rollout.temperature (and the IS correction and mismatch metrics compare against them), so a sample drawn
         at another temperature would be trained as if drawn at the run's: silently off-policy. Refused instead,
         naming the parameter (one sampling distribution per run also keeps a GRPO group's samples comparable)."""
-        temperature = _number(body, "temperature", self.cfg.temperature, lo=0.0)
+        temperature = body_number(body, "temperature", self.cfg.temperature, lo=0.0)
         if temperature <= 0:
             raise RequestError(
                 400,
@@ -250,10 +252,10 @@ class Endpoint:
                 "of softmax(logits / temperature)",
                 param="temperature",
             )
-        top_p = _number(body, "top_p", self.cfg.top_p, lo=0.0, hi=1.0)
+        top_p = body_number(body, "top_p", self.cfg.top_p, lo=0.0, hi=1.0)
         if top_p <= 0:
             raise RequestError(400, "top_p must be > 0", param="top_p")
-        top_k = _number(body, "top_k", self.cfg.top_k, lo=-1, integer=True)
+        top_k = body_number(body, "top_k", self.cfg.top_k, lo=-1, integer=True)
         top_k = 0 if top_k == -1 else top_k  # vLLM's "off" is -1, the run's is 0
         for name, asked, run in (("temperature", temperature, self.cfg.temperature), ("top_p", top_p, self.cfg.top_p),
                                  ("top_k", top_k, self.cfg.top_k)):
@@ -268,13 +270,13 @@ class Endpoint:
         return float(temperature), float(top_p), int(top_k)
 
     def _params(self, body: dict, prepared: Prepared, session: Session, *, prompt_param: str = "messages") -> Call:
-        n = _number(body, "n", 1, lo=1, hi=self.cfg.openai.max_n, integer=True)
+        n = body_number(body, "n", 1, lo=1, hi=self.cfg.openai.max_n, integer=True)
         temperature, top_p, top_k = self._sampling(body)
         seed = body.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise RequestError(400, "seed must be an integer", param="seed")
         asked = body.get("max_completion_tokens", body.get("max_tokens"))
-        max_tokens = _number({"max_tokens": asked}, "max_tokens", self.cfg.max_new_tokens, lo=1, integer=True)
+        max_tokens = body_number({"max_tokens": asked}, "max_tokens", self.cfg.max_new_tokens, lo=1, integer=True)
         room = min(session.capture.budget(prepared), self.context_len - len(prepared.prompt_ids))
         if room <= 0:
             raise RequestError(

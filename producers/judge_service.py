@@ -53,7 +53,7 @@ from rlbus.common.logs import setup_logging
 from rlbus.common.model.ensure import ensure_model, model_ready
 from rlbus.common.threads import apply_torch_threads
 from rlbus.producers.capture import RequestError, parse_messages
-from rlbus.producers.endpoint import model_context
+from rlbus.producers.endpoint import body_number, model_context
 from rlbus.producers.engines.base import SamplingParams
 from rlbus.schemas.config import ModelConfig, RunConfig
 from rlbus.schemas.engines import HFEngineConfig
@@ -74,17 +74,6 @@ class JudgeStats:
     batches: int = 0  # batches the engine generated (prefill forward passes)
     batched_sequences: int = 0  # sequences in them: batched_sequences / batches is the mean batch size
     forward_passes: int = 0  # forward passes of the model, prefills and decode steps
-
-
-def _number(body: dict, name: str, default: float, *, lo: float, hi: float | None = None, integer: bool = False):
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
-        raise RequestError(400, f"{name} must be {'an integer' if integer else 'a number'}", param=name)
-    if value < lo or (hi is not None and value > hi):
-        raise RequestError(400, f"{name} must be in [{lo:g}, {'inf' if hi is None else f'{hi:g}'}]", param=name)
-    return value
 
 
 def load_judge_model(cfg: JudgeConfig) -> str:
@@ -190,13 +179,13 @@ class JudgeServer:
             {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "rlbus"}]})
 
     def _sampling(self, body: dict, prompt_len: int) -> SamplingParams:
-        temperature = _number(body, "temperature", self.cfg.temperature, lo=0.0, hi=2.0)
-        top_p = _number(body, "top_p", 1.0, lo=0.0, hi=1.0)
+        temperature = body_number(body, "temperature", self.cfg.temperature, lo=0.0, hi=2.0)
+        top_p = body_number(body, "top_p", 1.0, lo=0.0, hi=1.0)
         if top_p <= 0:
             raise RequestError(400, "top_p must be > 0", param="top_p")
-        top_k = _number(body, "top_k", 0, lo=-1, integer=True)
+        top_k = body_number(body, "top_k", 0, lo=-1, integer=True)
         asked = body.get("max_completion_tokens", body.get("max_tokens"))
-        max_tokens = _number({"max_tokens": asked}, "max_tokens", self.cfg.max_new_tokens, lo=1, integer=True)
+        max_tokens = body_number({"max_tokens": asked}, "max_tokens", self.cfg.max_new_tokens, lo=1, integer=True)
         room = self.context_len - prompt_len
         if room <= 0:
             raise RequestError(400, f"the prompt ({prompt_len} tokens) leaves no room in the model's context of "
@@ -219,7 +208,7 @@ class JudgeServer:
                                f"{self.model!r}", param="model", code="model_not_found")
         if body.get("stream"):
             raise RequestError(400, "stream is not offered by the judge", param="stream")
-        if _number(body, "n", 1, lo=1, integer=True) != 1:
+        if body_number(body, "n", 1, lo=1, integer=True) != 1:
             raise RequestError(400, "the judge answers one choice per request (n = 1)", param="n")
         messages = parse_messages(body.get("messages"))
         prompt_ids = encode_chat(self.tokenizer, [{"role": m.role, "content": m.content} for m in messages],

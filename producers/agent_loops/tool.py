@@ -4,9 +4,9 @@
 `<|im_end|>` or max_new_tokens (the engine batches it with the other turns ready at the time), and a turn holding
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (or another form real models write: tool_parser.py) runs
 the tool(s) through producers/tools/runner.py (each tool's concurrency limit, timeout and retries; synchronous tools
-in a worker pool) while the group's other samples go on; then the environment inserts the tool response and the next assistant header -- tokenized from the chat
-template's own rendering, with mask 0. A turn with no tool call, or with an `<answer>`, ends the episode
-("stop"); so do a tool call in the last allowed turn ("max_turns") and running out of response tokens ("length").
+in a worker pool) while the group's other samples go on; then the environment inserts the tool response and the
+next assistant header -- tokenized from the chat template's own rendering, with mask 0. A turn with no tool call,
+or with an `<answer>`, ends the episode ("stop"); so do a tool call in the last allowed turn ("max_turns") and running out of response tokens ("length").
 A malformed call (bad JSON, unknown tool, a tool that refuses its arguments) becomes an "error: ..." tool response
 for the model to read: the rollout never fails because of what the model wrote. A tool whose service fails (it
 raises InfrastructureError, or times out) on every retry ends the episode with InfrastructureError instead: the task

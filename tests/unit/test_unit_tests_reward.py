@@ -25,8 +25,8 @@ from rlbus.schemas.wire import ChatMessage, PromptTask
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = 'def add(a: int, b: int) -> int:\n    """The sum of a and b."""\n'
-TRUTH = json.dumps({"prompt": PROMPT, "entry_point": "add",
-                    "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n"})
+TEST = "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n"
+TRUTH = json.dumps({"prompt": PROMPT, "entry_point": "add", "test": TEST})
 TASK = PromptTask(task_id="t0", prompt=[ChatMessage(role="user", content=PROMPT)], ground_truth=TRUTH)
 
 

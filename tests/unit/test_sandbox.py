@@ -83,10 +83,10 @@ async def test_an_exception_or_an_exit_status_is_an_error(sandbox: Sandbox) -> N
 
 async def test_an_endless_loop_is_cut_at_the_wall_clock(sandbox: Sandbox) -> None:
     async with ticker() as gaps:
-        r = await sandbox.run("print('started', flush=True)\nwhile True:\n    pass", timeout_s=1.0)
+        r = await sandbox.run("print('started', flush=True)\nwhile True:\n    pass", timeout_s=1.5)
     assert (r.status, r.exit_code, r.stdout) == ("timeout", -signal.SIGKILL, "started\n")
-    assert 1.0 <= r.wall_s < 3.0
-    assert max(gaps) < 0.5  # the producer's loop kept running (the run is a process of its own, niced)
+    assert 1.5 <= r.wall_s < 3.5
+    assert max(gaps) < 1.0  # the producer's loop kept running (the run is a process of its own, niced)
 
 
 async def test_cpu_time_is_limited_per_process() -> None:

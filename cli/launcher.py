@@ -46,6 +46,7 @@ from rlbus.common.model.ensure import ensure_model
 from rlbus.schemas.config import BusConfig, RunConfig
 from rlbus.schemas.config_io import to_yaml
 from rlbus.schemas.errors import BusError
+from rlbus.schemas.judge import URL_FILE as JUDGE_URL_FILE
 from rlbus.schemas.wire import ProducersScaled
 from rlbus.trainer.metrics import require_wandb
 
@@ -184,6 +185,7 @@ class Launcher:
     trainer: Child | None
     producers: list[Child]  # running and supervised, oldest first
     evaluator: Child | None  # the held-out evaluation role, when eval.interval > 0
+    judge: Child | None  # the run's judge role (`rlbus judge`), when judge.model is set and judge.url is not
     ui: Child | None  # the web inspector (`rlbus up --ui`), stopped with the run
     retiring: dict[str, asyncio.Task]  # producer id -> its stop, for producers scaled away (never restarted)
     _server: RoleServer | None  # the fork server of the roles (launcher.preload)
@@ -203,7 +205,7 @@ class Launcher:
         self.ui = None
         self.server = self.ray_head = self.trainer = None
         self.producers, self.retiring = [], {}
-        self.evaluator = None
+        self.evaluator = self.judge = None
         self._server = None
         self._launch, self._scale_seen = None, None
         self._target, self._reported, self._started = cfg.rollout.num_producers, None, {}
@@ -314,6 +316,10 @@ class Launcher:
             self.trainer = Child("trainer", _role_argv("trainer", launch, creds=self._creds("trainer")),
                                  self.run_dir / "logs" / "trainer.log", server=self._server)
             self.trainer.start()
+            if child_cfg.judge.model and not child_cfg.judge.url:  # producers find it by its URL file in the run dir
+                self.judge = Child("judge", _role_argv("judge", launch), self.run_dir / "logs" / "judge.log",
+                                   server=self._server)
+                self.judge.start()
             for _ in range(child_cfg.rollout.num_producers):
                 self._add_producer()
             if child_cfg.eval.interval > 0:  # with the producers' credential: it reads weights, publishes events
@@ -379,7 +385,16 @@ class Launcher:
                     if not self._restart_if_dead(child, got_going=started >= child.started_at):
                         monitor.stop()
                         return 1
+                if self.judge is not None and not self._restart_if_dead(self.judge, got_going=self._judge_served()):
+                    monitor.stop()
+                    return 1
                 await asyncio.sleep(0.5)
+
+    def _judge_served(self) -> bool:
+        """Whether the judge got going since its last start: it writes its URL file once it serves (it is on no bus,
+        so no RoleStarted says so)."""
+        url_file = self.run_dir / JUDGE_URL_FILE
+        return self.judge is not None and url_file.is_file() and url_file.stat().st_mtime >= self.judge.started_at
 
     def _restart_if_dead(self, child: Child, *, got_going: bool) -> bool:
         """Restart `child` if it died; False when it keeps dying before it gets going (the launcher gives up)."""
@@ -505,7 +520,8 @@ class Launcher:
         # All at once: the trainer checkpoints after the step in hand, producers nak what they hold. Stopping
         # producers first would let the trainer go on training from the groups already queued meanwhile.
         children = [*self.producers, *([self.trainer] if self.trainer is not None else []),
-                    *([self.evaluator] if self.evaluator is not None else [])]
+                    *([self.evaluator] if self.evaluator is not None else []),
+                    *([self.judge] if self.judge is not None else [])]
         await asyncio.gather(*(c.stop() for c in children), *self.retiring.values())
 
     def _export(self) -> Path:

@@ -8,7 +8,8 @@ number from what the producer measures instead of asking the user to tune it:
   running): its busy share. Idle time is time the engine could have spent on another task's turns.
 - `InflightSizer` looks at each window of WINDOW_S seconds. If the engine was idle more than IDLE_TARGET of it while
   the producer held as many tasks as it may (so more tasks were to be had: a producer the feeder's admission holds
-  back never sits at its limit), the limit grows, in proportion to the idle share, up to `rollout.max_inflight_cap`.
+  back never sits at its limit), the limit grows to what would have kept the engine busy (Little's law: `limit /
+  busy share`, at most MAX_GROWTH times a window), up to `rollout.max_inflight_cap`.
   If the engine was busy throughout (more tasks would only queue behind each other and age their tokens) and the
   producer held fewer tasks than its limit for the whole window, the limit comes back down by one.
 
@@ -25,7 +26,9 @@ import time
 from typing import Callable
 
 #: Seconds per sizing window.
-WINDOW_S = 2.0
+WINDOW_S = 1.0
+#: Most the limit is multiplied by in one window.
+MAX_GROWTH = 4.0
 #: Engine idle share above which a producer at its limit takes more tasks.
 IDLE_TARGET = 0.1
 
@@ -111,7 +114,9 @@ class InflightSizer:
         idle = self.idle_share()
         at_limit = self._at_limit_s / span
         if idle > IDLE_TARGET and at_limit > 0.5:
-            self.limit = min(self.cap, self.limit + max(1, math.ceil(self.limit * idle)))
+            # Little's law: the engine worked `busy` of the time with `limit` tasks; about limit / busy keep it busy.
+            factor = min(MAX_GROWTH, 1.0 / max(1.0 - idle, 1.0 / MAX_GROWTH))
+            self.limit = min(self.cap, max(self.limit + 1, math.ceil(self.limit * factor)))
         elif idle < 0.01 and self._below_s >= span * 0.99 and self.limit > 1:
             self.limit -= 1
         self._window_start = now

@@ -116,6 +116,8 @@ class LagSizer:
 
         clamp(1 + ceil(p90 of a group's wait / median step time), max_staleness, max_staleness_for_latency)
 
+    reached one step at a time (it rises by at most one a step, and falls at once),
+
     where a group's wait is its slowest sample's time outside generation (tool calls and scoring: a group is done when
     its last episode is) and a step's time is the trainer's own work, not its wait for data (otherwise a trainer
     starved by a tight bound would measure long steps and never loosen it). A run whose episodes do not wait
@@ -130,24 +132,33 @@ class LagSizer:
     ceiling: int
     _waits: list[float]
     _steps: list[float]
+    _bound: int  # the bound in force
 
     def __init__(self, floor: int, ceiling: int):
         self.floor, self.ceiling = floor, max(floor, ceiling)
         self._waits, self._steps = [], []
+        self._bound = floor
 
     def group(self, wait_s: float) -> None:
         """A group arrived whose slowest sample spent `wait_s` seconds outside generation."""
         self._waits = (self._waits + [wait_s])[-LAG_WINDOW:]
 
     def step(self, work_s: float) -> None:
-        """The trainer's own work on a step took `work_s` seconds."""
+        """The trainer's own work on a step took `work_s` seconds; the bound moves towards what the waits need, up
+        by at most one a step (a policy that moves fast early in a run meets old tokens gradually, not all at once:
+        a jump from 2 to 16 between two steps would hand the trainer groups 14 versions older than any it had
+        corrected for), down at once."""
         self._steps = (self._steps + [work_s])[-LAG_WINDOW:]
+        self._bound = min(self.need(), self._bound + 1)
 
-    def bound(self) -> int:
+    def need(self) -> int:
+        """The bound the measured waits call for, within [floor, ceiling]."""
         if self.ceiling == self.floor or not self._waits or not self._steps:
             return self.floor
         waits, steps = sorted(self._waits), sorted(self._steps)
         p90 = waits[min(len(waits) - 1, int(0.9 * len(waits)))]
         step_s = max(steps[len(steps) // 2], 1e-3)
-        need = 1 + math.ceil(p90 / step_s)
-        return max(self.floor, min(self.ceiling, need))
+        return max(self.floor, min(self.ceiling, 1 + math.ceil(p90 / step_s)))
+
+    def bound(self) -> int:
+        return self._bound

@@ -50,17 +50,16 @@ def test_an_idle_engine_at_the_limit_takes_more_tasks_up_to_the_cap():
     limits = []
     for _ in range(8):  # episodes wait on a slow tool: the engine works a fifth of the time
         limits.append(_window(clock, meter, sizer, busy=0.2, held=sizer.limit))
-    assert limits[0] == 2 and limits == sorted(limits) and limits[-1] == 12
+    assert limits[:3] == [4, 12, 12]  # a fifth busy: about five times the tasks, at most four times a window
 
 
 def test_a_producer_held_back_by_admission_does_not_grow():
     clock = Clock()
     meter = EngineMeter(clock)
     sizer = InflightSizer(0, 12, meter, clock)
-    for _ in range(2):
-        _window(clock, meter, sizer, busy=0.7, held=sizer.limit)  # grow to a few
+    _window(clock, meter, sizer, busy=0.5, held=sizer.limit)  # grow to a few
     grown = sizer.limit
-    assert grown == 3
+    assert grown == 2
     for _ in range(5):  # idle, but the feeder releases nothing more: below its limit the whole time
         assert _window(clock, meter, sizer, busy=0.1, held=1) == grown
 

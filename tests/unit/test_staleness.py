@@ -107,7 +107,15 @@ def test_the_lag_sizer_raises_the_bound_to_hide_the_measured_wait_up_to_its_ceil
         sizer.group(wait)
         sizer.step(0.5)
     assert sizer.bound() == 1 + 3  # p90 1.3 s at 0.5 s a step: 3 steps of lag, plus the one in training
+    bounds = []
     for _ in range(40):
         sizer.group(30.0)  # a judge that takes half a minute
-    assert sizer.bound() == 8
+        sizer.step(0.5)
+        bounds.append(sizer.bound())
+    assert all(0 <= b - a <= 1 for a, b in zip([4, *bounds], bounds))  # up one a step at most
+    assert bounds[-1] == 8  # to the ceiling
+    for _ in range(40):
+        sizer.group(0.0)  # the judge is fast again: back down at once
+    sizer.step(0.5)
+    assert sizer.bound() == 2
     assert staleness.LagSizer(2, 2).bound() == 2 and staleness.LagSizer(3, 1).bound() == 3  # fixed bounds

@@ -109,6 +109,21 @@ def body_number(body: dict, name: str, default: float, *, lo: float, hi: float |
     return value
 
 
+async def read_body(request: Any, model: str, server: str) -> dict:
+    """An OpenAI request's JSON object body, for `model`; RequestError (400, or 404 for another model) otherwise.
+    `server` names what answers in the 404's message ("this endpoint", "this judge")."""
+    try:
+        body = await request.json()
+    except ValueError:
+        raise RequestError(400, "the request body is not JSON") from None
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object")
+    if body.get("model") != model:
+        raise RequestError(404, f"the model {body.get('model')!r} does not exist; {server} serves {model!r}",
+                           param="model", code="model_not_found")
+    return body
+
+
 def model_context(tokenizer: Any) -> int:
     """The model's context length: its config's max_position_embeddings when the tokenizer was loaded from the
     model's directory, else the tokenizer's model_max_length."""
@@ -207,20 +222,7 @@ class Endpoint:
         return session
 
     async def _body(self, request: web.Request) -> dict:
-        try:
-            body = await request.json()
-        except ValueError:
-            raise RequestError(400, "the request body is not JSON") from None
-        if not isinstance(body, dict):
-            raise RequestError(400, "the request body must be a JSON object")
-        if body.get("model") != self.model:
-            raise RequestError(
-                404,
-                f"the model {body.get('model')!r} does not exist; this endpoint serves {self.model!r}",
-                param="model",
-                code="model_not_found",
-            )
-        return body
+        return await read_body(request, self.model, "this endpoint")
 
     async def _models(self, request: web.Request) -> web.Response:
         self._session(request)

@@ -53,7 +53,7 @@ from rlbus.common.logs import setup_logging
 from rlbus.common.model.ensure import ensure_model, model_ready
 from rlbus.common.threads import apply_torch_threads
 from rlbus.producers.capture import RequestError, parse_messages
-from rlbus.producers.endpoint import body_number, model_context
+from rlbus.producers.endpoint import body_number, model_context, read_body
 from rlbus.producers.engines.base import SamplingParams
 from rlbus.schemas.config import ModelConfig, RunConfig
 from rlbus.schemas.engines import HFEngineConfig
@@ -197,15 +197,7 @@ class JudgeServer:
 
     async def _chat(self, request: web.Request) -> web.Response:
         t0 = time.monotonic()
-        try:
-            body = await request.json()
-        except ValueError:
-            raise RequestError(400, "the request body is not JSON") from None
-        if not isinstance(body, dict):
-            raise RequestError(400, "the request body must be a JSON object")
-        if body.get("model") != self.model:
-            raise RequestError(404, f"the model {body.get('model')!r} does not exist; this judge serves "
-                               f"{self.model!r}", param="model", code="model_not_found")
+        body = await read_body(request, self.model, "this judge")
         if body.get("stream"):
             raise RequestError(400, "stream is not offered by the judge", param="stream")
         if body_number(body, "n", 1, lo=1, integer=True) != 1:

@@ -10,7 +10,6 @@ keeps ticking, its memory does not grow, no process of the run survives it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import resource
 import signal
@@ -27,6 +26,7 @@ import pytest
 
 from rlbus.producers.sandbox import Sandbox, SandboxLimits
 from rlbus.schemas.errors import ConfigError, InfrastructureError
+from tests.support.loop_gaps import loop_gaps
 
 LIMITS = SandboxLimits(timeout_s=5.0, cpu_s=5, memory_bytes=256 << 20, max_processes=8, file_size_bytes=1 << 20,
                        scratch_bytes=4 << 20, max_output_bytes=4096)
@@ -42,26 +42,6 @@ async def sandbox() -> AsyncIterator[Sandbox]:
 def sandbox_processes(sb: Sandbox) -> int:
     """Processes inside the sandbox's workers, seen from the host (each worker's bwrap holds bwrap + its init)."""
     return sum(len(psutil.Process(pid).children(recursive=True)) for pid in sb.worker_pids())
-
-
-@contextlib.asynccontextmanager
-async def ticker() -> AsyncIterator[list[float]]:
-    """The longest gap, in seconds, between ticks of a 10 ms timer on the caller's event loop while the block runs."""
-    gaps: list[float] = []
-
-    async def tick() -> None:
-        last = time.monotonic()
-        while True:
-            await asyncio.sleep(0.01)
-            now = time.monotonic()
-            gaps.append(now - last)
-            last = now
-
-    task = asyncio.create_task(tick())
-    try:
-        yield gaps
-    finally:
-        task.cancel()
 
 
 async def test_ordinary_code_returns_its_output(sandbox: Sandbox) -> None:
@@ -82,7 +62,7 @@ async def test_an_exception_or_an_exit_status_is_an_error(sandbox: Sandbox) -> N
 
 
 async def test_an_endless_loop_is_cut_at_the_wall_clock(sandbox: Sandbox) -> None:
-    async with ticker() as gaps:
+    async with loop_gaps(0.01) as gaps:
         r = await sandbox.run("print('started', flush=True)\nwhile True:\n    pass", timeout_s=1.5)
     assert (r.status, r.exit_code, r.stdout) == ("timeout", -signal.SIGKILL, "started\n")
     assert 1.5 <= r.wall_s < 3.5
@@ -136,7 +116,7 @@ async def test_a_bomb_that_survives_the_limit_ends_at_the_wall_clock_without_sta
     # die together (the pid namespace is emptied), and the producer's loop was served all along (they run at nice 10).
     baseline = sandbox_processes(sandbox)
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
-    async with ticker() as gaps:
+    async with loop_gaps(0.01) as gaps:
         r = await sandbox.run(bomb, timeout_s=2.0)
     assert r.status == "timeout" and 2.0 <= r.wall_s < 4.0
     assert max(gaps) < 1.0, f"the event loop stalled for {max(gaps):.2f}s"  # (0.05 s on an idle machine)
@@ -216,7 +196,7 @@ async def test_runs_beyond_the_pool_wait_their_turn(sandbox: Sandbox) -> None:
     # 8 runs on 2 workers: never more than 2 at once (their own clocks say so), and the loop is free meanwhile.
     code = "import time\nstart = time.time()\ntime.sleep(0.3)\nprint(start, time.time())"
     began = time.monotonic()
-    async with ticker() as gaps:
+    async with loop_gaps(0.01) as gaps:
         results = await asyncio.gather(*(sandbox.run(code) for _ in range(8)))
     assert all(r.status == "ok" for r in results)
     spans = [tuple(map(float, r.stdout.split())) for r in results]

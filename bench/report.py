@@ -320,6 +320,20 @@ def _trl_learning(files: list[dict[str, Any]]) -> Reading:
                    ratio=f"{statistics.fmean(mine) / statistics.fmean(trl):.2f}x TRL's ({statistics.fmean(trl):.3f})")
 
 
+def _agentic(files: list[dict[str, Any]]) -> Reading:
+    """bench/agentic.py: steps/min of the asynchronous arm with the slow tool, against its synchronous arm and the
+    no-latency run."""
+    runs = [r for r in files[0]["runs"] if "steps_per_min" in r]
+    rate = {a: [r["steps_per_min"] for r in runs if r["arm"] == a] for a in ("nolat", "async", "sync")}
+    mean = {a: statistics.fmean(v) for a, v in rate.items()}
+    median = {r["median_s"] for r in runs if r["arm"] == "async"}
+    return Reading(value=f"{mean['async']:.1f} steps/min with a {'/'.join(f'{m:g}' for m in sorted(median))} s "
+                         f"median tool latency; {mean['async'] / mean['nolat']:.0%} of no latency "
+                         f"({mean['nolat']:.1f})",
+                   spread=f"{min(rate['async']):.1f}-{max(rate['async']):.1f} over {len(rate['async'])} seeds",
+                   ratio=f"{mean['async'] / mean['sync']:.2f}x synchronous ({mean['sync']:.1f})")
+
+
 FIGURES: tuple[Figure, ...] = (
     Figure("Quickstart learns its tool (HF engine)",
            "Quickstart, a 1000-step warm start (6 December): 20 seeds, quiet",
@@ -360,6 +374,8 @@ FIGURES: tuple[Figure, ...] = (
            "Against TRL's GRPOTrainer on a reasoning-gym task: gcd_smollm2",
            ("peer_env_gcd_smollm2.json",), _trl_env),
     Figure("Partial rollout (long-tailed generation)", "Partial rollout", ("partial_rollout.json",), _partial),
+    Figure("Agentic: the quickstart with a slow tool (asynchronous against synchronous)", "Agentic: a slow tool",
+           ("agentic.json",), _agentic),
     Figure("Bus: trajectory events end to end", "Bus", ("bus.json",), _bus, headline=True),
     Figure("TransferQueue: a batch's tensors through Ray", "TransferQueue", ("transfer_queue.json",),
            _transfer_queue, headline=True),

@@ -116,9 +116,7 @@ class LagSizer:
 
         clamp(1 + ceil(p90 of a group's wait / median step time), max_staleness, max_staleness_for_latency)
 
-    reached one step at a time (it rises by at most one a step, and falls at once),
-
-    where a group's wait is its slowest sample's time outside generation (tool calls and scoring: a group is done when
+    reached one step at a time (it rises by at most one a step, and falls at once), where a group's wait is its slowest sample's time outside generation (tool calls and scoring: a group is done when
     its last episode is) and a step's time is the trainer's own work, not its wait for data (otherwise a trainer
     starved by a tight bound would measure long steps and never loosen it). A run whose episodes do not wait
     (the quickstart's calculator answers in microseconds) keeps max_staleness. Tokens generated after a wait are on

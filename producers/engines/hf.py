@@ -271,11 +271,10 @@ class HFEngine(RolloutEngine):
                     for prompts, params, _, _ in batch for i in range(len(prompts))]
             if len(batch) == 1:
                 rows = None  # one call: its seed's stream draws for all its rows, as it always did
-            widest = max((r[1].max_new_tokens for r in batch), default=head.max_new_tokens)
             try:
                 out = await asyncio.to_thread(
-                    self._generate_sync, [p for r in batch for p in r[0]],
-                    msgspec.structs.replace(head, max_new_tokens=widest), self._step_sink(batch), rows,
+                    # Each chunk runs to its rows' longest limit (_generate_sync), whatever head's own is.
+                    self._generate_sync, [p for r in batch for p in r[0]], head, self._step_sink(batch), rows,
                 )
             except Exception as e:
                 for _, _, done, _ in batch:

@@ -44,11 +44,13 @@ def test_scale_one_three_one_mid_run(tmp_path, tiny_model_dir, run_name):
     total, groups_per_step, window = 40, 2, 12.0
     # The simulated engine sleeps for its generation time instead of computing (as in tests/integration/
     # test_pipeline.py): producers then add throughput the way GPU producers do, rather than fighting the trainer
-    # for this machine's cores.
+    # for this machine's cores. One task in flight per producer: each producer is then one unit of throughput, and
+    # the test measures what adding producers adds (a producer sizing its own in-flight limit would fill the
+    # trainer alone, and there would be nothing left for the other two to add).
     engine = {"type": "simulated", "mean_tokens": 24, "tail_alpha": 3.0, "seconds_per_token": 0.03}
     cfg = small_run_config(run_name, run_dir, tiny_model_dir, "", "", "",
-                           rollout={"num_producers": 1, "n": 4, "max_new_tokens": 48, "max_response_tokens": 48,
-                                    "agent_loop": "single_turn", "engine": engine},
+                           rollout={"num_producers": 1, "max_inflight_tasks": 1, "n": 4, "max_new_tokens": 48,
+                                    "max_response_tokens": 48, "agent_loop": "single_turn", "engine": engine},
                            trainer={"total_steps": total, "groups_per_step": groups_per_step, "max_staleness": 3,
                                     "checkpoint_interval": 5})
     cfg_path = write_config(tmp_path / "run.yaml", cfg)

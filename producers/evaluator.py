@@ -34,7 +34,7 @@ from rlbus.producers.weight_sync import WeightSync, connect_deltas
 from rlbus.common.data.datasets import example_to_task
 from rlbus.common.envs import load_heldout_tasks
 from rlbus.common.logs import setup_logging
-from rlbus.common.threads import apply_torch_threads
+from rlbus.common.threads import apply_torch_threads, refresh_executor_threads
 from rlbus.producers.agent_loops.base import Trajectory
 from rlbus.producers.build import build_rollout
 from rlbus.schemas.config import RunConfig
@@ -178,6 +178,7 @@ class Evaluator:
 
 
 async def run_evaluator(cfg: RunConfig) -> None:
+    refresh_executor_threads()  # generation runs in its threads: each re-sizes its torch pool (common/threads.py)
     await serve(Evaluator(cfg))
 
 

@@ -51,7 +51,7 @@ from rlbus.common.chat import encode_chat
 from rlbus.common.files import write_atomic
 from rlbus.common.logs import setup_logging
 from rlbus.common.model.ensure import ensure_model, model_ready
-from rlbus.common.threads import apply_torch_threads
+from rlbus.common.threads import apply_torch_threads, refresh_executor_threads
 from rlbus.producers.capture import RequestError, parse_messages
 from rlbus.producers.endpoint import body_number, model_context, read_body
 from rlbus.producers.engines.base import SamplingParams
@@ -287,6 +287,7 @@ class JudgeRole:
 
 
 async def run_judge(cfg: RunConfig) -> None:
+    refresh_executor_threads()  # generation runs in its threads: each re-sizes its torch pool (common/threads.py)
     server = JudgeServer(cfg.judge, load_judge_model(cfg.judge))
     await serve(JudgeRole(cfg, server))
 

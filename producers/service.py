@@ -34,7 +34,7 @@ from rlbus.bus.transfer_queue import TransferQueue
 from rlbus.bus.weight_store import WeightStore
 from rlbus.producers.weight_sync import WeightSync, connect_deltas
 from rlbus.common.logs import setup_logging
-from rlbus.common.threads import apply_torch_threads, lower_priority
+from rlbus.common.threads import apply_torch_threads, lower_priority, refresh_executor_threads
 from rlbus.producers.agent_loops import AgentLoop
 from rlbus.producers.agent_loops.base import StalenessWatch, failure_kind
 from rlbus.producers.build import build_rollout
@@ -508,6 +508,7 @@ def _exit_stuck(producer_id: str) -> None:
 
 
 async def run_producer(cfg: RunConfig, producer_id: str = "") -> None:
+    refresh_executor_threads()  # generation runs in its threads: each re-sizes its torch pool (common/threads.py)
     await serve(Producer(cfg, producer_id))
 
 

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -104,11 +103,12 @@ def replay_threads(cfg: RunConfig, record: StepRecord, overrides: list[str] = ()
     """
     override = any(o.split("=", 1)[0].strip() == "trainer.torch_threads" for o in overrides)
     threads = record.metrics.get("perf/torch_threads")
-    if threads and not override:
-        torch.set_num_threads(int(threads))
-        return int(threads)
+    if threads and not override:  # held, and registered: other rlbus processes leave it these CPUs
+        return apply_torch_threads(int(threads), 1, role="rlbus replay (the recorded count)")
     processes = record.world_size + cfg.rollout.num_producers
-    return apply_torch_threads(cfg.trainer.torch_threads, processes, role="rlbus replay", takes_remainder=True)
+    # adapt=False: the recorded run's split, not the processes running now, and held (no refresh)
+    return apply_torch_threads(cfg.trainer.torch_threads, processes, role="rlbus replay", takes_remainder=True,
+                               adapt=False)
 
 
 def replay(run_dir: str | Path, from_step: int, num_steps: int = 1, overrides: list[str] = (),

@@ -38,7 +38,7 @@ from rlbus.trainer.publish import WeightPublisher
 from rlbus.common.envs import load_tasks
 from rlbus.common.logs import setup_logging
 from rlbus.common.model.ensure import ensure_model
-from rlbus.common.threads import apply_torch_threads
+from rlbus.common.threads import apply_torch_threads, refresh_executor_threads
 from rlbus.consumers.batcher import Batcher
 from rlbus.consumers.recorder import Recorder
 from rlbus.schemas import staleness
@@ -489,6 +489,7 @@ class TrainerService:
 
 
 async def run_controller(cfg: RunConfig, worker: StepWorker) -> None:
+    refresh_executor_threads()  # the steps run in its threads: each re-sizes its torch pool (common/threads.py)
     service = TrainerService(cfg, worker)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

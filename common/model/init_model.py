@@ -30,10 +30,13 @@ from transformers import GenerationConfig
 from rlbus.common.model.tiny import TinyModelSpec, tiny_model
 from rlbus.common.model.tokenizer import build_tokenizer
 from rlbus.common.model.warm_start import WarmStartConfig, warm_start
+from rlbus.common.threads import scoped_torch_threads
 
-#: Torch CPU threads of the build: two where the machine has them (on an AMD EPYC, 1800 steps took 133 s on two
-#: threads against 159 s on one, and wrote the same model file, byte for byte: this model's kernels split their work
-#: across threads without changing any sum), one otherwise. More threads gain little on a model this small.
+#: Torch CPU threads of the build at most: two where the machine has them (on an AMD EPYC, 1800 steps took 133 s on
+#: two threads against 159 s on one, and wrote the same model file, byte for byte: this model's kernels split their
+#: work across threads without changing any sum), one otherwise. More threads gain little on a model this small. The
+#: build takes its share of the CPUs the rlbus processes running share, re-checked as it trains (common/threads.py):
+#: two builds at once on two cores run one thread each instead of preempting each other.
 BUILD_THREADS = min(2, os.cpu_count() or 1)
 #: Optimizer steps of the default warm start (about a minute on two free CPU cores, longer on a busy box; see
 #: warm_start.json).
@@ -49,12 +52,14 @@ def init_model(
     force: bool = False,
     spec: TinyModelSpec = TinyModelSpec(),
     warm: WarmStartConfig | None = None,
-    num_threads: int = BUILD_THREADS,
+    num_threads: int = 0,
     log=print,
 ) -> Path:
     """Build tokenizer + model, warm-start it for `steps` steps (0 = random weights), save to `out_dir`.
 
     `check_target` (default: `warm`'s) is the tool_ok the warm start checks for and retries towards (0 = no check).
+
+    `num_threads`: torch CPU threads (0 = auto: a share of the CPUs, at most BUILD_THREADS; common/threads.py).
 
     Refuses to overwrite an existing non-empty directory unless `force`.
     """
@@ -69,13 +74,10 @@ def init_model(
 
     tokenizer = build_tokenizer()
     model = tiny_model(tokenizer, seed=seed, spec=spec)
-    caller_threads = torch.get_num_threads()  # the build may run inside a producer or the trainer: restore after
-    torch.set_num_threads(num_threads)
-    started = time.perf_counter()
-    try:
+    # The build may run inside a role or the launcher: the process's threads and registration are restored after.
+    with scoped_torch_threads(num_threads, role="model build", cap=BUILD_THREADS) as threads:
+        started = time.perf_counter()
         result = warm_start(model, tokenizer, warm_cfg, log=log) if steps > 0 else None
-    finally:
-        torch.set_num_threads(caller_threads)
     seconds = time.perf_counter() - started
 
     out.mkdir(parents=True, exist_ok=True)
@@ -95,7 +97,7 @@ def init_model(
         "kept_attempt": result.kept if result else 0,
         "check_passed": result.passed if result else None,
         "seconds": round(seconds, 2),
-        "torch_threads": num_threads,
+        "torch_threads": threads,  # at the start (the warm start follows the CPUs' other rlbus processes)
         "num_parameters": sum(p.numel() for p in model.parameters()),
     }
     (out / "warm_start.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -117,7 +119,9 @@ def main(argv: list[str] | None = None, *, evaluate: Callable[[list[str]], int] 
     ap.add_argument("--check-every", type=int, default=0, metavar="N",
                     help="also log the check every N warm-start steps (where the copies form)")
     ap.add_argument("--force", action="store_true", help="overwrite OUT_DIR if it exists")
-    ap.add_argument("--threads", type=int, default=BUILD_THREADS, help=f"torch CPU threads (default {BUILD_THREADS})")
+    ap.add_argument("--threads", type=int, default=0,
+                    help=f"torch CPU threads (default 0: a share of the CPUs over the rlbus processes running, at most "
+                         f"{BUILD_THREADS}; $OMP_NUM_THREADS also sets it)")
     ap.add_argument("--eval", action="store_true", help="then sample the model and print tool-use statistics")
     source = ap.add_mutually_exclusive_group()
     source.add_argument("--from-gguf", metavar="FILE", help="import this GGUF file instead of building the tiny model")

@@ -27,6 +27,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlbus.common.model.demos import Message, answer_text, arithmetic_problem, demonstration, tool_call_text
 from rlbus.common.model.tokenizer import IM_END, generation_prompt, render_message
+from rlbus.common.threads import refresh
 
 
 class WarmStartConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -297,6 +298,7 @@ def _train(
         losses: list[float] = []
         start = time.perf_counter()
         for step in range(cfg.steps):
+            refresh()  # this build's share of the CPUs, as rlbus processes start and end (common/threads.py)
             opt.zero_grad(set_to_none=True)
             loss = _loss(model, demo_batch(tokenizer, rng, cfg.batch_size, cfg.tool_fraction))
             loss.backward()

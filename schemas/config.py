@@ -91,7 +91,7 @@ class RayConfig(_Section):
 
 class ModelConfig(_Section):
     path: str = ""  # local Hugging Face model directory
-    init_if_missing: bool = False  # build the tiny quickstart model at `path` if it is not there
+    init_if_missing: bool = False  # put the tiny quickstart model at `path` if missing: the shipped one, or built
     init_head_dim: int = 16  # head width of the model init_if_missing builds (4 heads; vLLM's CPU kernels need 32+)
     init_steps: int = 1000  # warm-start optimizer steps of the model init_if_missing builds (common/model/warm_start.py)
     init_lr: float = 1e-2  # peak learning rate of that warm start

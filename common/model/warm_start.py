@@ -54,7 +54,7 @@ class WarmStartConfig(msgspec.Struct, kw_only=True, frozen=True):
     # 2400 and 3000 steps learned it by step 600. A build that falls short is trained again from the same initial
     # weights on another demonstration stream, up to `max_attempts` times; the best attempt is kept.
     check_target: float = 0.95
-    max_attempts: int = 3
+    max_attempts: int = 6
     check_every: int = 0  # also log the check every N steps (0 = only at the end): where a copy forms, or not
 
     def __post_init__(self) -> None:

@@ -66,3 +66,11 @@ def test_the_inspectors_page_is_in_the_wheel(wheel_names: list[str]) -> None:
     """`rlbus ui` serves these files from the installed package (pyproject.toml's package-data)."""
     want = {f"rlbus/cli/ui_static/{p.name}" for p in (ROOT / "cli" / "ui_static").iterdir() if p.is_file()}
     assert want and want <= set(wheel_names)
+
+
+def test_the_quickstart_model_is_in_the_wheel(wheel_names: list[str]) -> None:
+    """`model.init_if_missing` copies the quickstart's model from the installed package (common/model/ensure.py)."""
+    shipped = ROOT / "common" / "model" / "shipped"
+    want = {f"rlbus/common/model/shipped/{p.relative_to(shipped)}" for p in shipped.glob("*/*") if p.is_file()}
+    assert {"rlbus/common/model/shipped/tiny-calculator/model.safetensors",
+            "rlbus/common/model/shipped/tiny-calculator/tokenizer.json"} <= want <= set(wheel_names)

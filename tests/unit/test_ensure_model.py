@@ -1,18 +1,20 @@
-"""common/model/ensure.py: a model `model.init_if_missing` built earlier is used as it is, with a warning when this
-version would build it otherwise (its runs are not the ones the README's figures describe).
+"""common/model/ensure.py: `model.init_if_missing` copies the model rlbus ships when the config asks for it (the same
+bytes on every machine) and builds any other; a model made earlier is used as it is, with a warning when this version
+would make it otherwise (its runs are not the ones the README's figures describe).
 
     .venv/bin/python -m pytest -q tests/unit/test_ensure_model.py
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 
 import msgspec
 import pytest
 
-from rlbus.common.model.ensure import ensure_model
+from rlbus.common.model.ensure import SHIPPED, ensure_model, shipped_model
 from rlbus.common.model.tiny import TinyModelSpec
 from rlbus.common.model.warm_start import WarmStartConfig
 from rlbus.schemas.config import ModelConfig
@@ -33,7 +35,7 @@ def test_a_model_built_with_another_warm_start_is_used_with_a_warning(tmp_path, 
     _built(tmp_path / "old", steps=WarmStartConfig().steps - 600, spec=TinyModelSpec())
     with caplog.at_level(logging.WARNING, logger="rlbus.model"):
         assert ensure_model(ModelConfig(path=str(tmp_path / "old"), init_if_missing=True)) == str(tmp_path / "old")
-    assert "remove the directory to rebuild it" in caplog.text
+    assert "remove the directory to copy the model rlbus ships" in caplog.text
     assert f"{WarmStartConfig().steps - 600} steps" in caplog.text
 
 
@@ -80,7 +82,7 @@ def test_the_configs_warm_start_steps_build_the_model(tmp_path, monkeypatch, cap
         assert caplog.text == ""
         ensure_model(ModelConfig(path=str(tmp_path / "m"), init_if_missing=True, init_head_dim=32))
     assert "warm start of 3000 steps" in caplog.text
-    assert f"this config builds {WarmStartConfig().steps} steps" in caplog.text
+    assert f"this config asks for {WarmStartConfig().steps} steps" in caplog.text
     with pytest.raises(ValueError, match="init_steps"):  # the loader names it model.init_steps
         ModelConfig(path="x", init_steps=-1)
 
@@ -107,3 +109,49 @@ def test_the_configs_warm_start_lr_builds_the_model(tmp_path, monkeypatch, caplo
     for bad in (0.0, -1e-3):
         with pytest.raises(ValueError, match="init_lr"):
             ModelConfig(path="x", init_lr=bad)
+
+
+#: sha256 of the quickstart model rlbus ships (common/model/shipped/tiny-calculator/model.safetensors): a change to it
+#: is a change to every figure the README gives, made on purpose.
+SHIPPED_SHA256 = "8332d3bc6200ea0332bb5e15ad2ad0ef56c4a61eba7e26a3688a325cd1ed322b"
+
+
+def _sha256(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_the_quickstart_model_is_copied_from_the_package_not_built(tmp_path, monkeypatch, caplog):
+    """configs/quickstart.yaml's model (init_if_missing, the default shape and warm start) is the one rlbus ships,
+    byte for byte, whatever the CPU: nothing is trained."""
+    from rlbus.common.model import init_model as init_module
+
+    monkeypatch.setattr(init_module, "init_model", lambda *a, **k: pytest.fail("the quickstart model was built"))
+    cfg = ModelConfig(path=str(tmp_path / "m"), init_if_missing=True)
+    shipped = shipped_model(cfg)
+    assert shipped == SHIPPED / "tiny-calculator"
+    with caplog.at_level(logging.INFO, logger="rlbus.model"):
+        assert ensure_model(cfg) == str(tmp_path / "m")
+    assert "copied the model rlbus ships" in caplog.text
+    assert _sha256(tmp_path / "m" / "model.safetensors") == SHIPPED_SHA256
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == sorted(p.name for p in shipped.iterdir())
+    for f in shipped.iterdir():
+        assert (tmp_path / "m" / f.name).read_bytes() == f.read_bytes(), f.name
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rlbus.model"):
+        ensure_model(cfg)  # the copy is what this version makes: used quietly
+    assert caplog.text == ""
+
+
+def test_the_shipped_model_passes_its_check_here(tmp_path):
+    """The check the build runs (teacher-forced copies of call and answer), on this machine's float kernels."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlbus.common.model.warm_start import tool_copy_check
+
+    shipped = SHIPPED / "tiny-calculator"
+    report = json.loads((shipped / "warm_start.json").read_text())
+    assert report["check_passed"] and report["warm_start"]["check_target"] == WarmStartConfig().check_target
+    model = AutoModelForCausalLM.from_pretrained(shipped)
+    check = tool_copy_check(model, AutoTokenizer.from_pretrained(shipped))
+    assert check.tool_ok >= WarmStartConfig().check_target, check
+    assert abs(check.tool_ok - report["checks"][report["kept_attempt"]]["tool_ok"]) < 0.02, (check, report["checks"])

@@ -20,6 +20,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from rlbus.bus.ray_cluster import ensure_ray
 from rlbus.bus.transfer_queue import TransferQueue
+from rlbus.common.threads import refresh
 from rlbus.consumers.collate import collate
 from rlbus.consumers.recorder import write_advantages, write_shard
 from rlbus.schemas.config import RunConfig
@@ -96,6 +97,7 @@ class StepWorker:
         return box[0]
 
     def execute(self, plan: StepPlan) -> StepResult:
+        refresh()  # every rank re-sizes its torch pool to its share of the CPUs now (common/threads.py)
         timings: dict[str, float] = {}
         metrics: dict[str, float] = {}
         if plan.restore is not None:  # a collective: every rank restores its shards (and its RNG) of that step

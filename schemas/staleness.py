@@ -116,7 +116,8 @@ class LagSizer:
 
         clamp(1 + ceil(p90 of a group's wait / median step time), max_staleness, max_staleness_for_latency)
 
-    reached one step at a time (it rises by at most one a step, and falls at once), where a group's wait is its slowest sample's time outside generation (tool calls and scoring: a group is done when
+    reached one step at a time (it rises by at most one a step, and falls at once), where a group's wait is its
+    slowest sample's time outside generation (tool calls and scoring: a group is done when
     its last episode is) and a step's time is the trainer's own work, not its wait for data (otherwise a trainer
     starved by a tight bound would measure long steps and never loosen it). A run whose episodes do not wait
     (the quickstart's calculator answers in microseconds) keeps max_staleness. Tokens generated after a wait are on
@@ -147,7 +148,12 @@ class LagSizer:
         a jump from 2 to 16 between two steps would hand the trainer groups 14 versions older than any it had
         corrected for), down at once."""
         self._steps = (self._steps + [work_s])[-LAG_WINDOW:]
-        self._bound = min(self.need(), self._bound + 1)
+        self._bound = max(self.floor, min(self.need(), self._bound + 1))
+
+    def hold(self, bound: int) -> None:
+        """Something else (the stability guard's tightening) holds the bound at `bound` for now: when it lets go, the
+        bound climbs back from there, one a step, as from any lower bound."""
+        self._bound = min(self._bound, bound)
 
     def need(self) -> int:
         """The bound the measured waits call for, within [floor, ceiling]."""

@@ -271,6 +271,8 @@ class TrainerService:
         row["staleness/bound"] = float(self.staleness_bound(self.step + 1))
         row["perf/tokens_per_s"] = row.pop("_tokens") / max(row["time/step"], 1e-9)
         verdict = self.guard.observe(self.step, row)
+        if self.guard.tightened(self.step + 1):  # the lag ramps up again from the tightened bound, not from before
+            self.lag.hold(self.guard.effective_max_staleness(self.step + 1))
         row.update(self._verdict_metrics(verdict))
         record = self.recorder.step(step=self.step, version=self.version, groups=groups, shards=plan.shards,
                                     metrics=row)

@@ -119,3 +119,19 @@ def test_the_lag_sizer_raises_the_bound_to_hide_the_measured_wait_up_to_its_ceil
     sizer.step(0.5)
     assert sizer.bound() == 2
     assert staleness.LagSizer(2, 2).bound() == 2 and staleness.LagSizer(3, 1).bound() == 3  # fixed bounds
+
+
+def test_the_lag_sizer_climbs_back_from_a_bound_the_guard_held_not_from_before_it():
+    sizer = staleness.LagSizer(2, 8)
+    for _ in range(10):
+        sizer.group(5.0)
+        sizer.step(0.5)
+    assert sizer.bound() == 8
+    bounds = []
+    for i in range(6):
+        sizer.group(5.0)
+        sizer.step(0.5)
+        if i < 3:
+            sizer.hold(1)  # tightened for three steps: below the floor, as the guard may go
+        bounds.append(sizer.bound())
+    assert bounds == [1, 1, 1, 2, 3, 4]  # then up one a step from the floor, never a jump back to 8

@@ -2,6 +2,9 @@
 
     with ui_server(run_dir) as (url, token): ...       # `rlbus ui RUN_DIR` on a free loopback port, stopped by pid
     page = new_page(chromium, errors)                   # console errors and page errors collected in `errors`
+    shot(page, path)                                    # a PNG of the page once its requests are done
+
+bench/screenshots.py drives the same browser outside pytest (`launch_chromium`), for docs/images/ui-*.png.
 
 Playwright's own browser download is not used: `chromium` launches the system Chromium (`apt-get install -y
 chromium`, which `make setup` does when it is missing). A machine without it fails these tests; it does not skip them.
@@ -33,9 +36,9 @@ def chromium_path() -> str:
     pytest.fail("no Chromium on this machine: `apt-get install -y chromium` (make setup installs it when missing)")
 
 
-@pytest.fixture(scope="module")
-def chromium() -> Iterator[Any]:
-    """A headless Chromium (module scope), driven by Playwright's sync API."""
+@contextlib.contextmanager
+def launch_chromium() -> Iterator[Any]:
+    """A headless Chromium, driven by Playwright's sync API."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
@@ -47,6 +50,13 @@ def chromium() -> Iterator[Any]:
             browser.close()
 
 
+@pytest.fixture(scope="module")
+def chromium() -> Iterator[Any]:
+    """A headless Chromium (module scope)."""
+    with launch_chromium() as browser:
+        yield browser
+
+
 def new_page(browser: Any, errors: list[str], width: int = 1400, height: int = 1000) -> Any:
     page = browser.new_page(viewport={"width": width, "height": height})
     page.on("console", lambda m: errors.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
@@ -54,14 +64,22 @@ def new_page(browser: Any, errors: list[str], width: int = 1400, height: int = 1
     return page
 
 
+def shot(page: Any, path: Path) -> None:
+    """A PNG of the viewport, taken once the page has no request in flight (its charts and tables drawn)."""
+    page.wait_for_load_state("networkidle")
+    page.screenshot(path=str(path))
+
+
 @contextlib.contextmanager
-def ui_server(run_dir: Path, timeout: float = 90.0) -> Iterator[tuple[str, str]]:
-    """`rlbus ui RUN_DIR` as a user starts it; yields (its address, the run's token)."""
+def ui_server(run_dir: Path, timeout: float = 90.0, log_path: Path | None = None) -> Iterator[tuple[str, str]]:
+    """`rlbus ui RUN_DIR` as a user starts it (from the repository root, RUN_DIR as given: the page shows it);
+    yields (its address, the run's token). Its output goes to `log_path` (default: ui-test.log beside RUN_DIR)."""
     from rlbus.cli.ui import ADDRESS_FILE, TOKEN_FILE
 
     address = run_dir / "ui" / ADDRESS_FILE
     address.unlink(missing_ok=True)
-    log = open(run_dir.parent / "ui-test.log", "ab")
+    log_path = log_path or run_dir.parent / "ui-test.log"
+    log = open(log_path, "ab")
     proc = subprocess.Popen([sys.executable, "-m", "rlbus.cli", "ui", str(run_dir), "--hide-token"], cwd=ROOT,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -69,7 +87,7 @@ def ui_server(run_dir: Path, timeout: float = 90.0) -> Iterator[tuple[str, str]]
         while not address.is_file():
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"rlbus ui did not start (exit {proc.poll()}):\n"
-                            + (run_dir.parent / "ui-test.log").read_text(errors="replace")[-3000:])
+                            + log_path.read_text(errors="replace")[-3000:])
             time.sleep(0.05)
         import json
 

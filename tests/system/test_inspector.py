@@ -1,8 +1,9 @@
 """`rlbus up --ui` on the tiny quickstart-style model (embedded NATS, local Ray, trainer and producer processes),
 watched in a real browser (Debian's Chromium, Playwright): the page is refused without the run's token, the run
 view advances while the run trains, the sample view shows the recorded tokens and masks of a trajectory, every view
-loads without console errors, and a what-if replay started from the page returns `rlbus replay`'s metrics. The
-screenshots in docs/images/ui-*.png are taken here, so the README shows what the inspector shows.
+loads without console errors, and a what-if replay started from the page returns `rlbus replay`'s metrics. Each
+view is also photographed, into the test's tmp_path; the screenshots in docs/images/ui-*.png come from a real
+quickstart run instead (bench/screenshots.py).
 
     .venv/bin/python -m pytest -q tests/system/test_inspector.py
 """
@@ -24,21 +25,15 @@ from tests.support.browser import (  # noqa: F401 (chromium: a fixture)
     new_page,
     replay_from_page,
     replay_on_the_command_line,
+    shot,
     ui_server,
 )
 from tests.support.runs import log_tail, small_run_config, start_role, stop, write_config
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
-IMAGES = ROOT / "docs" / "images"
 TOTAL = 30  # enough steps that the page sees the run train, not only its end
 REPLAYED = TOTAL - 3  # a step with a checkpoint before it (every 2 steps, 20 kept)
-
-
-def _shot(page: Any, name: str) -> None:
-    page.wait_for_load_state("networkidle")
-    page.screenshot(path=str(IMAGES / f"ui-{name}.png"))
 
 
 def test_the_inspector_follows_a_live_run_and_replays_a_step(chromium: Any, tmp_path: Path,  # noqa: F811
@@ -80,17 +75,19 @@ def test_the_inspector_follows_a_live_run_and_replays_a_step(chromium: Any, tmp_
         stop(up, signal.SIGKILL)
 
     # The finished run, opened again as a user would after the run (`rlbus ui RUN_DIR`).
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
     with ui_server(run_dir) as (url, token):
         page = new_page(chromium, errors)
         page.goto(f"{url}?token={token}")
         page.wait_for_function(f"+document.querySelector('#last-step').textContent === {TOTAL}")
         page.wait_for_selector("#chart .main-svg")
-        _shot(page, "run")
+        shot(page, shots / "ui-run.png")
 
         page.goto(url + "#samples")
         page.wait_for_selector("#page-range")
         assert page.inner_text("#page-range").endswith(f" of {TOTAL * 2 * 2}")  # groups_per_step 2, n 2
-        _shot(page, "samples")
+        shot(page, shots / "ui-samples.png")
 
         # A known trajectory, as the trainer's batch holds it: one with a tool call (its result masked out) if the
         # run made one, else the longest of the last step.
@@ -112,14 +109,14 @@ def test_the_inspector_follows_a_live_run_and_replays_a_step(chromium: Any, tmp_
         assert "".join(page.eval_on_selector_all(".tokens .tok", "xs => xs.map((x) => x.textContent)")).strip()
         page.hover(".tokens .tok[data-i='1']")
         assert f"id {ids[1]}" in page.inner_text("#tok-info")
-        _shot(page, "sample")
+        shot(page, shots / "ui-sample.png")
         page.goto(f"{url}#group/{sample_id}")
         page.wait_for_function("document.querySelectorAll('.side > div').length === 2")
-        _shot(page, "group")
+        shot(page, shots / "ui-group.png")
 
         page.goto(url + "#producers")
         page.wait_for_selector("#timeline .main-svg")
-        _shot(page, "producers")
+        shot(page, shots / "ui-producers.png")
 
         # Replay a step from the page with another LR; the same command on the command line says the same.
         page.goto(f"{url}#compare/{REPLAYED - 1}/{REPLAYED - 1}")
@@ -129,6 +126,6 @@ def test_the_inspector_follows_a_live_run_and_replays_a_step(chromium: Any, tmp_
         page.click("#cmp button")
         page.wait_for_selector(f"#replay-go:has-text('replay step {REPLAYED}')")
         shown = replay_from_page(page, "trainer.lr=3e-4")
-        _shot(page, "compare")
+        shot(page, shots / "ui-compare.png")
     assert shown == replay_on_the_command_line(run_dir, REPLAYED, ["trainer.lr=3e-4"], tmp_path / "replay.json")
     assert errors == []

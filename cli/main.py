@@ -17,10 +17,15 @@ def _load(args: argparse.Namespace):
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
+    from rlbus.cli.validate import CONFIG_ERROR_EXIT, config_errors
     from rlbus.schemas.config_io import to_yaml
 
-    print(to_yaml(_load(args)), end="")
-    return 0
+    cfg = _load(args)
+    print(to_yaml(cfg), end="")
+    errors = config_errors(cfg)  # what the schema cannot know: names, import paths, model directories
+    for e in errors:
+        print(f"rlbus: config error: {e}", file=sys.stderr)
+    return CONFIG_ERROR_EXIT if errors else 0
 
 
 def cmd_config_reference(args: argparse.Namespace) -> int:
@@ -84,9 +89,13 @@ def cmd_trainer(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from rlbus.cli.validate import check_config
+
+    cfg = _load(args)
+    check_config(cfg)  # a config error exits 2 here, before the bus, Ray or any role starts (and restarts)
     from rlbus.cli.launcher import main as up_main
 
-    return up_main(_load(args), entry=main, ui=args.ui)
+    return up_main(cfg, entry=main, ui=args.ui)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -240,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args = build_parser().parse_args(argv)
     from rlbus.cli.run_lock import hold_inherited
+    from rlbus.cli.validate import CONFIG_ERROR_EXIT
     from rlbus.schemas.errors import ConfigError
 
     hold_inherited()  # a role `rlbus up` started shares its run directory's lock until it exits
@@ -247,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except ConfigError as e:
         print(f"rlbus: config error: {e}", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR_EXIT
     except KeyboardInterrupt:
         return 130
 

@@ -219,5 +219,14 @@ def summary_table(run_dir: Path) -> Table:
     if evals:  # held-out accuracy: the first evaluation against the last
         table.add_row(f"eval/accuracy (step {evals[0]['step']} / {evals[-1]['step']})",
                       f"{evals[0]['eval/accuracy']:.3f}", f"{evals[-1]['eval/accuracy']:.3f}")
-    table.caption = f"{len(rows)} steps; metrics.jsonl, tensorboard/, curves.png, checkpoints/, final_model/"
+    table.caption = f"{len(rows)} steps; " + ", ".join(run_outputs(run_dir))
     return table
+
+
+#: What a run may write in its run directory, named in its closing summary when it is there.
+RUN_OUTPUTS = ("metrics.jsonl", "tensorboard/", "curves.png", "checkpoints/", "final_model/")
+
+
+def run_outputs(run_dir: Path) -> list[str]:
+    """The entries of RUN_OUTPUTS the run directory holds (logging.tensorboard / logging.plot false write none)."""
+    return [name for name in RUN_OUTPUTS if (run_dir / name.rstrip("/")).exists()]

@@ -26,6 +26,7 @@ from rich.text import Text
 from rlbus.common.data import DataError, example_to_task
 from rlbus.common.envs import env_type, load_tasks
 from rlbus.producers.agent_loops import Trajectory
+from rlbus.producers.agent_loops.tool import ToolAgentLoop
 from rlbus.producers.build import build_rollout
 from rlbus.schemas.config import RunConfig
 from rlbus.schemas.config_io import load_config
@@ -97,6 +98,16 @@ def _summary(results: list[tuple[Any, list[Any]]], seconds: float) -> Table:
     return table
 
 
+def tools_in_use(cfg: RunConfig, loop: Any, tools: dict[str, Any]) -> str:
+    """The tools the run's episodes can call: rollout.tools only under the tool loop, which calls them; a gym or
+    verifiers environment and an OpenAI agent bring their own, and a single-turn episode has none."""
+    if isinstance(loop, ToolAgentLoop):
+        return str(sorted(tools))
+    if env_type(cfg) in ("gym", "verifiers"):
+        return f"the {env_type(cfg)} environment's"
+    return "the agent's own" if cfg.rollout.agent_loop == "openai" else "none"
+
+
 async def run(cfg: RunConfig, *, num_prompts: int, seed: int, console: Console, tokens: bool = True) -> list:
     """Build everything the producer would, roll out `num_prompts` prompts, print them; returns (task, group)s."""
     stack = build_rollout(cfg, seed=seed)
@@ -107,7 +118,7 @@ async def run(cfg: RunConfig, *, num_prompts: int, seed: int, console: Console, 
     # Text, not markup: paths and tool lists hold square brackets that rich would read as style tags.
     console.print(Text.assemble(("rlbus rollout", "bold"),
                                 f": model {model_path}, env {env_type(cfg)}, tasks {dataset.name} ({len(dataset)}), "
-                                f"agent loop {type(loop).__name__}, tools {sorted(tools)}, "
+                                f"agent loop {type(loop).__name__}, tools {tools_in_use(cfg, loop, tools)}, "
                                 f"reward {cfg.rollout.reward if env_type(cfg) == 'data' else env_type(cfg)}, "
                                 f"n={cfg.rollout.n}"))
     results = []

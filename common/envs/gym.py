@@ -16,6 +16,8 @@ actions are text: Gymnasium's `Env` over `spaces.Text`, or any object with the s
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from typing import Any, Callable
 
 from rlbus.common.data.datasets import Example
@@ -35,6 +37,7 @@ def env_factory(cfg: GymEnvConfig) -> Callable[[], Any]:
         make = import_object(cfg.make, "env.make")
         if not callable(make):
             raise ConfigError("env.make", f"{cfg.make!r} is not callable")
+        _check_kwargs(cfg, make)
         return lambda: make(**cfg.kwargs)
     try:
         import gymnasium
@@ -42,8 +45,23 @@ def env_factory(cfg: GymEnvConfig) -> Callable[[], Any]:
         raise ConfigError("env.make", f"{cfg.make!r} is not 'pkg.module:fn', and a gymnasium id needs gymnasium: "
                                       "pip install 'rlbus[gym]'") from None
     if cfg.make not in gymnasium.registry:
-        raise ConfigError("env.make", f"gymnasium has no environment {cfg.make!r} registered")
+        near = difflib.get_close_matches(cfg.make, list(gymnasium.registry), n=3)
+        raise ConfigError("env.make", f"gymnasium has no environment {cfg.make!r} registered"
+                                      + (f" (did you mean {', '.join(near)}?)" if near else ""))
     return lambda: gymnasium.make(cfg.make, **cfg.kwargs)
+
+
+def _check_kwargs(cfg: GymEnvConfig, make: Callable[..., Any]) -> None:
+    """ConfigError naming env.kwargs when `make` cannot be called with them (an argument it does not take, one it
+    needs and is not given): said when the config is checked, not when the first episode starts."""
+    try:
+        signature = inspect.signature(make)
+    except (TypeError, ValueError):  # a builtin without a signature: the call itself will say
+        return
+    try:
+        signature.bind(**cfg.kwargs)
+    except TypeError as e:
+        raise ConfigError("env.kwargs", f"{cfg.make!r}: {e}") from None
 
 
 def observation_text(obs: Any, where: str) -> str:

@@ -28,6 +28,8 @@ included, with the puzzles pycosat makes. Code that calls reasoning-gym's own AP
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import importlib
 import json
 import math
@@ -93,23 +95,63 @@ def _task_seed(cfg: ReasoningGymEnvConfig, position: int, split: str) -> int:
     return cfg.seed + 7919 * position + (HELDOUT_SEED_OFFSET if split == "heldout" else 0)
 
 
+def task_errors(cfg: ReasoningGymEnvConfig) -> list[ConfigError]:
+    """What is wrong with `env.tasks`, each error naming its task by position: a name reasoning-gym does not have,
+    a generator setting its task does not take, or settings its config refuses. The config of each task is built
+    and validated as `reasoning_gym.create_dataset` does, at the task's own seed and size, without generating a
+    question (microseconds); `rlbus config show`, `rlbus up`, the feeder and the scorer all check with it."""
+    import_reasoning_gym()
+    from reasoning_gym.factory import DATASETS
+
+    errors = []
+    for pos, (task, size) in enumerate(zip(cfg.tasks, _task_sizes(cfg, cfg.size))):
+        at = f"env.tasks[{pos}]"
+        if task.name not in DATASETS:
+            near = difflib.get_close_matches(task.name, DATASETS, n=4)
+            hint = (f"did you mean {', '.join(near)}?" if near else
+                    f"its {len(DATASETS)} tasks include {', '.join(sorted(DATASETS)[:6])}, ...: "
+                    "reasoning_gym.factory.DATASETS lists them")
+            errors.append(ConfigError(f"{at}.name", f"reasoning-gym has no task {task.name!r} ({hint})"))
+            continue
+        config_cls = DATASETS[task.name][1]
+        settings = sorted(f.name for f in dataclasses.fields(config_cls) if f.name not in ("seed", "size"))
+        unknown = [key for key in task.config if key not in settings]
+        for key in unknown:
+            near = difflib.get_close_matches(key, settings, n=1)
+            errors.append(ConfigError(f"{at}.config.{key}", f"{task.name} has no setting {key!r}"
+                                      + (f" (did you mean {near[0]}?)" if near else "")
+                                      + f"; its settings: {', '.join(settings) or 'none'}"))
+        if unknown:
+            continue
+        try:
+            config = config_cls(**task.config, seed=_task_seed(cfg, pos, "train"), size=size)
+            if hasattr(config, "validate"):
+                config.validate()
+        except (TypeError, ValueError, AssertionError) as e:  # a value out of range, of the wrong type
+            errors.append(ConfigError(f"{at}.config", f"{task.name}: {type(e).__name__}: {e}"))
+    return errors
+
+
+def check_tasks(cfg: ReasoningGymEnvConfig) -> None:
+    """Raise the first of `task_errors(cfg)`."""
+    errors = task_errors(cfg)
+    if errors:
+        raise errors[0]
+
+
 @lru_cache(maxsize=64)
 def _dataset(name: str, config_json: str, seed: int, size: int) -> Any:
     rg = import_reasoning_gym()
-    from reasoning_gym.factory import DATASETS
+    return rg.create_dataset(name, seed=seed, size=size, **json.loads(config_json))
 
-    if name not in DATASETS:
-        near = sorted(n for n in DATASETS if n[:3] == name[:3]) or sorted(DATASETS)[:10]
-        raise ConfigError("env.tasks", f"reasoning-gym has no task {name!r} (e.g. {', '.join(near)})")
+
+def task_dataset(task: ReasoningGymTask, position: int, seed: int, size: int) -> Any:
+    """The reasoning-gym data set of the task at `position` of env.tasks, at `seed` and `size` (its generator
+    settings from the config, checked first by `check_tasks`)."""
     try:
-        return rg.create_dataset(name, seed=seed, size=size, **json.loads(config_json))
-    except (TypeError, ValueError, AssertionError) as e:  # an unknown or out-of-range generator setting
-        raise ConfigError(f"env.tasks.{name}.config", f"{type(e).__name__}: {e}") from None
-
-
-def task_dataset(task: ReasoningGymTask, seed: int, size: int) -> Any:
-    """The reasoning-gym data set of one task at `seed` and `size` (its generator settings from the config)."""
-    return _dataset(task.name, json.dumps(task.config, sort_keys=True), seed, size)
+        return _dataset(task.name, json.dumps(task.config, sort_keys=True), seed, size)
+    except (TypeError, ValueError, AssertionError) as e:  # settings its config takes but its generator refuses
+        raise ConfigError(f"env.tasks[{position}].config", f"{task.name}: {type(e).__name__}: {e}") from None
 
 
 def _prompt(cfg: ReasoningGymEnvConfig, question: str) -> list[ChatMessage]:
@@ -122,7 +164,7 @@ def _split(cfg: ReasoningGymEnvConfig, split: str, total: int) -> list[tuple[int
     """Per task, the size its data set is generated at and the (index, entry) pairs of the split."""
     out = []
     for pos, (task, size) in enumerate(zip(cfg.tasks, _task_sizes(cfg, total))):
-        ds = task_dataset(task, _task_seed(cfg, pos, split), size)
+        ds = task_dataset(task, pos, _task_seed(cfg, pos, split), size)
         out.append((size, [(i, ds[i]) for i in range(size)]))
     return out
 
@@ -132,17 +174,19 @@ def examples(cfg: ReasoningGymEnvConfig, split: str = "train", num: int = 0) -> 
     none of whose questions is in the training split."""
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be train or heldout, not {split!r}")
+    check_tasks(cfg)
     if split == "train":
         per_task = _split(cfg, "train", cfg.size)
     else:
         seen = {entry["question"] for _, entries in _split(cfg, "train", cfg.size) for _, entry in entries}
         per_task = [(size, [(i, e) for i, e in entries if e["question"] not in seen])
                     for size, entries in _split(cfg, "heldout", num)]
-        for task, (size, entries) in zip(cfg.tasks, per_task):
+        for pos, (task, (size, entries)) in enumerate(zip(cfg.tasks, per_task)):
             if not entries:  # a generator with few distinct questions at these settings: training has them all
-                raise ConfigError(f"env.tasks.{task.name}.config",
-                                  f"no held-out question: all {size} generated for the evaluator are in the training "
-                                  f"split (env.size {cfg.size}); widen the generator's settings or lower env.size")
+                raise ConfigError(f"env.tasks[{pos}].config",
+                                  f"{task.name}: no held-out question: all {size} generated for the evaluator are in "
+                                  f"the training split (env.size {cfg.size}); widen the generator's settings or lower "
+                                  "env.size")
     out: list[Example] = []
     longest = max(len(entries) for _, entries in per_task)
     for k in range(longest):  # interleaved task by task (the feeder shuffles them again)
@@ -190,7 +234,7 @@ class ReasoningGymScorer:
     """Scores a response to a released reasoning-gym task with the data set that generated it."""
 
     def __init__(self, cfg: ReasoningGymEnvConfig, format_reward: float = 0.0):
-        import_reasoning_gym()
+        check_tasks(cfg)  # a producer with a task reasoning-gym does not have fails at start, not at its first score
         self.cfg = cfg
         self.format_reward = format_reward
 
@@ -205,7 +249,7 @@ class ReasoningGymScorer:
         if not 0 <= pos < len(self.cfg.tasks) or self.cfg.tasks[pos].name != info.get("rg_task"):
             raise TaskMismatch(f"task {task.task_id} is of reasoning-gym task {info.get('rg_task')!r}, which this "
                                "producer's env.tasks does not have at that position (configs differ?)")
-        ds = task_dataset(self.cfg.tasks[pos], _task_seed(self.cfg, pos, split), size)
+        ds = task_dataset(self.cfg.tasks[pos], pos, _task_seed(self.cfg, pos, split), size)
         entry = ds[index]
         if str(entry["answer"]) != task.ground_truth:
             raise TaskMismatch(f"task {task.task_id}: this producer's reasoning-gym generates answer "

@@ -37,6 +37,11 @@ def _overrides(model_dir: str) -> list[str]:
     return [f"model.path={model_dir}", "model.init_if_missing=false", "rollout.n=2", "rollout.engine.max_batch_size=4"]
 
 
+def _header(out: str) -> str:
+    """The first line `rlbus rollout` prints, up to its reward, as one line however the console wrapped it."""
+    return " ".join(out.split()).split(", reward ", 1)[0]
+
+
 def test_rollout_prints_trajectories_with_rewards(model_dir: str, capsys) -> None:
     from rlbus.cli.main import main as rlbus_main
 
@@ -44,6 +49,7 @@ def test_rollout_prints_trajectories_with_rewards(model_dir: str, capsys) -> Non
     rc = rlbus_main(["rollout", QUICKSTART, *_overrides(model_dir), "--num-prompts", "2", "--seed", "1"])
     out = capsys.readouterr().out
     assert rc == 0
+    assert "tools ['calculator']" in _header(out)  # the tool loop calls rollout.tools
     assert "prompt 1/2" in out and "prompt 2/2" in out
     assert out.count("sample 0") == 2 and out.count("sample 1") == 2
     assert out.count("reward ") >= 4 and "rollout summary" in out and "mean reward" in out
@@ -93,3 +99,18 @@ def test_rollout_reports_bad_data_and_config(model_dir: str, tmp_path: Path, cap
     assert rc == 2 and "missing.jsonl" in capsys.readouterr().err
     rc = main([QUICKSTART, *_overrides(model_dir), "rollout.tools=[no_such_pkg:TOOL]"])
     assert rc == 2 and "rollout.tools" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("overrides", "tools"), [
+    (["env.type=gym", "env.make=tests.fixtures.text_games:GuessNumber", "env.num_tasks=4"], "the gym environment's"),
+    (["rollout.agent_loop=single_turn"], "none"),
+], ids=["gym", "single-turn"])
+def test_the_header_lists_the_tools_the_run_uses(model_dir: str, overrides: list[str], tools: str, capsys) -> None:
+    # The quickstart's rollout.tools (calculator) stays in the config; the gym environment and a single turn
+    # call no tool of it, so the header must not name it.
+    rc = main([QUICKSTART, *_overrides(model_dir), *overrides, "rollout.max_turns=1", "--num-prompts", "1",
+               "--no-tokens"])
+    header = _header(capsys.readouterr().out)
+    assert rc == 0
+    assert header.endswith(f"tools {tools}") and "'calculator'" not in header
+

@@ -62,7 +62,7 @@ def test_a_task_whose_every_held_out_question_is_in_training_is_a_config_error()
     cfg = _cfg([{"name": "gcd"}, {"name": "count_bits", "config": {"max_n": 7}}], size=200)
     with pytest.raises(ConfigError) as e:
         load_heldout_tasks(cfg, 40)
-    assert e.value.field == "env.tasks.count_bits.config" and "no held-out question" in str(e.value)
+    assert e.value.field == "env.tasks[1].config" and "no held-out question" in str(e.value)
 
 
 async def test_each_task_is_scored_by_its_own_scorer_with_the_format_reward():
@@ -98,13 +98,22 @@ async def test_a_task_the_producer_generates_differently_is_not_scored():
 
 @pytest.mark.parametrize(
     ("tasks", "field"),
-    [([{"name": "no_such_task"}], "env.tasks"), ([{"name": "gcd", "config": {"max_valu": 3}}], "env.tasks.gcd.config"),
+    [([{"name": "gcd"}, {"name": "no_such_task"}], "env.tasks[1].name"),
+     ([{"name": "gcd", "config": {"max_valu": 3}}], "env.tasks[0].config.max_valu"),
+     ([{"name": "gcd", "config": {"min_value": 9, "max_value": 3}}], "env.tasks[0].config"),
      ([{"name": "gcd", "config": {"seed": 3}}], "env.tasks"), ([], "env.tasks")],
 )
 def test_bad_task_settings_are_config_errors_naming_the_key(tasks, field):
     with pytest.raises(ConfigError) as e:
         load_tasks(_cfg(tasks))
     assert e.value.field.startswith(field), e.value
+
+
+def test_a_producer_with_a_task_reasoning_gym_lacks_fails_at_start():
+    # The scorer checks the tasks when it is made (the producer's start), not at the first response it scores.
+    with pytest.raises(ConfigError) as e:
+        env_reward(_cfg([{"name": "gcd"}, {"name": "gcdd"}]))
+    assert e.value.field == "env.tasks[1].name" and "did you mean gcd" in str(e.value)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("pycosat") is not None, reason="pycosat is installed here")

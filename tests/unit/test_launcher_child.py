@@ -1,4 +1,4 @@
-"""cli/launcher.py's Child: a role's leftovers end with it.
+"""cli/child.py's Child: a role's leftovers end with it.
 
 A role runs in its own session; what it started and did not take down with it (a vLLM engine core whose producer
 was killed while starting it) must not outlive it: the launcher SIGKILLs the rest of the role's process group when
@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from rlbus.cli.launcher import Child
+from rlbus.cli.child import Child
 
 #: A role that starts a long-lived child of its own (in its process group), writes the child's pid, and then waits
 #: (or, with "exit", exits at once without taking the child down).

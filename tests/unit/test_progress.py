@@ -37,3 +37,16 @@ def test_summary_has_the_clip_fraction(tmp_path):
     console = Console(width=160, force_terminal=False)
     text = _render(console, summary_table(tmp_path))
     assert "actor/clipfrac" in text and "0.030" in text and "0.105" in text  # first 5 mean, last 10 mean
+
+
+def test_the_closing_summary_names_only_what_the_run_wrote(tmp_path):
+    # logging.tensorboard=false and logging.plot=false write neither tensorboard/ nor curves.png: not named.
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "final_model").mkdir()
+    table = summary_table(tmp_path)
+    assert table.caption == "1 steps; metrics.jsonl, checkpoints/, final_model/"
+    (tmp_path / "tensorboard").mkdir()
+    (tmp_path / "curves.png").write_bytes(b"")
+    caption = summary_table(tmp_path).caption
+    assert caption.endswith("metrics.jsonl, tensorboard/, curves.png, checkpoints/, final_model/")

@@ -102,6 +102,9 @@ def histogram(lags: Iterable[int]) -> dict[int, int]:
 
 #: Groups and steps the lag sizer remembers (its measurements are of the recent past).
 LAG_WINDOW = 32
+#: The share of the KL budget (guard.max_mismatch_kl) above which a latency lag steps down instead of up: the lag
+#: settles where its tokens' mismatch stays under half of what the guard would act on.
+KL_BACKOFF = 0.5
 
 
 class LagSizer:
@@ -123,7 +126,10 @@ class LagSizer:
     (the quickstart's calculator answers in microseconds) keeps max_staleness. Tokens generated after a wait are on
     fresh weights (each turn is a new engine call, and producers load new weights between calls), so only the
     tokens before it are old, and the decoupled PPO objective (proximal log-probs recomputed by the trainer,
-    truncated importance weights) corrects for them; the stability guard still lowers the bound while it tightens.
+    truncated importance weights) corrects for them, as far as their policy is close to the proximal one: while the
+    step's mismatch KL is over half the guard's `max_mismatch_kl` the bound steps down instead of up, so it settles
+    where the correction holds rather than climbing into the guard. The guard's tightening, if it still comes, holds
+    the bound down (`hold`), and it climbs back from there.
     Pure: the trainer feeds it measurements and reads `bound()`.
     """
 
@@ -133,8 +139,9 @@ class LagSizer:
     _steps: list[float]
     _bound: int  # the bound in force
 
-    def __init__(self, floor: int, ceiling: int):
+    def __init__(self, floor: int, ceiling: int, *, kl_budget: float = math.inf):
         self.floor, self.ceiling = floor, max(floor, ceiling)
+        self.kl_budget = kl_budget
         self._waits, self._steps = [], []
         self._bound = floor
 
@@ -142,13 +149,16 @@ class LagSizer:
         """A group arrived whose slowest sample spent `wait_s` seconds outside generation."""
         self._waits = (self._waits + [wait_s])[-LAG_WINDOW:]
 
-    def step(self, work_s: float) -> None:
-        """The trainer's own work on a step took `work_s` seconds; the bound moves towards what the waits need, up
-        by at most one a step (a policy that moves fast early in a run meets old tokens gradually, not all at once:
-        a jump from 2 to 16 between two steps would hand the trainer groups 14 versions older than any it had
-        corrected for), down at once."""
+    def step(self, work_s: float, mismatch_kl: float = math.nan) -> None:
+        """The trainer's own work on a step took `work_s` seconds, and its tokens' behaviour policy was
+        `mismatch_kl` (KL, k3) from the proximal one. The bound moves towards what the waits need, up by at most one
+        a step (a policy that moves fast early in a run meets old tokens gradually, not all at once: a jump from 2
+        to 16 between two steps would hand the trainer groups 14 versions older than any it had corrected for), down
+        at once; and while the mismatch is over half of `kl_budget` (the guard's `max_mismatch_kl`) it steps down by
+        one instead of up: lag past what the off-policy correction handles costs more than the wait it hides."""
         self._steps = (self._steps + [work_s])[-LAG_WINDOW:]
-        self._bound = max(self.floor, min(self.need(), self._bound + 1))
+        move = -1 if mismatch_kl > KL_BACKOFF * self.kl_budget else 1
+        self._bound = max(self.floor, min(self.need(), self._bound + move))
 
     def hold(self, bound: int) -> None:
         """Something else (the stability guard's tightening) holds the bound at `bound` for now: when it lets go, the

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
 import socket
@@ -100,7 +101,8 @@ class TrainerService:
         self._evals = {}
         self._incarnation = uuid.uuid4().hex[:12]
         self.guard = StabilityGuard(cfg.guard, cfg.trainer)
-        self.lag = LagSizer(cfg.trainer.max_staleness, cfg.trainer.max_staleness_for_latency)
+        self.lag = LagSizer(cfg.trainer.max_staleness, cfg.trainer.max_staleness_for_latency,
+                            kl_budget=cfg.guard.max_mismatch_kl)
         self._step_groups = {}
 
     async def start(self) -> None:
@@ -267,7 +269,7 @@ class TrainerService:
         row["perf/peak_rss_gb"] = max(row.get("perf/peak_rss_gb", 0.0), peak_rss_bytes() / 1024**3)
         row["step"], row["version"] = self.step, self.version
         row["time/step"] = time.perf_counter() - t_step
-        self.lag.step(row["time/step"])
+        self.lag.step(row["time/step"], row.get("mismatch/kl_k3", math.nan))
         row["staleness/bound"] = float(self.staleness_bound(self.step + 1))
         row["perf/tokens_per_s"] = row.pop("_tokens") / max(row["time/step"], 1e-9)
         verdict = self.guard.observe(self.step, row)

@@ -135,3 +135,16 @@ def test_the_lag_sizer_climbs_back_from_a_bound_the_guard_held_not_from_before_i
             sizer.hold(1)  # tightened for three steps: below the floor, as the guard may go
         bounds.append(sizer.bound())
     assert bounds == [1, 1, 1, 2, 3, 4]  # then up one a step from the floor, never a jump back to 8
+
+
+def test_the_lag_steps_down_while_its_tokens_mismatch_more_than_half_the_kl_budget():
+    sizer = staleness.LagSizer(2, 16, kl_budget=0.1)
+    bounds = []
+    for i in range(30):
+        sizer.group(10.0)  # waits that would need the ceiling
+        # the mismatch grows with the lag: 0.01 per version of it
+        sizer.step(0.5, 0.01 * sizer.bound())
+        bounds.append(sizer.bound())
+    assert max(bounds) <= 6 and bounds[-1] in (4, 5, 6)  # settles where the KL is about half the budget (0.05)
+    sizer.step(0.5, float("nan"))  # no measure: climbs as before
+    assert sizer.bound() == bounds[-1] + 1

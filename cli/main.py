@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     cfg = sub.add_parser("config", help="inspect run configs")
     cfg_sub = cfg.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     with_config(cfg_sub.add_parser("show", help="print the resolved config")).set_defaults(func=cmd_config_show)
+    from rlbus.cli.prompts import add_parser as add_prompts_parser
+
+    add_prompts_parser(cfg_sub, with_config)
     cfg_sub.add_parser("reference", help="print every config key with its default and meaning (Markdown)"
                        ).set_defaults(func=cmd_config_reference)
 

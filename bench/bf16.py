@@ -37,7 +37,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 import torch  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
-from bench.common import machine, machine_line, write_section  # noqa: E402
+from bench.common import machine, write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "bf16.json"
@@ -262,63 +262,43 @@ def vllm_part(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def docs_section(res: dict[str, Any]) -> str:
+    """The `## bf16 on CPU` section: one row per measurement, bf16 (or the fused kernel) against float32 (or
+    foreach), each pair measured in one process, taking turns; the per-part details are in the results file."""
     loads = ", ".join(f"{part} {res[f'machine_{part}']['load_avg_1m']}" for part in ("trainer", "optim", "vllm")
                       if f"machine_{part}" in res)
     mach = next(res[k] for k in ("machine_trainer", "machine_optim", "machine_vllm") if k in res)
-    lines = [HEADING, "", f"`.venv/bin/python bench/bf16.py --part trainer|optim|vllm`, each part alone under "
-             f"`flock /tmp/rlbus-heavy.lock`; every float32 / bf16 pair measured in one process, taking turns. "
-             f"{machine_line(mach)} (`nproc` {mach['nproc']}; 1-minute load per part: {loads}.)"]  # fmt: skip
-    tr = res.get("trainer", {})
-    if tr:
-        lines += ["", "**Trainer step** (`trainer.mixed_precision: bf16` = bf16 autocast around the forward; float32 "
-                  "master weights, gradients, AdamW state, output head and log-probs). One batch of the model's own "
-                  "samples (temperature 1), GRPO groups of 4, one micro-batch, decoupled PPO; forward + backward + "
-                  "AdamW, median of the timed steps (min-max):", "",
-                  "| model | batch (seqs / tokens / response) | float32 step | bf16 step | speedup | log-prob "
-                  "bf16 vs f32: max / mean abs | mismatch KL k3 |", "|---|---|---|---|---|---|---|"]
-        for name, r in tr.items():
-            s, b, lp = r["step_s"], r["batch"], r["logprob_bf16_vs_f32"]
-            lines.append(f"| {r['model']} ({r['num_params'] / 1e6:.1f}M) | {b['sequences']} / {b['tokens']} / "
-                         f"{b['response_tokens']} | {s['none']['median']:.2f} s ({s['none']['min']:.2f}-"
-                         f"{s['none']['max']:.2f}) | {s['bf16']['median']:.2f} s ({s['bf16']['min']:.2f}-"
-                         f"{s['bf16']['max']:.2f}) | {r['speedup']:.2f}x | {lp['max_abs']:.3f} / {lp['mean_abs']:.4f} "
-                         f"| {lp['kl_k3']:.1e} |")
-        lines += ["", "Learning: after the steps above (same batch, same lr), each trained model's log-probs of the "
-                  "batch, scored by the float32 engine: how far each run moved from the initial model (mean abs) and "
-                  "how far apart the two runs ended:", "",
-                  "| model | lr x steps | f32 run moved | bf16 run moved | bf16 run vs f32 run | pg_loss last step "
-                  "f32 / bf16 |", "|---|---|---|---|---|---|"]
-        for name, r in tr.items():
-            le, m = r["learning"], r["metrics"]
-            lines.append(f"| {r['model']} | {r['lr']:g} x {r['timed_steps'] + 1} | {le['moved_f32']['mean_abs']:.4f} "
-                         f"| {le['moved_bf16']['mean_abs']:.4f} | {le['trained_bf16_vs_f32']['mean_abs']:.4f} | "
-                         f"{m['none'][-1]['actor/pg_loss']:.4f} / {m['bf16'][-1]['actor/pg_loss']:.4f} |")
+    lines = [HEADING, "",
+             "`trainer.mixed_precision: bf16` (bf16 autocast around the forward; float32 master weights, gradients, "
+             "AdamW state, output head and log-probs), `trainer.fused_optimizer` and vLLM's `rollout.engine.dtype`, "
+             "each against float32 (or the foreach AdamW kernel) in one process, taking turns. Command: "
+             "`python bench/bf16.py --part trainer|optim|vllm`, each part alone under `flock /tmp/rlbus-heavy.lock`. "
+             f"Machine: {mach['cpu_model']}, {mach['cores']} cores, torch {mach['torch']}; 1-minute load per part: "
+             f"{loads}. Medians (vLLM: means over rounds); every step's time and the ranges: "
+             "`bench/results/bf16.json`.",
+             "",
+             "| measure | float32 (foreach) | bf16 (fused) | speedup | bf16 against float32 |", "|---|---|---|---|---|"]
+    for r in res.get("trainer", {}).values():
+        st, b, lp, le = r["step_s"], r["batch"], r["logprob_bf16_vs_f32"], r["learning"]
+        lines.append(f"| trainer step, {r['model']} ({r['num_params'] / 1e6:.1f}M; {b['sequences']} sequences, "
+                     f"{b['tokens']} tokens) | {st['none']['median']:.2f} s | {st['bf16']['median']:.2f} s | "
+                     f"{r['speedup']:.2f}x | log-probs mean abs {lp['mean_abs']:.4f}, KL k3 {lp['kl_k3']:.1e}; after "
+                     f"{r['timed_steps'] + 1} updates the runs moved {le['moved_f32']['mean_abs']:.4f} and "
+                     f"{le['moved_bf16']['mean_abs']:.4f}, ending {le['trained_bf16_vs_f32']['mean_abs']:.4f} apart |")
     op = res.get("optim", {})
-    if op:
-        lines += ["", f"**AdamW step** over SmolLM2's {op['num_params'] / 1e6:.1f}M parameters (random gradients), "
-                  "`fused=True` against the default foreach kernel, median (min-max):", "",
-                  "| parameters | foreach | fused | speedup |", "|---|---|---|---|"]
-        for key in ("fsdp2", "plain"):
-            o = op[key]
-            lines.append(f"| {'FSDP2 DTensors, world 1 (as the trainer)' if key == 'fsdp2' else 'plain tensors'} | "
-                         f"{o['foreach']['median'] * 1e3:.0f} ms ({o['foreach']['min'] * 1e3:.0f}-"
-                         f"{o['foreach']['max'] * 1e3:.0f}) | {o['fused']['median'] * 1e3:.0f} ms "
-                         f"({o['fused']['min'] * 1e3:.0f}-{o['fused']['max'] * 1e3:.0f}) | {o['speedup']:.2f}x |")
+    for key in ("fsdp2", "plain") if op else ():
+        o = op[key]
+        lines.append(f"| AdamW step, {op['num_params'] / 1e6:.1f}M parameters "
+                     f"({'FSDP2 DTensors, as the trainer' if key == 'fsdp2' else 'plain tensors'}) | "
+                     f"{o['foreach']['median'] * 1e3:.0f} ms | {o['fused']['median'] * 1e3:.0f} ms | "
+                     f"{o['speedup']:.2f}x | |")
     vl = res.get("vllm", {})
     if vl:
-        lines += ["", f"**vLLM engine** (`rollout.engine.dtype`), {vl['model']}, {vl['concurrency']} concurrent "
-                  f"requests x {vl['max_new_tokens']} new tokens, temperature 1 (the rlbus path of "
-                  "bench/vllm_engine.py), generated tokens/s (mean over rounds +- half the range); the sampled "
-                  "tokens' log-probs against the trainer's recomputed ones (float32 trainer, and bf16 trainer):", "",
-                  "| engine dtype | tokens/s | engine start | vs f32 trainer: max / mean abs, KL k3 | vs bf16 trainer: "
-                  "max / mean abs, KL k3 |", "|---|---|---|---|---|"]
-        for dtype in ("float32", "bfloat16"):
-            v = vl[dtype]
-            a, b = v["vs_trainer_none"], v["vs_trainer_bf16"]
-            lines.append(f"| {dtype} | {v['tokens_per_s']:.0f} +- {v['spread']:.0f} | {v['start_s']:.0f} s | "
-                         f"{a['max_abs']:.3f} / {a['mean_abs']:.4f}, {a['kl_k3']:.1e} | {b['max_abs']:.3f} / "
-                         f"{b['mean_abs']:.4f}, {b['kl_k3']:.1e} |")
-        lines += ["", f"bfloat16 / float32 generation: {vl['speedup']:.2f}x."]
+        f32, b16 = vl["float32"], vl["bfloat16"]
+        a = b16["vs_trainer_none"]
+        lines.append(f"| vLLM generation, {vl['model']}, {vl['concurrency']} requests x {vl['max_new_tokens']} "
+                     f"tokens | {f32['tokens_per_s']:.0f} tokens/s | {b16['tokens_per_s']:.0f} tokens/s | "
+                     f"{vl['speedup']:.2f}x | log-probs against the float32 trainer's: mean abs {a['mean_abs']:.4f}, "
+                     f"KL k3 {a['kl_k3']:.1e} (float32 engine: {f32['vs_trainer_none']['kl_k3']:.0e}) |")
     return "\n".join(lines) + "\n"
 
 

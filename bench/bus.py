@@ -183,9 +183,11 @@ def bus_section(res: dict[str, Any], mach: dict[str, Any], command: str) -> str:
             f"{res['payload_bytes']} bytes msgpack) per second, end to end: publish (JetStream ack, Nats-Msg-Id) -> "
             "file-backed stream -> pull (fetch batch "
             f"{res['batch']}) -> decode -> double ack; publisher and consumer concurrent on one event loop. "
-            "`raw` is nats-py with the same bytes, header and ack mode, without decoding.",
-            "",
-            f"Command: `{command}`",
+            "`raw` is nats-py with the same bytes, header and ack mode, without decoding. Both wait for each ack: "
+            "these are the rates of one sequential producer and one consumer. "
+            f"Command: `{command}`. "
+            f"Machine: {mach['cpu_model']}, {mach['cores']} cores shared with other work; {mach['event_loop']}; "
+            f"{mach['nats_server']}; nats-py {mach['nats_py']}; msgspec {mach['msgspec']}.",
             "",
             "| path | events/s (median of rounds) | client CPU us/event (median) | events/s per round |",
             "|---|---:|---:|---|",
@@ -195,19 +197,8 @@ def bus_section(res: dict[str, Any], mach: dict[str, Any], command: str) -> str:
             f"{', '.join(f'{x:,.0f}' for x in res['rlbus_rounds'])} |",
             "",
             f"Ratio rlbus/raw: **{res['ratio']:.2f}** ({verdict} the {TARGET_RATIO} target); {res['events']} events "
-            f"per round, {res['rounds']} rounds alternating raw and rlbus.",
-            "",
-            f"Machine: {mach['cpu_model']}, {mach['cores']} cores visible (shared with other work while measured); "
-            f"{mach['platform']}; Python {mach['python']}, {mach['event_loop']}; {mach['nats_server']}; "
-            f"nats-py {mach['nats_py']}; msgspec {mach['msgspec']}.",
-            "",
-            "Wall-clock rates on a shared machine swing by tens of percent between rounds (see the per-round "
-            "column), and the ratio between whole runs with them; the client CPU column is the steadier "
-            "measure of what the rlbus layer adds (encode, typed decode, the Delivery wrapper).",
-            "",
-            "Both paths are bound by round trips (each publish waits for its JetStream ack, each ack for its "
-            "confirmation), so these rates are latency figures of one sequential producer and one consumer; more "
-            "producers or consumers scale them until the server's disk or CPU saturates.",
+            f"per round, {res['rounds']} rounds alternating raw and rlbus. Rates swing by tens of percent between "
+            "rounds on a shared machine; the client CPU column is the steadier measure of what the rlbus layer adds.",
             "",
         ]
     )

@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import json
 import logging
+import shlex
 import statistics
 import sys
 import time
@@ -254,6 +255,38 @@ HF engine's batcher when they arrive together).
 """
 
 
+def docs_section(res: dict, command: str) -> str:
+    """The docs page's section: the endpoint's cost per call, streamed and in a rollout, in one table (`markdown`,
+    printed on the console, has each measurement's own table)."""
+    c, r, st, a = res["calls"], res["rollouts"], res["stream"], res["args"]
+    rows = [
+        (f"overhead per call ({a['calls']} chat calls of {c['prompt_tokens']} prompt tokens, up to {a['max_tokens']} "
+         "new, one at a time, medians)",
+         f"**{c['overhead_ms']:.1f} ms** (p90 {c['overhead_p90_ms']:.1f}), "
+         f"{c['overhead_ms'] / c['endpoint_engine_ms']:.1%} of the engine's time in the call"),
+        (f"first content delta, `stream: true` ({st['calls']} prose calls, alternating)",
+         f"**{st['first_delta_ms']:.0f} ms** (p90 {st['first_delta_p90_ms']:.0f}); unstreamed, the whole reply: "
+         f"{st['plain_ms']:.0f} ms"),
+        ("a streamed call in all, against unstreamed", f"{st['stream_ms'] / st['plain_ms']:.2f}x "
+         f"({st['deltas_per_call']:.1f} deltas for {st['stream_tokens']:.0f} tokens)"),
+        (f"the endpoint's share of the calculator agent's rollout time ({r['openai']['groups']} groups of n={a['n']})",
+         f"**{r['endpoint_share']:.1%}** (goal: under 5%)"),
+        ("generated tokens/s, openai agent / built-in tool loop",
+         f"{r['openai']['tokens_per_s'] / r['tool']['tokens_per_s']:.2f}"),
+    ]
+    return "\n".join([
+        "## OpenAI endpoint", "",
+        "The producer's OpenAI-compatible endpoint (`rollout.agent_loop: openai`, producers/endpoint.py) against "
+        f"calling the engine directly, on {res['model']} with the HF engine, {a['threads']} torch thread(s). "
+        "Overhead = the `openai` client's latency minus the engine's time inside the call (HTTP on loopback, JSON, "
+        f"the chat template, the capture, the client's parsing). Command: `{command}`. {machine_line(res['machine'])}",
+        "",
+        "| measure | value |", "|---|---|",
+        *[f"| {k} | {v} |" for k, v in rows], "",
+        "Every call's and rollout's figures: `bench/results/endpoint.json`.", "",
+    ])
+
+
 async def main_async(args) -> dict:
     cfg = load_config(
         ROOT / "configs" / "smollm2_calculator.yaml",
@@ -316,10 +349,10 @@ def main() -> None:
     res = asyncio.run(main_async(args))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(res, indent=2))
-    text = markdown(res, args)
-    print(text)
+    print(markdown(res, args))
     if args.docs:
-        write_section("## OpenAI endpoint", text, Path(args.docs))
+        command = shlex.join(["python", "bench/endpoint.py", *sys.argv[1:]])
+        write_section("## OpenAI endpoint", docs_section(res, command), Path(args.docs))
 
 
 if __name__ == "__main__":

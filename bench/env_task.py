@@ -99,8 +99,8 @@ def report(d: dict) -> str:
         (f"`{d['command']}`: `rlbus up {d['config']}` once per seed, each from scratch; a seed sets `trainer.seed` "
          "and `feeder.seed`, the held-out questions are the same for every seed, and producers' sampling is not "
          "seeded. Accuracy is the share of right answers among the evaluator's samples of each held-out question "
-         "at the training temperature."), "",
-        (f"Machine: {d['machine']['cpu_model']}, {d['machine']['cores']} cores, 1-minute load "
+         "at the training temperature. "
+         f"Machine: {d['machine']['cpu_model']}, {d['machine']['cores']} cores, 1-minute load "
          f"{d['machine']['load_avg_1m']} at the start (trainer, producers and evaluator share the cores); rlbus at `{d['commit']}`, {d['date']}; config overrides: "
          f"{' '.join(d['overrides']) or 'none'}."), "",
         "| seed | " + " | ".join(f"v{v}" for v in versions) + " | gain | pass@n last | response tokens first, last | "
@@ -120,17 +120,17 @@ def report(d: dict) -> str:
             + f" | {'' if g is None else f'{g:+.3f}'} | {r['eval'][-1]['pass@n']:.2f} | "
             f"{r['eval'][0]['response_tokens']:.0f}, {r['eval'][-1]['response_tokens']:.0f} | "
             f"{len(r['train'])}, {sum(t['step_s'] for t in r['train']) / 60:.1f} | {led_s} |")
-    lines += [f"\nSeed {r['seed']}: {r['note']}." for r in d["runs"] if r.get("note")]
-    if d.get("conditions"):
-        lines += ["", d["conditions"] + "."]
+    notes = [f"Seed {r['seed']}: {r['note']}." for r in d["runs"] if r.get("note")]
+    notes += [d["conditions"] + "."] if d.get("conditions") else []
     gains = [g for g in map(gain, runs) if g is not None]
-    if gains:
+    if gains:  # the result first, then the notes, in one paragraph
         last = [r["eval"][-1]["accuracy"] for r in runs]
-        lines += ["", (f"Gain from version 0 to the last: mean {statistics.fmean(gains):+.3f}, min {min(gains):+.3f}, "
-                       f"max {max(gains):+.3f} over {len(gains)} seed(s); last accuracy mean {statistics.fmean(last):.3f}"
-                       + (f" (sd {statistics.stdev(last):.3f})" if len(last) > 1 else "")
-                       + f"; {sum(g >= GOAL_POINTS for g in gains)} of {len(gains)} seeds gained at least "
-                       f"{GOAL_POINTS * 100:.0f} points. Results: `{d['results']}`.")]
+        notes.insert(0, f"Gain from version 0 to the last: mean {statistics.fmean(gains):+.3f}, min {min(gains):+.3f}, "
+                     f"max {max(gains):+.3f} over {len(gains)} seed(s); last accuracy mean {statistics.fmean(last):.3f}"
+                     + (f" (sd {statistics.stdev(last):.3f})" if len(last) > 1 else "")
+                     + f"; {sum(g >= GOAL_POINTS for g in gains)} of {len(gains)} seeds gained at least "
+                     f"{GOAL_POINTS * 100:.0f} points. Results: `{d['results']}`.")
+    lines += ["", " ".join(notes)] if notes else []
     lines += ["", f"![{d['title']}](images/{image(d).name})", ""]
     return "\n".join(lines)
 

@@ -50,7 +50,9 @@ def heading(config: Path) -> str:
     return f"## Estimators and losses on one budget: {config.stem}"
 
 
-def report(d: dict) -> str:
+def report(d: dict, by_step: bool = True) -> str:
+    """The comparison; `by_step`: with the training reward of every step (the console's; the docs page leaves it
+    to the results file and the plot)."""
     runs = d["runs"]
     lines = [
         heading(Path(d["config"])), "",
@@ -58,9 +60,8 @@ def report(d: dict) -> str:
          f"{d['steps']} steps of the same batch (config overrides for all: {' '.join(d['overrides']) or 'none'}); "
          "only the estimator or the loss differs. Training reward is the step's batch mean; held-out accuracy is "
          "greedy (`eval.interval`). Producers' sampling is not seeded: one run per variant shows a curve, not a "
-         "ranking."),
+         f"ranking. Command: `{d['command']}`."),
         "",
-        f"Command: `{d['command']}`  ",
         f"{machine_line(d['machine'])} rlbus at commit `{d['commit']}`; curves: `{d['plot']}`.",
         "",
     ]
@@ -86,6 +87,9 @@ def report(d: dict) -> str:
         peak = f"{max(rss):.2f}" if rss else ""
         lines.append(f"| {r['variant']} | {over} | {statistics.fmean(rw[:5]):.3f} | {statistics.fmean(rw[-5:]):.3f} "
                      f"| {held} | {step_s} | {peak} | {fired} | {r['wall_s']:.0f} |")
+    if not by_step:
+        return "\n".join([*lines, "", "Training reward by step, and every run's series: "
+                           f"`{Path(d['plot']).with_suffix('.json')}`.", ""])
     lines += ["", "Training reward by step:", "",
               "| variant | " + " | ".join(str(i + 1) for i in range(d["steps"])) + " |",
               "|---|" + "---:|" * d["steps"]]
@@ -154,10 +158,9 @@ def main() -> int:
         else str(results.with_suffix(".png"))
     results.write_text(json.dumps(d, indent=1) + "\n")
     plot(d, results.with_suffix(".png"))
-    text = report(d)
-    print(text)
+    print(report(d))
     if args.docs:
-        write_section(heading(Path(d["config"])), text, Path(args.docs))
+        write_section(heading(Path(d["config"])), report(d, by_step=False), Path(args.docs))
     return 0 if all(r.get("rewards") and r["rc"] == 0 for r in d["runs"]) else 1
 
 

@@ -195,6 +195,22 @@ def measure_pages(run_dir: Path, steps: int, tensor_every: int, repeats: int) ->
         proc.wait(timeout=30)
 
 
+def docs_section(result: dict) -> str:
+    """The `## Inspector` section: how long `rlbus ui` takes to open the run, and each page's time."""
+    made, o, repeats = result["run"], result["open"], result["repeats"]
+    ms = lambda s: f"{s * 1e3:.0f} ms"  # noqa: E731
+    pages = "; ".join(f"{name} {ms(v['median_s'])} ({ms(v['first_s'])}, max {ms(v['max_s'])})"
+                      for name, v in result["pages"].items())
+    return (f"`rlbus ui` on a synthesised run of {made['steps']:,} steps and {made['samples']:,} samples in the "
+            f"recorded formats ({made['bytes'] / 1e6:.0f} MB; {made['tensor_steps']} steps with their tensor files, "
+            f"the rest recorded as metadata). Command: `{result['command'].strip()}` (commit {result['commit']}, "
+            f"{result['date']}).  \n{machine_line(result['machine'])}\n\n"
+            f"Opening the run: the index built from the files (first open) {o['first_s']:.2f} s, then cached in "
+            f"RUN_DIR/ui ({o['cached_s']:.3f} s every later open); `rlbus ui` started until its first answer "
+            f"(cached index) {o['server_first_answer_s']:.2f} s. Each page over HTTP, with the token, median of {repeats} (in brackets: its first request after the "
+            f"server started, and the slowest): {pages}.\n")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=10_000)
@@ -226,23 +242,7 @@ def main() -> int:
               "open": {"first_s": first_open, "cached_s": cached_open, "server_first_answer_s": started},
               "pages": pages}
     Path(args.results).write_text(json.dumps(result, indent=1))
-    ms = lambda s: f"{s * 1e3:.0f} ms"  # noqa: E731
-    rows = "\n".join(f"| {name} | {ms(v['first_s'])} | {ms(v['median_s'])} | {ms(v['max_s'])} |"
-                     for name, v in pages.items())
-    body = (f"`rlbus ui` on a synthesised run of {made['steps']:,} steps and {made['samples']:,} samples in the "
-            f"recorded formats ({made['bytes'] / 1e6:.0f} MB; {made['tensor_steps']} steps with their tensor files, "
-            f"the rest recorded as metadata). Command: `{result['command'].strip()}` (commit {result['commit']}, "
-            f"{result['date']}).\n\n"
-            f"| open | seconds |\n|---|---:|\n"
-            f"| index built from the files (first open) | {first_open:.2f} |\n"
-            f"| index cached in RUN_DIR/ui (every later open) | {cached_open:.3f} |\n"
-            f"| `rlbus ui` started until its first answer (cached index) | {started:.2f} |\n\n"
-            f"| page (over HTTP, with the token) | first | median of {args.repeats} | max |\n|---|---:|---:|---:|\n"
-            f"{rows}\n\n\"first\" is each page's first request after the server started. The steps with tensors also "
-            f"hold the advantages the trainer recorded beside them (as `logging.record: full` writes them now), so a "
-            f"token page reads them; for a run recorded without them the first token page also waits for torch's "
-            f"import (the advantages recomputed by the trainer's code), once per server (about 1.2 s here).\n\n"
-            f"{machine_line(result['machine'])}\n")
+    body = docs_section(result)
     write_section("## Inspector", body, Path(args.docs))
     print(body)
     return 0

@@ -150,18 +150,17 @@ def table(res: dict, command: str) -> list[str]:
         s, u, m = r["step_s"], r["update_s"], r["peak_rss_gb"]
         lines.append(f"| {v} | {r['trainable_params']:,} | {s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}] | "
                      f"{ratio(v, 'step_s')} | {u['median']:.2f} | {m['median']:.2f} [{m['min']:.2f}-{m['max']:.2f}] |")
-    lines += ["", "Delta density per step of full fine-tuning (values whose bits changed since the version before; "
-              "every step, warm-up included):", "",
-              "| dtype | density per step | delta bytes / full bytes |", "|---|---|---|"]
-    for dt, ds in full["deltas"].items():
-        dens = ", ".join(f"{d['density']:.3f}" for d in ds)
-        frac = ", ".join(f"{d['bytes'] / d['full_bytes']:.3f}" for d in ds)
-        lines.append(f"| {dt} | {dens} | {frac} |")
+    lines += ["", "Delta density per step of full fine-tuning (values whose bits changed since the version before, "
+              "every step; a delta's bytes over a full copy's in brackets): " + "; ".join(
+                  f"{dt} {min(d['density'] for d in ds):.3f}-{max(d['density'] for d in ds):.3f} "
+                  f"[{min(d['bytes'] / d['full_bytes'] for d in ds):.3f}-"
+                  f"{max(d['bytes'] / d['full_bytes'] for d in ds):.3f}]" for dt, ds in full["deltas"].items()) + "."]
     s = res["sync"]
     fb = s["full float32"]["bytes"]["median"]
-    lines += ["", f"Weight sync into an HF engine (share_weights on), {s['full float32']['load_s']['n']} loads "
-              "each, alternating between the trainer's last two versions; median [min-max]:", "",
-              "| sync | bytes per version | vs full | load wall s | generation paused ms |", "|---|---:|---:|---:|---:|"]
+    lines[-1] += (f" Weight sync into an HF engine (share_weights on), {s['full float32']['load_s']['n']} loads each, "
+                  "alternating between the trainer's last two versions; median [min-max]:")
+    lines += ["", "| sync | bytes per version | vs full | load wall s | generation paused ms |",
+              "|---|---:|---:|---:|---:|"]
     for mode, r in s.items():
         b, ld, p = r["bytes"], r["load_s"], r["pause_s"]
         lines.append(f"| {mode} | {b['median'] / 1e6:.2f} MB | {b['median'] / fb:.4f} | "

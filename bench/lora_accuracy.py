@@ -135,10 +135,9 @@ def report(d: dict, rows: list[dict]) -> str:
          f"{d['save_every']} steps a checkpoint is exported and scored afterwards, alone on the machine, on the "
          f"held-out split as the evaluator samples it (version 0: {d['v0']['eval/accuracy']:.3f}). A model's time is "
          "its version's publish, from the process's start. Equal wall clock is the shorter run's last publish, "
-         "where each side is scored by the last model it had published."), "",
-        f"Command: `{d['command']}`  ",
-        (f"Machine: {m['cpu_model']}, {m['cores']} cores, 1-minute load {m['load_avg_1m']} at the start; rlbus at "
-         f"`{d['commit']}`, {d['date']}."), "",
+         f"where each side is scored by the last model it had published. Command: `{d['command']}`. Machine: "
+         f"{m['cpu_model']}, {m['cores']} cores, 1-minute load {m['load_avg_1m']} at the start; rlbus at "
+         f"`{d['commit']}`, {d['date']}." + "".join(f" {x}" for x in more_seeds(d))), "",
         "| seed | side | " + " | ".join(f"step {k}: accuracy (s)" for k in steps)
         + " | at equal wall clock | wall s |",
         "|---:|---|" + "---:|" * (len(steps) + 2),
@@ -151,8 +150,6 @@ def report(d: dict, rows: list[dict]) -> str:
             step, acc = r[f"{side}_at"]
             lines.append(f"| {r['seed']} | {side} | " + " | ".join(cells)
                          + f" | {acc:.3f} (step {step} at {r['equal_s']:.0f} s) | {walls[side, r['seed']]:.0f} |")
-    if d.get("more"):  # a blank line first: a line right under a table would render as one of its rows
-        lines += ["", *more_seeds(d)]
     if d.get("note"):
         lines += ["", d["note"]]
     failed = [r for r in d["runs"] if r["rc"] != 0]

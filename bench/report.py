@@ -51,7 +51,8 @@ PROVENANCE: dict[str, dict[str, str]] = {
     "vllm_engine_prefill_whole.json": {
         "commit": "f6012c1", "date": "2026-12-03",
         "command": "python bench/vllm_engine.py --concurrency 1 16 64 --max-new-tokens 64 --rounds 2 --loads 3",
-        "source": "docs: 'Prompts prefilled whole on CPU' (tree f6012c1, command); git: written by cf49313"},
+        "source": "docs: 'Prompts prefilled whole on CPU', now in benchmarks-history.md (tree f6012c1, command); "
+                  "git: written by cf49313"},
     "endpoint.json": {"commit": "2550780", "date": "2026-12-03", "command": "python bench/endpoint.py --calls 20",
                       "source": "git: last written by 2550780; docs: 'OpenAI endpoint', its streaming re-run (command)"},
     "partial_rollout.json": {"commit": "b85a3ba", "date": "2026-12-03", "source": "git: written by b85a3ba"},
@@ -357,8 +358,7 @@ FIGURES: tuple[Figure, ...] = (
            "Learning a reasoning-gym task: syllogism, SmolLM2-135M-Instruct",
            ("env_task_syllogism_smollm2.json",), _env_task, headline=True),
     Figure("Asynchronous against synchronous (long-tailed generation)",
-           "Re-run after producers wait for the weights a task was released for",
-           ("pipeline_after_weights_wait.json",), _pipeline("simulated", 16, "async-2"), headline=True),
+           "Pipeline", ("pipeline_after_weights_wait.json",), _pipeline("simulated", 16, "async-2"), headline=True),
     Figure("Asynchronous against synchronous (the quickstart, HF engine)",
            "Pipeline on the HF engine", ("pipeline_hf.json",), _pipeline("quickstart", 1, "async-2")),
     Figure("Against TRL: speed (one-digit sums, 200 steps)",
@@ -381,8 +381,8 @@ FIGURES: tuple[Figure, ...] = (
            _transfer_queue, headline=True),
     Figure("Trainer step", "Trainer", ("trainer.json",), _trainer, headline=True),
     Figure("Producer path (HF engine)", "Rollout", ("rollout.json",), _rollout, headline=True),
-    Figure("vLLM engine throughput (SmolLM2, CPU)", "Prompts prefilled whole on CPU: throughput and loads "
-           "before and after (3 December, night)", ("vllm_engine_prefill_whole.json",), _vllm_engine, headline=True),
+    Figure("vLLM engine throughput (SmolLM2, CPU)", "vLLM engine", ("vllm_engine_prefill_whole.json",), _vllm_engine,
+           headline=True),
     Figure("Weight sync (SmolLM2, 651 MB)", "Weights", ("weights.json",), _weights, headline=True),
     Figure("Event recorder (logging.record: full)", "Recorder", ("recorder.json",), _recorder),
     Figure("OpenAI-compatible endpoint", "OpenAI endpoint", ("endpoint.json",), _endpoint),

@@ -375,9 +375,7 @@ def docs_section(res: dict[str, Any], mach: dict[str, Any], command: str) -> str
         "`model.generate(do_sample=True)` of the same weights on the same prompts (chat template, n samples of a "
         "prompt as one batch, same temperature and max_new_tokens, `output_scores` off), in alternating rounds of "
         "one run. `engine` is `HFEngine.generate` called directly: the engine's own sampling loop without the "
-        "plumbing around it.",
-        "",
-        f"Command: `{command}`  ",
+        f"plumbing around it. Command: `{command}`.  ",
         machine_line(mach) + f" torch threads {res['torch_threads']} for every path.  ",
         f"Workload: {res['prompts']} prompts x n={res['n']} x up to {res['max_new_tokens']} new tokens, "
         f"{res['rounds']} rounds, medians; producer rollout.max_inflight_tasks={res['inflight']}.",

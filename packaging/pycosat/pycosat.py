@@ -1,15 +1,17 @@
-"""A pure-Python stand-in for the two functions of `pycosat` that reasoning-gym calls, `itersolve` and `solve`, with
-pycosat's calling convention: clauses as sequences of non-zero ints (DIMACS literals), a model as the list
-[±1, ±2, ..., ±n] of every variable, "UNSAT" when there is none.
+"""rlbus's pure-Python stand-in for pycosat 0.6.6: the two functions reasoning-gym calls, `itersolve` and `solve`,
+with pycosat's calling convention: clauses as sequences of non-zero ints (DIMACS literals), a model as the list
+[±1, ±2, ..., ±n] of every variable, "UNSAT" when there is none. No C extension.
 
-reasoning-gym pins pycosat, a C extension with no binary wheel on PyPI, and imports it with every task; only its
-zebra_puzzles generator solves anything (whether a puzzle's clues leave exactly one solution). Where pycosat is not
-installed, common/envs/reasoning_gym.py hands reasoning-gym this module in its place, so every task works from
-wheels alone. Only the number of models and their contents matter there, not their order, so the puzzles are the
-ones pycosat makes. The search is DPLL: unit propagation, then a branch on the variable in the most open clauses,
-both values in turn, so that every model is enumerated once.
+Every release of reasoning-gym pins pycosat==0.6.6, a C extension with no binary wheel on PyPI, and imports it with
+every task; only its zebra_puzzles generator solves anything (whether a puzzle's clues leave exactly one solution).
+rlbus's `reasoning-gym` extra installs this file as the distribution `pycosat` 0.6.6 (packaging/pycosat/
+pyproject.toml), which satisfies that pin without a compiler; where no pycosat is installed at all (reasoning-gym
+installed with --no-deps), common/envs/reasoning_gym.py loads this file in its place while reasoning-gym imports.
+Only the number of models and their contents matter to reasoning-gym, not their order, so the puzzles are the ones
+pycosat makes. The search is DPLL: unit propagation, then a branch on the variable in the most open clauses, both
+values in turn, so that every model is enumerated once.
 
-    .venv/bin/python -m pytest -q tests/unit/test_env_reasoning_gym.py
+    .venv/bin/python -m pytest -q tests/unit/test_env_reasoning_gym_sat.py
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain
 from typing import Any
+
+__version__ = "0.6.6"  # the pycosat release it stands for
 
 
 def itersolve(clauses: Iterable[Sequence[int]], vars: int = 0, **_ignored: Any) -> Iterator[list[int]]:

@@ -1,20 +1,24 @@
-"""The wheel: `pip install rlbus` adds exactly one name, `rlbus`, to site-packages, and carries every module.
+"""The wheel: `pip install rlbus` adds exactly one name, `rlbus`, to site-packages, and carries every module; its
+metadata has every extra, the stand-in pycosat named by the folder it was built from.
 
 Builds the wheel from a copy of the sources (so no stale build/ directory can leak removed modules into it) and
-reads its file list.
+reads its file list and metadata.
 
     .venv/bin/python -m pytest -q tests/integration/test_packaging.py
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Repository folder -> its name once installed.
@@ -23,12 +27,17 @@ FOLDERS = {"bus": "rlbus/bus", "cli": "rlbus/cli", "common": "rlbus/common", "co
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def src(tmp_path_factory: pytest.TempPathFactory) -> Path:
     src = tmp_path_factory.mktemp("src")
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(ROOT / name, src / name)
     for folder in FOLDERS:
         shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return src
+
+
+@pytest.fixture(scope="module")
+def wheel(src: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                            "-w", str(out), str(src)], capture_output=True, text=True, timeout=300)
@@ -74,3 +83,16 @@ def test_the_quickstart_model_is_in_the_wheel(wheel_names: list[str]) -> None:
     want = {f"rlbus/common/model/shipped/{p.relative_to(shipped)}" for p in shipped.glob("*/*") if p.is_file()}
     assert {"rlbus/common/model/shipped/tiny-calculator/model.safetensors",
             "rlbus/common/model/shipped/tiny-calculator/tokenizer.json"} <= want <= set(wheel_names)
+
+
+def test_the_extras_name_the_stand_in_pycosat_of_the_folder_built_from(src: Path, wheel: Path,
+                                                                       wheel_names: list[str]) -> None:
+    """setup.py makes [tool.rlbus.optional-dependencies] the extras, `{root:uri}` the source folder's URL."""
+    (name,) = [n for n in wheel_names if n.endswith(".dist-info/METADATA")]
+    with zipfile.ZipFile(wheel) as zf:
+        metadata = zf.read(name).decode()
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["rlbus"]["optional-dependencies"]
+    assert set(re.findall(r"^Provides-Extra: (.+)$", metadata, flags=re.M)) == set(extras)
+    (pycosat,) = [Requirement(r) for r in re.findall(r"^Requires-Dist: (pycosat .*)$", metadata, flags=re.M)]
+    assert pycosat.url == (src / "packaging" / "pycosat").resolve().as_uri()
+    assert pycosat.marker.evaluate({"extra": "reasoning-gym"}) and not pycosat.marker.evaluate({"extra": "dev"})

@@ -1,6 +1,7 @@
-"""How reasoning-gym is installed, as a user relies on it: `pip install 'rlbus[reasoning-gym]'` and then
-`pip install --no-deps reasoning-gym==0.1.25` leave nothing out but pycosat (a C extension with no wheel; rlbus
-hands reasoning-gym a pure-Python solver instead), and reasoning-gym's own API works after one call of rlbus's.
+"""How reasoning-gym is installed, as a user relies on it: one command in rlbus's clone, `pip install -e
+'.[reasoning-gym]'`, installs reasoning-gym with rlbus's pure-Python pycosat (packaging/pycosat) for the
+pycosat==0.6.6 every release of it requires, so nothing is compiled, and a bare `import reasoning_gym` works. Where
+reasoning-gym went in without its dependencies (no pycosat at all), `import_reasoning_gym()` lends it the stand-in.
 
     .venv/bin/python -m pytest -q tests/unit/test_env_reasoning_gym_install.py
 """
@@ -20,40 +21,75 @@ from packaging.requirements import Requirement
 if importlib.util.find_spec("reasoning_gym") is None:
     pytest.skip("the reasoning-gym extra (make setup installs it)", allow_module_level=True)
 
-PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
+STAND_IN_DIR = Path(__file__).resolve().parents[2] / "packaging" / "pycosat"
+#: gcd's answer scored, a wrong one scored, a zebra puzzle's answer scored (zebra_puzzles is the task that solves SAT).
+SCORES = """
+ds = reasoning_gym.create_dataset("gcd", size=3, seed=0)
+score = reasoning_gym.get_score_answer_fn("gcd")
+zebra = reasoning_gym.create_dataset("zebra_puzzles", size=1, seed=0, num_people=3, num_characteristics=3)
+print(score(ds[0]["answer"], ds[0]), ds.score_answer("-1", ds[0]), zebra.score_answer(zebra[0]["answer"], zebra[0]))
+"""
 
 
 def _name(req: Requirement) -> str:
     return req.name.lower().replace("_", "-")
 
 
-def test_the_extra_names_every_dependency_of_reasoning_gym_but_pycosat_and_the_venv_satisfies_them():
-    project = tomllib.loads(PYPROJECT.read_text())["project"]
-    named = {_name(Requirement(r)) for r in project["optional-dependencies"]["reasoning-gym"]}
-    core = {_name(Requirement(r)) for r in project["dependencies"]}
-    needs = [Requirement(r) for r in importlib.metadata.requires("reasoning-gym") or []]
-    needs = [r for r in needs if r.marker is None or r.marker.evaluate({"extra": ""})]  # not its own extras
-    assert "pycosat" in {_name(r) for r in needs}  # what --no-deps is for: if it goes, so can the second command
-    for req in needs:
-        if _name(req) == "pycosat":
-            continue
-        assert _name(req) in named | core, f"{req} (a dependency of reasoning-gym) is not in rlbus's extra"
-        installed = importlib.metadata.version(req.name)
-        assert req.specifier.contains(installed, prereleases=True), f"{req}: {installed} is installed"
-
-
-def test_reasoning_gyms_own_api_works_after_import_reasoning_gym():
-    # As docs/environments.md tells a user who scores with reasoning-gym itself, in a process of its own (nothing
-    # imported before it); zebra_puzzles is the task that solves SAT.
-    code = """
-from rlbus.common.envs.reasoning_gym import import_reasoning_gym
-import_reasoning_gym()
-import reasoning_gym
-ds = reasoning_gym.create_dataset("gcd", size=3, seed=0)
-score = reasoning_gym.get_score_answer_fn("gcd")
-zebra = reasoning_gym.create_dataset("zebra_puzzles", size=1, seed=0, num_people=3, num_characteristics=3)
-print(score(ds[0]["answer"], ds[0]), ds.score_answer("-1", ds[0]), zebra.score_answer(zebra[0]["answer"], zebra[0]))
-"""
+def _run(code: str) -> list[str]:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["1.0", "0.0", "1.0"]
+    return out.stdout.split()
+
+
+def test_the_stand_in_is_a_pycosat_every_reasoning_gym_accepts():
+    # pip takes the stand-in's direct reference for reasoning-gym's pin only where name and version match it.
+    stand_in = tomllib.loads((STAND_IN_DIR / "pyproject.toml").read_text())["project"]
+    needs = {_name(r): r for r in map(Requirement, importlib.metadata.requires("reasoning-gym") or [])}
+    assert stand_in["name"] == "pycosat"
+    assert needs["pycosat"].specifier.contains(stand_in["version"]), f"{needs['pycosat']}, stand-in {stand_in}"
+
+
+def test_the_extra_installed_reasoning_gym_and_the_stand_in_of_this_clone():
+    # rlbus's metadata as installed (setup.py wrote the clone's folder into it).
+    extra = {}
+    for req in map(Requirement, importlib.metadata.requires("rlbus") or []):
+        if req.marker is not None and req.marker.evaluate({"extra": "reasoning-gym"}) and not req.marker.evaluate():
+            extra[_name(req)] = req
+    assert set(extra) == {"reasoning-gym", "pycosat"}
+    assert extra["pycosat"].url == STAND_IN_DIR.as_uri()
+    assert extra["reasoning-gym"].specifier.contains(importlib.metadata.version("reasoning-gym"))
+
+
+def test_a_bare_import_reasoning_gym_works():
+    # As docs/environments.md tells a user who scores with reasoning-gym itself: nothing of rlbus imported.
+    assert _run("import reasoning_gym\n" + SCORES) == ["1.0", "0.0", "1.0"]
+
+
+def test_with_no_pycosat_installed_import_reasoning_gym_lends_it_the_stand_in_alone():
+    # reasoning-gym installed with --no-deps, no pycosat beside it: a finder first on sys.meta_path hides the installed
+    # one. The stand-in, loaded from the clone, is reasoning-gym's alone: nothing else imports a pycosat that is not
+    # there, and tools that walk sys.modules asking each module for its file (hypothesis, vLLM) get no ImportError.
+    code = """
+import importlib, sys
+
+class NoPycosat:
+    def find_spec(self, name, path=None, target=None):
+        if name == "pycosat":
+            raise ModuleNotFoundError("No module named 'pycosat'", name="pycosat")
+
+sys.meta_path.insert(0, NoPycosat())
+from rlbus.common.envs.reasoning_gym import STAND_IN, import_reasoning_gym
+import_reasoning_gym()
+import reasoning_gym
+from reasoning_gym.logic.contrib.logic_puzzle import sat_utils
+assert sat_utils.pycosat.__file__ == str(STAND_IN), sat_utils.pycosat
+assert "pycosat" not in sys.modules
+try:
+    importlib.import_module("pycosat")
+    raise AssertionError("pycosat imports")
+except ModuleNotFoundError:
+    pass
+for module in list(sys.modules.values()):
+    getattr(module, "__file__", None)
+""" + SCORES
+    assert _run(code) == ["1.0", "0.0", "1.0"]

@@ -1,5 +1,5 @@
-"""The pure-Python stand-in for pycosat (common/envs/sat.py): every model of a CNF, each once, in pycosat's form,
-checked against enumerating every assignment.
+"""rlbus's pure-Python stand-in for pycosat (packaging/pycosat/pycosat.py, loaded from the clone whatever pycosat is
+installed): every model of a CNF, each once, in pycosat's form, checked against enumerating every assignment.
 
     .venv/bin/python -m pytest -q tests/unit/test_env_reasoning_gym_sat.py
 """
@@ -12,7 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlbus.common.envs import sat
+from rlbus.common.envs.reasoning_gym import load_stand_in
+
+sat = load_stand_in()
 
 
 def _all_models(clauses: list[list[int]], num_vars: int) -> set[tuple[int, ...]]:

@@ -325,6 +325,12 @@ def _flat(values: list[float]) -> str:
     return " / ".join(f"{v:.0f}" for v in quarters) + f" (peak {max(values):.0f})"
 
 
+def _results_name(args: argparse.Namespace) -> str:
+    """The results file a section is made from, as the docs name it."""
+    path = Path(getattr(args, "render", "") or args.results).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def _section(r: dict[str, Any], args: argparse.Namespace) -> str:
     if "faults" in r:
         return _nemesis_section(r, args)
@@ -336,23 +342,21 @@ def _section(r: dict[str, Any], args: argparse.Namespace) -> str:
          f"{args.kill_every_s:g} --max-age-s {args.max_age_s:g} --seed {args.seed}`: the simulated engine, "
          f"{args.producers} producers, {r['steps']} steps x 8 groups of 4 ({r['groups_trained']} groups) in "
          f"{r['wall_s']:.0f} s, {len(r['kills'])} producer SIGKILLs at random moments; exit code {r['exit_code']}, "
-         f"ledger check exit {r['ledger_exit']}. Sampled every {args.sample_every_s:g} s ({len(s)} samples)."),
+         f"ledger check exit {r['ledger_exit']}. {machine_line(r['machine'])} Sampled every "
+         f"{args.sample_every_s:g} s ({len(s)} samples; every sample: `{_results_name(args)}`):"),
         "",
         *_resource_table(s),
     ]
     trainer = [x["rss_mb"].get("trainer") for x in s if x["rss_mb"].get("trainer")]
+    grew = ""
     if len(trainer) >= 8:
         q = len(trainer) // 4
-        grew = statistics.median(trainer[-q:]) - statistics.median(trainer[:q])
-        lines += ["", (f"The trainer's RSS moved {grew:+.0f} MB from the first quarter to the last, "
-                       f"{1024 * grew / max(1, r['steps']):+.0f} KB per step over the run's {r['steps']} steps "
-                       "(not yet traced to a cause).")]
-    lines += ["", machine_line(r["machine"]), "",
-              ("The TransferQueue holds the groups in flight and those trained since the last checkpoint: a task's keys "
-               "(a killed producer's unpublished ones too) are freed once the checkpoint that makes its step durable "
-               "is written. The `traj`, `weights` and `events` streams grow until their oldest messages reach "
-               f"`bus.max_age_s` ({args.max_age_s:g} s) and stay flat from there; the `prompts` work queue holds only "
-               "what admission released and no producer took yet.")]
+        mb = statistics.median(trainer[-q:]) - statistics.median(trainer[:q])
+        grew = (f"The trainer's RSS moved {mb:+.0f} MB from the first quarter to the last, "
+                f"{1024 * mb / max(1, r['steps']):+.0f} KB per step (not yet traced to a cause). ")
+    lines += ["", (grew + "The TransferQueue holds the groups in flight and those trained since the last checkpoint; "
+                   f"the streams grow until their oldest messages reach `bus.max_age_s` ({args.max_age_s:g} s) and "
+                   "stay level from there.")]
     return "\n".join(lines)
 
 
@@ -415,45 +419,41 @@ def _nemesis_section(r: dict[str, Any], args: argparse.Namespace) -> str:
         f"{r['ledger_exit']} over {_counts(r['ledger'])}" + (", problems: " + "; ".join(r["ledger"].get("problems", [])) if isinstance(
             r["ledger"], dict) and r["ledger"].get("problems") else "") + "." + _given_up(r["ledger"]),
         "",
-        ("A stall is the time from the fault to the first step written after it (metrics.jsonl read every 0.1 s); "
-         "the longest gap is the longest time without a new step from the fault until the tenth step line after it "
-         "(a fault may let one step through, then stop the run); a hold is how long the fault lasted (a producer "
-         "stopped, the nats-server or the node down)."),
+        ("A stall is the time from a fault to the first step written after it (metrics.jsonl read every 0.1 s); "
+         "the longest gap is the longest time without a new step until the tenth step after it; a hold is how long "
+         "the fault lasted (a producer stopped, the nats-server or the node down). Every fault's row, its target "
+         f"and every sample: `{_results_name(args)}`."),
         "",
-        "| # | kind | step | target | hold, s | stall, s | longest gap, s |",
-        "|---|---|---|---|---|---|---|",
+        "| kind | faults | stall, s: median / max | longest gap, s: max | hold, s |",
+        "|---|---:|---|---:|---|",
     ]
-    for f in r["faults"]:
-        if not f.get("fired", True):
-            lines.append(f"| {f['index']} | {f['kind']} | (planned {f['planned_step']}: the run ended first) | | | | |")
-            continue
-        target = f.get("target", "")
-        if f.get("actors_lost") is not None:
-            target += f"; held {', '.join(a.split('-', 2)[-1] for a in f['actors_lost']) or 'no actor of the run'}"
-        if f.get("note"):
-            target += f"; {f['note']}"
-        if f.get("undo_failed"):
-            target += f"; NOT UNDONE: {'; '.join(f['undo_failed'])}"
-        stall = f"{f['stall_s']:.1f}" if f.get("stall_s") is not None else "no step after it"
-        gap = f"{f['gap_s']:.1f}" if f.get("gap_s") is not None else ""
-        lines.append(f"| {f['index']} | {f['kind']} | {f['at_step']} | {target} | {f['hold_s'] or ''} | {stall} | {gap} |")
+    for kind in kinds:
+        fs = [f for f in faults if f["kind"] == kind]
+        st = [f["stall_s"] for f in fs if f.get("stall_s") is not None]
+        gp = [f["gap_s"] for f in fs if f.get("gap_s") is not None]
+        holds = [float(f["hold_s"]) for f in fs if f.get("hold_s")]
+        lines.append(f"| {kind} | {len(fs)} | "
+                     + (f"{statistics.median(st):.1f} / {max(st):.1f}" if st else "")
+                     + (f" ({len(fs) - len(st)} with no step after it)" if len(st) < len(fs) else "")
+                     + f" | {f'{max(gp):.1f}' if gp else ''} | "
+                     + ("" if not holds else f"{holds[0]:.1f}" if len(holds) == 1 else
+                        f"{min(holds):.1f}-{max(holds):.1f}") + " |")
+    unfired = len(r["faults"]) - len(faults)
     gaps = [f["gap_s"] for f in faults if f.get("gap_s") is not None]
     if stalls:
-        lines += ["", (f"Stalls: median {statistics.median(stalls):.1f} s, max {max(stalls):.1f} s; longest gaps: median "
-                      f"{statistics.median(gaps):.1f} s, max {max(gaps):.1f} s.")]
+        lines += ["", (f"All faults: stall median {statistics.median(stalls):.1f} s, max {max(stalls):.1f} s; "
+                       f"longest gap median {statistics.median(gaps):.1f} s, max {max(gaps):.1f} s."
+                       + (f" {unfired} planned fault(s) did not fire: the run ended first." if unfired else ""))]
     fo = r.get("forged", {})
     if "error" in fo:
         lines += ["", f"Forged messages: their outcome could not be read: {fo['error']}"]
     elif fo and any(f.get("kind") == "forged-message" for f in faults):  # none drawn: nothing to say
-        by_seq = fo.get("garbage_dead_letters_by_stream_seq", {})
-        twice = {seq: who for seq, who in by_seq.items() if len(who) > 1}
-        lines += ["", f"Forged messages (producer credential): {fo['garbage_on_traj_dead_lettered']} garbage messages on "
-                      f"`traj` dead-lettered"
-                      + ("".join(f" (seq {seq} by {', '.join(who)})" for seq, who in twice.items())) + "; forged groups: "
-                      + "; ".join(f"`{t}`: {why}" for t, why in fo["forged_groups_dead_lettered"].items())
-                      + ". Real prompts a forged group named, still trained or re-issued: "
-                      + (", ".join(f"`{t}` {'yes' if ok else 'NO'}" for t, ok in
-                                   fo["named_real_prompts_trained_or_reissued"].items()) or "none") + "."]
+        named = fo["named_real_prompts_trained_or_reissued"]
+        refused = sum(1 for why in fo["forged_groups_dead_lettered"].values() if not why.startswith("NOT"))
+        lines[-1] += (f" Forged messages (producer credential): {fo['garbage_on_traj_dead_lettered']} garbage messages "
+                      f"on `traj` dead-lettered; {refused} of {len(fo['forged_groups_dead_lettered'])} forged groups "
+                      "dead-lettered, the others dropped untrained; the real prompts they named trained or re-issued: "
+                      + (f"{sum(named.values())} of {len(named)}" if named else "none named") + ".")
     if r.get("stuck"):
         last = max((f["at_step"] for f in faults), default=0)
         lines += ["", (f"**The run did not finish**: no step for {args.stuck_s:.0f} s after step {r['steps']} (last fault at "
@@ -463,8 +463,7 @@ def _nemesis_section(r: dict[str, Any], args: argparse.Namespace) -> str:
     lines += ["", f"Memory (median of the first quarter of the samples -> the last; flat when it grew by at most "
                   f"{FLAT_MB:g} MB or {FLAT_FRACTION:.0%}; the nats-server's from bus.max_age_s into the run, once the "
                   "streams it holds stopped growing): "
-              + "; ".join(_verdict(k, m) for k, m in mem.items()) + ".", "", *_resource_table(r["samples"]),
-              "", machine_line(r["machine"])]
+              + "; ".join(_verdict(k, m) for k, m in mem.items()) + f". {machine_line(r['machine'])}"]
     return "\n".join(lines)
 
 

@@ -4,8 +4,12 @@
 
 Shows the trainer's step and version (last StepCompleted, the KV bucket's latest weights), every producer's id,
 weight version and its lag behind the trainer's, its rate (groups per minute over the last RATE_WINDOW_S of its
-heartbeats) and last heartbeat, the queue depths, the staleness of recent steps, and the stability guard's last
-action (events.guard).
+heartbeats) and last heartbeat, its tasks in flight against the limit it allows itself now, its engine's idle share,
+its failure counts since its process started (tasks failed by infrastructure / by the environment, tool calls
+retried; "-" where its heartbeat predates them), the queue depths, the staleness of recent steps, and the stability
+guard's last action (events.guard).
+
+    .venv/bin/python -m pytest -q tests/unit/test_status.py tests/integration/test_status.py
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from rich.table import Table
 from rlbus.bus.client import Bus
 from rlbus.schemas.config import RunConfig
 from rlbus.cli.progress import describe_guard_action
+from rlbus.cli.ui_index import sizing_reported
 from rlbus.schemas.wire import GuardAction, ProducerHeartbeat, StepCompleted, WeightsPublished
 
 #: Heartbeats this recent give a producer's rate.
@@ -58,6 +63,15 @@ def producer_rates(beats: list[ProducerHeartbeat]) -> dict[str, float]:
 def version_lag(trainer_version: int | None, hb: ProducerHeartbeat) -> int | None:
     """How many versions the producer's engine is behind the trainer's newest (None before any is published)."""
     return None if trainer_version is None else trainer_version - hb.version
+
+
+def sizing_cells(hb: ProducerHeartbeat) -> tuple[str, str, str, str]:
+    """The producers table's "in flight / limit", "engine idle", "failures infra / env" and "tool retries" cells;
+    "-" for what a heartbeat from before these fields does not say."""
+    if not sizing_reported(hb):
+        return f"{hb.inflight} / -", "-", "-", "-"
+    return (f"{hb.inflight} / {hb.inflight_limit}", f"{hb.engine_idle:.0%}", f"{hb.infra_failures} / {hb.env_failures}",
+            str(hb.tool_retries))
 
 
 async def recent(bus: Bus, subject: str, typ: Any, since_s: float, timeout: float = 30.0) -> list[Any]:
@@ -105,14 +119,15 @@ def render(cfg: RunConfig, st: dict[str, Any]) -> list[Any]:
     head.add_row("prompts queued", str(st["prompts_queued"]))
     head.add_row("groups waiting / held by trainer", f"{st['groups_waiting']} / {st['groups_held']}")
     prod = Table(title=f"producers (groups/min over the last {RATE_WINDOW_S:.0f}s of heartbeats)")
-    for col in ("id", "host:pid", "version", "lag", "groups/min", "groups", "in flight", "status", "last heartbeat"):
+    for col in ("id", "host:pid", "version", "lag", "groups/min", "groups", "in flight / limit", "engine idle",
+                "failures infra / env", "tool retries", "status", "last heartbeat"):
         prod.add_column(col)
     silent_after = SILENT_AFTER_INTERVALS * cfg.rollout.heartbeat_interval_s
     for hb in sorted(st["heartbeats"], key=lambda h: h.producer_id):
         age = time.time() - hb.created_at
         lag = st["lags"].get(hb.producer_id)
         prod.add_row(hb.producer_id, f"{hb.host}:{hb.pid}", str(hb.version), "-" if lag is None else str(lag),
-                     f"{st['rates'].get(hb.producer_id, 0.0):.1f}", str(hb.groups_done), str(hb.inflight),
+                     f"{st['rates'].get(hb.producer_id, 0.0):.1f}", str(hb.groups_done), *sizing_cells(hb),
                      "silent" if age > silent_after else hb.status, f"{age:.0f}s ago")
     return [head, prod]
 

@@ -31,9 +31,10 @@ from typing import Any, Callable, Iterable
 import msgspec
 
 from rlbus.consumers.event_log import KINDS, STEPS_FILE, Entry, StepRecord, events_dir
+from rlbus.schemas.wire import ProducerHeartbeat
 
 #: Bump when the tables change: an index of another version is rebuilt.
-INDEX_VERSION = 3
+INDEX_VERSION = 4
 INDEX_FILE = "index.sqlite"
 #: The metrics drawn by the overview, stored as columns (the whole row is kept too, for the step comparison).
 OVERVIEW_KEYS = ("reward/mean", "eval/accuracy", "actor/entropy", "mismatch/kl_k3", "mismatch/kl_k1",
@@ -58,13 +59,14 @@ CREATE TABLE IF NOT EXISTS prompts (task_id TEXT PRIMARY KEY, text TEXT, ground_
     released_version INTEGER, t REAL);
 CREATE TABLE IF NOT EXISTS heartbeats (t REAL, producer_id TEXT, pid INTEGER, host TEXT, version INTEGER,
     status TEXT, groups_done INTEGER, tokens_generated INTEGER, tokens_discarded INTEGER,
-    samples_restarted INTEGER, inflight INTEGER);
+    samples_restarted INTEGER, inflight INTEGER, inflight_limit INTEGER, engine_idle REAL, infra_failures INTEGER,
+    env_failures INTEGER, tool_retries INTEGER);
 CREATE TABLE IF NOT EXISTS lifecycle (t REAL, kind TEXT, role TEXT, role_id TEXT, pid INTEGER, detail TEXT,
     clean INTEGER);
 CREATE TABLE IF NOT EXISTS guard (t REAL, step INTEGER, rules TEXT, actions TEXT, message TEXT,
     rollback_to INTEGER, lr_scale REAL);
 CREATE TABLE IF NOT EXISTS weights (t REAL, version INTEGER, step INTEGER, num_bytes INTEGER);
-CREATE TABLE IF NOT EXISTS errors (t REAL, role TEXT, role_id TEXT, error TEXT, message TEXT);
+CREATE TABLE IF NOT EXISTS errors (t REAL, role TEXT, role_id TEXT, error TEXT, message TEXT, failure TEXT);
 """
 
 #: Made after the first build's rows are in (a bulk insert into indexed tables is several times slower).
@@ -278,11 +280,8 @@ class RunIndex:
         self.db.executemany("INSERT OR REPLACE INTO prompts VALUES (?, ?, ?, ?, ?, ?)", rows)
 
     def _add_heartbeats(self, lines: list[bytes]) -> None:
-        self.db.executemany(
-            "INSERT INTO heartbeats VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            ((m.created_at, m.producer_id, m.pid, m.host, m.version, m.status, m.groups_done, m.tokens_generated,
-              m.tokens_discarded, m.samples_restarted, m.inflight)
-             for m in (e.msg for e in self._decoded("heartbeats", lines))))
+        self.db.executemany(f"INSERT INTO heartbeats VALUES ({','.join('?' * 16)})",
+                            (_heartbeat_row(e.msg) for e in self._decoded("heartbeats", lines)))
 
     def _add_lifecycle(self, lines: list[bytes]) -> None:
         rows = []
@@ -309,8 +308,8 @@ class RunIndex:
                              for m in (e.msg for e in self._decoded("weights", lines))))
 
     def _add_errors(self, lines: list[bytes]) -> None:
-        self.db.executemany("INSERT INTO errors VALUES (?, ?, ?, ?, ?)",
-                            ((m.created_at, m.role, m.role_id, m.error, m.message)
+        self.db.executemany("INSERT INTO errors VALUES (?, ?, ?, ?, ?, ?)",
+                            ((m.created_at, m.role, m.role_id, m.error, m.message, m.failure or None)
                              for m in (e.msg for e in self._decoded("errors", lines))))
 
     # -- small helpers for the views ---------------------------------------------------------------------------------
@@ -338,6 +337,21 @@ class RunIndex:
 
     def close(self) -> None:
         self.db.close()
+
+
+def sizing_reported(hb: ProducerHeartbeat) -> bool:
+    """Whether a heartbeat carries its producer's in-flight limit, engine idle share and failure counts: a producer
+    that reports them holds a limit of at least 1, and one from before they existed decodes with their defaults
+    (a limit of 0), which must show as unknown, not as zero failures. `rlbus status` asks the same."""
+    return hb.inflight_limit > 0
+
+
+def _heartbeat_row(m: ProducerHeartbeat) -> tuple:
+    """One heartbeats row; NULL in the in-flight and failure columns where the heartbeat predates them."""
+    sizing = (m.inflight_limit, m.engine_idle, m.infra_failures, m.env_failures, m.tool_retries)
+    return (m.created_at, m.producer_id, m.pid, m.host, m.version, m.status, m.groups_done, m.tokens_generated,
+            m.tokens_discarded, m.samples_restarted, m.inflight,
+            *(sizing if sizing_reported(m) else (None,) * len(sizing)))
 
 
 def _tail(f: Any, offset: int) -> str:

@@ -4,7 +4,8 @@
                                         step; guard actions, rollbacks, weight versions and checkpoints on that axis
     samples_page(index, query)          one page of trained samples, filtered and sorted in SQL (server-side paging)
     Tokens(run_dir).sample(index, id)   one sample token by token: mask, version, behaviour log-prob, advantage
-    producers(index)                    who was online when, restarts and kills, versions, tokens made and discarded
+    producers(index)                    who was online when, restarts and kills, versions, tokens made and discarded,
+                                        in-flight limit and engine idle share, failure counts; errors by class
     compare(index, a, b)                two steps' metrics side by side
 
 Tests: `pytest tests/unit/test_ui_index.py tests/system/test_inspector.py`.
@@ -27,6 +28,9 @@ SORTS = {"step": "step", "reward": "reward", "staleness": "staleness", "length":
 PAGE_MAX = 200
 #: A producer silent for longer than this (seconds) between two heartbeats was offline in between.
 OFFLINE_GAP_S = 10.0
+#: A producer's failure counts, summed over its processes: tasks given back because a tool, sandbox or judge failed;
+#: tasks whose environment raised or gave bad output; tool attempts retried after their service failed.
+FAILURE_COUNTS = ("infra_failures", "env_failures", "tool_retries")
 
 
 def overview(index: RunIndex, since: int = 0) -> dict[str, Any]:
@@ -270,30 +274,45 @@ def _finite(v: float) -> float | None:
 
 def producers(index: RunIndex) -> dict[str, Any]:
     """Per producer: online spans (from heartbeats), its processes (a new pid is a restart; a pid that stopped
-    without a RoleStopped, or stopped unclean, was killed), versions loaded, tokens generated and discarded."""
+    without a RoleStopped, or stopped unclean, was killed), versions loaded, tokens generated and discarded, its
+    latest in-flight limit and engine idle share, the limit over time, and its failure counts (None where its
+    heartbeats predate them)."""
     out: dict[str, dict[str, Any]] = {}
+    failures = ", ".join(f"max({k}) AS {k}" for k in FAILURE_COUNTS)
     for pid_row in index.rows("SELECT producer_id, pid, min(t) AS first, max(t) AS last, max(tokens_generated) AS "
                               "tokens, max(tokens_discarded) AS discarded, max(groups_done) AS groups, "
-                              "max(samples_restarted) AS restarted FROM heartbeats GROUP BY producer_id, pid "
-                              "ORDER BY first"):
+                              f"max(samples_restarted) AS restarted, {failures} FROM heartbeats "
+                              "GROUP BY producer_id, pid ORDER BY first"):
         p = out.setdefault(pid_row["producer_id"], {"producer_id": pid_row["producer_id"], "processes": [],
                                                      "spans": [], "versions": [], "tokens_generated": 0,
                                                      "tokens_discarded": 0, "groups_done": 0,
-                                                     "samples_restarted": 0})
+                                                     "samples_restarted": 0, "inflight_limit": None,
+                                                     "engine_idle": None, "inflight_limits": [],
+                                                     **dict.fromkeys(FAILURE_COUNTS)})
         p["processes"].append({"pid": pid_row["pid"], "first": pid_row["first"], "last": pid_row["last"],
                                "stop": None})
         for k, col in (("tokens_generated", "tokens"), ("tokens_discarded", "discarded"), ("groups_done", "groups"),
                        ("samples_restarted", "restarted")):
             p[k] += pid_row[col] or 0
+        for k in FAILURE_COUNTS:  # each process counts from zero; NULL where its heartbeats predate the counts
+            if pid_row[k] is not None:
+                p[k] = (p[k] or 0) + pid_row[k]
     for pid, rows in _by_producer(index).items():
-        spans, versions = out[pid]["spans"], out[pid]["versions"]
-        for t, proc, version in rows:
+        p = out[pid]
+        spans, versions, limits = p["spans"], p["versions"], p["inflight_limits"]
+        for t, proc, version, limit, _ in rows:
             if spans and spans[-1]["pid"] == proc and t - spans[-1]["end"] <= OFFLINE_GAP_S:
                 spans[-1]["end"] = t
             else:
                 spans.append({"pid": proc, "start": t, "end": t})
             if not versions or versions[-1]["version"] != version:
                 versions.append({"version": version, "t": t})
+            if limit is not None and (not limits or limits[-1]["limit"] != limit):
+                limits.append({"limit": limit, "t": t})
+        t, _, _, limit, idle = rows[-1]  # the latest heartbeat's: "-" where it predates them
+        p["inflight_limit"], p["engine_idle"] = limit, idle
+        if limit is not None and limits[-1]["t"] != t:
+            limits.append({"limit": limit, "t": t})  # the line reaches the latest heartbeat
     events = index.rows("SELECT t, kind, role, role_id, pid, detail, clean FROM lifecycle ORDER BY t LIMIT 2000")
     for e in events:
         p = out.get(e["role_id"])
@@ -308,14 +327,16 @@ def producers(index: RunIndex) -> dict[str, Any]:
     t0 = index.db.execute("SELECT min(t) FROM (SELECT min(t) AS t FROM heartbeats UNION SELECT min(t) FROM "
                           "lifecycle)").fetchone()[0]
     return {"t0": t0, "producers": list(out.values()), "lifecycle": events,
-            "errors": index.rows("SELECT t, role, role_id, error, message FROM errors ORDER BY t DESC LIMIT 100")}
+            "errors": index.rows("SELECT t, role, role_id, error, failure, message FROM errors ORDER BY t DESC "
+                                 "LIMIT 100")}
 
 
-def _by_producer(index: RunIndex) -> dict[str, list[tuple[float, int, int]]]:
-    out: dict[str, list[tuple[float, int, int]]] = {}
-    for producer_id, t, pid, version in index.db.execute(
-            "SELECT producer_id, t, pid, version FROM heartbeats ORDER BY producer_id, t"):
-        out.setdefault(producer_id, []).append((t, pid, version))
+def _by_producer(index: RunIndex) -> dict[str, list[tuple[float, int, int, int | None, float | None]]]:
+    """Each producer's heartbeats in time order: (t, pid, version, in-flight limit, engine idle share)."""
+    out: dict[str, list[tuple[float, int, int, int | None, float | None]]] = {}
+    for producer_id, *row in index.db.execute(
+            "SELECT producer_id, t, pid, version, inflight_limit, engine_idle FROM heartbeats ORDER BY producer_id, t"):
+        out.setdefault(producer_id, []).append(tuple(row))
     return out
 
 

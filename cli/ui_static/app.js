@@ -183,9 +183,14 @@ const versionsText = (vs) => vs.length <= 12 ? vs.map((v) => v.version).join(" "
   : `${vs.slice(0, 3).map((v) => v.version).join(" ")} … ${vs.slice(-3).map((v) => v.version).join(" ")} (${vs.length} loads)`;
 
 // -- producers -------------------------------------------------------------------------------------------------
+// The heartbeat's in-flight sizing and failure counts, as the producers table shows them (null: "-").
+const pct = (v) => (v === null || v === undefined ? "-" : (100 * v).toFixed(0) + "%");
+const SIZING = [["inflight_limit", fmt], ["engine_idle", pct], ["infra_failures", fmt], ["env_failures", fmt],
+  ["tool_retries", fmt]];
+
 async function showProducers() {
   const d = await api("/api/producers");
-  const t0 = d.t0 || 0, traces = [];
+  const t0 = d.t0 || 0, traces = [], limits = d.producers.some((p) => p.inflight_limits.length);
   d.producers.forEach((p) => {
     const x = [], y = [];
     p.spans.forEach((s) => { x.push(s.start - t0, s.end - t0, null); y.push(p.producer_id, p.producer_id, null); });
@@ -195,20 +200,35 @@ async function showProducers() {
   traces.push({ x: stops.map((e) => e.t - t0), y: stops.map((e) => e.role_id), mode: "markers", name: "start / stop",
     text: stops.map((e) => `${e.kind} ${e.detail || ""}`), marker: { size: 10, symbol: stops.map((e) =>
       e.kind === "RoleStarted" ? "triangle-right" : e.clean ? "square" : "x"), color: "#111" } });
-  el(`<div id="timeline"></div><table><tr><th class="l">producer</th><th>processes</th><th>restarts</th><th>killed</th>
-    <th>groups</th><th>tokens generated</th><th>tokens discarded</th><th>samples restarted</th><th class="l">versions loaded</th></tr>
-    ${d.producers.map((p) => `<tr><td class="l">${esc(p.producer_id)}</td><td>${p.processes.length}</td><td>${p.restarts}</td>
-      <td>${p.killed}</td><td>${p.groups_done}</td><td>${p.tokens_generated}</td><td>${p.tokens_discarded}</td>
-      <td>${p.samples_restarted}</td><td class="l">${versionsText(p.versions)}</td></tr>`).join("")}</table>
-    <div id="versions"></div>
+  el(`<div id="timeline"></div><table id="producer-table"><tr><th class="l">producer</th><th>processes</th>
+    <th>restarts</th><th>killed</th><th>groups</th><th>tokens generated</th><th>tokens discarded</th>
+    <th>samples restarted</th><th>in-flight limit</th><th>engine idle</th><th>infra failures</th><th>env failures</th>
+    <th>tool retries</th><th class="l">versions loaded</th></tr>
+    ${d.producers.map((p) => `<tr data-producer="${esc(p.producer_id)}"><td class="l">${esc(p.producer_id)}</td>
+      <td>${p.processes.length}</td><td>${p.restarts}</td><td>${p.killed}</td><td>${p.groups_done}</td>
+      <td>${p.tokens_generated}</td><td>${p.tokens_discarded}</td><td>${p.samples_restarted}</td>
+      ${SIZING.map(([k, show]) => `<td data-k="${k}">${show(p[k])}</td>`).join("")}
+      <td class="l">${versionsText(p.versions)}</td></tr>`).join("")}</table>
+    <p class="muted">in-flight limit: the tasks the producer allows itself now (rollout.max_inflight_tasks, or sized
+      from its engine's idle time); engine idle: the share of recent time its engine had nothing to generate (latest
+      heartbeat); infra failures: tasks given back because a tool, sandbox or judge failed (not trained); env
+      failures: tasks whose environment raised or gave bad output; tool retries: tool calls tried again after their
+      service failed (counts over all its processes); "-": its heartbeats predate these fields.</p>
+    <div id="versions"></div>${limits ? `<div id="inflight"></div>` : ""}
     <h4>Lifecycle</h4><table>${d.lifecycle.map((e) => `<tr><td>${(e.t - t0).toFixed(1)} s</td><td class="l">${e.kind}</td>
       <td class="l">${esc(e.role_id)}</td><td class="l">${esc(e.detail)}</td></tr>`).join("")}</table>
-    <h4>Errors (newest first)</h4><table>${d.errors.map((e) => `<tr><td>${(e.t - t0).toFixed(1)} s</td><td class="l">${esc(e.role_id)}</td>
-      <td class="l">${esc(e.error)}</td><td class="l">${esc(e.message)}</td></tr>`).join("") || "<tr><td>none</td></tr>"}</table>`);
-  Plotly.react("versions", d.producers.map((p) => ({ x: p.versions.map((v) => v.t - t0), y: p.versions.map((v) => v.version),
-    name: p.producer_id, mode: "lines", line: { shape: "hv" } })), { height: 260, margin: { t: 20, l: 120 },
-    yaxis: { title: { text: "weight version loaded" } }, xaxis: { title: { text: "seconds since the first heartbeat" } } },
-    { displaylogo: false, responsive: true });
+    <h4>Errors (newest first)</h4><table id="errors">${d.errors.length ? `<tr><th>t</th><th class="l">role</th>
+      <th class="l">error</th><th class="l">failure class</th><th class="l">message</th></tr>` : ""}
+      ${d.errors.map((e) => `<tr><td>${(e.t - t0).toFixed(1)} s</td><td class="l">${esc(e.role_id)}</td>
+      <td class="l">${esc(e.error)}</td><td class="l">${fmt(e.failure)}</td>
+      <td class="l">${esc(e.message)}</td></tr>`).join("") || "<tr><td>none</td></tr>"}</table>`);
+  // One step line per producer of a value over time: p[list] holds {t, [key]: value} where the value changed.
+  const overTime = (div, list, key, title) => Plotly.react(div, d.producers.map((p) => ({
+    x: p[list].map((v) => v.t - t0), y: p[list].map((v) => v[key]), name: p.producer_id, mode: "lines",
+    line: { shape: "hv" } })), { height: 260, margin: { t: 20, l: 120 }, yaxis: { title: { text: title } },
+    xaxis: { title: { text: "seconds since the first heartbeat" } } }, { displaylogo: false, responsive: true });
+  overTime("versions", "versions", "version", "weight version loaded");
+  if (limits) overTime("inflight", "inflight_limits", "limit", "in-flight limit");
   Plotly.react("timeline", traces, { height: 120 + 40 * d.producers.length, margin: { t: 20, l: 120 },
     xaxis: { title: { text: "seconds since the first heartbeat" } } }, { displaylogo: false, responsive: true });
 }

@@ -1,8 +1,9 @@
 """`rlbus ui` in a real browser (Debian's Chromium, Playwright) on a run recorded by the real trainer and recorder
 (tests/integration/test_replay.py's record_run: a tiny Qwen2 trained 4 steps, tensors recorded, a checkpoint at
 step 2): no request passes without the run's token, every page loads without console errors, the sample page
-shows exactly the recorded tokens and masks of a known trajectory, and a replay started from the page returns the
-metrics `rlbus replay` returns.
+shows exactly the recorded tokens and masks of a known trajectory, the producers view shows each producer's in-flight
+sizing and failure counts and each error's failure class, and a replay started from the page returns the metrics
+`rlbus replay` returns.
 
     .venv/bin/python -m pytest -q tests/integration/test_inspector.py
 """
@@ -146,6 +147,53 @@ def test_proximal_log_probs_recomputed_from_the_page_give_the_recorded_mismatch(
     recorded_k1 = recorded["rows"][2]["mismatch/kl_k1"]
     assert k1 == pytest.approx(recorded_k1, rel=1e-4, abs=1e-6)
     assert errors == []
+
+
+def test_the_producers_view_shows_in_flight_sizing_failure_counts_and_error_classes(
+        chromium: Any, recorded: dict[str, Any], tmp_path: Path) -> None:  # noqa: F811
+    """The recorded run with producer heartbeats and errors added to its event log: a producer whose heartbeats
+    carry the in-flight limit, engine idle share and failure counts shows them (and its limit over time), one whose
+    heartbeats predate those fields shows "-", and each error its failure class."""
+    import shutil
+
+    import msgspec
+
+    from rlbus.consumers.event_log import KINDS, Entry, events_dir
+    from rlbus.schemas.wire import ErrorRaised, ProducerHeartbeat
+
+    run = tmp_path / "run"
+    shutil.copytree(recorded["run_dir"], run, ignore=shutil.ignore_patterns("ui", "creds"))
+    beats = [ProducerHeartbeat(producer_id="p-new", pid=7, version=1, inflight=3, inflight_limit=limit,
+                               engine_idle=idle, infra_failures=2, env_failures=1, tool_retries=5, created_at=100.0 + t)
+             for t, limit, idle in ((0, 1, 0.5), (2, 4, 0.25))]
+    beats.append(ProducerHeartbeat(producer_id="p-old", pid=8, version=1, created_at=101.0))
+    errors = [ErrorRaised(role="producer", role_id="p-new", error="InfrastructureError", message="sandbox down",
+                          failure="infrastructure", created_at=102.0),
+              ErrorRaised(role="producer", role_id="p-old", error="RuntimeError", message="old log", created_at=103.0)]
+    for kind, msgs in (("heartbeats", beats), ("errors", errors)):
+        with (events_dir(run) / KINDS[kind][0]).open("ab") as f:
+            for i, m in enumerate(msgs):
+                f.write(msgspec.json.encode(Entry(seq=i + 1, subject=f"rlbus.t.{kind}", recorded_at=m.created_at,
+                                                  msg=m)) + b"\n")
+    with ui_server(run) as (url, token):
+        console: list[str] = []
+        page = new_page(chromium, console)
+        page.goto(f"{url}?token={token}")
+        page.goto(f"{url}#producers")
+        page.wait_for_selector("#producer-table tr[data-producer] td[data-k]")
+        cells = page.eval_on_selector_all("#producer-table td[data-k]", "xs => xs.map((x) => "
+                                          "[x.parentElement.dataset.producer, x.dataset.k, x.textContent])")
+        shown = {(p, k): v for p, k, v in cells}
+        assert [shown["p-new", k] for k in ("inflight_limit", "engine_idle", "infra_failures", "env_failures",
+                                            "tool_retries")] == ["4", "25%", "2", "1", "5"]
+        assert [shown["p-old", k] for k in ("inflight_limit", "engine_idle", "infra_failures", "env_failures",
+                                            "tool_retries")] == ["-"] * 5
+        page.wait_for_selector("#inflight .main-svg")  # the limit over time
+        rows = page.eval_on_selector_all("#errors tr", "xs => xs.map((x) => [...x.children].map((c) => c.textContent))")
+        assert rows[0][3] == "failure class"
+        assert {r[2]: r[3] for r in rows[1:]} == {"InfrastructureError": "infrastructure", "RuntimeError": "-"}
+        page.wait_for_load_state("networkidle")
+    assert console == []
 
 
 def test_a_run_directory_copied_elsewhere_opens_the_same(recorded: dict[str, Any], tmp_path: Path) -> None:

@@ -37,3 +37,34 @@ def test_version_lag_is_trainer_version_minus_the_producers():
     assert version_lag(5, hb("p0", 0.0, 0, version=3)) == 2
     assert version_lag(3, hb("p0", 0.0, 0, version=3)) == 0
     assert version_lag(None, hb("p0", 0.0, 0, version=3)) is None
+
+
+def test_the_producers_table_shows_in_flight_sizing_and_failure_counts():
+    """A heartbeat with the in-flight limit, engine idle share and failure counts shows them; one from before those
+    fields existed (their defaults) shows "-" rather than a limit of 0 and no failures."""
+    import time
+
+    from rich.console import Console
+
+    from rlbus.cli.status import render, sizing_cells
+    from rlbus.schemas.config import ModelConfig, RunConfig
+
+    sized = ProducerHeartbeat(producer_id="p0", version=3, inflight=5, inflight_limit=8, engine_idle=0.125,
+                              infra_failures=2, env_failures=1, tool_retries=7, created_at=time.time())
+    old = ProducerHeartbeat(producer_id="p1", version=3, inflight=1, created_at=time.time())
+    assert sizing_cells(sized) == ("5 / 8", "12%", "2 / 1", "7")
+    assert sizing_cells(old) == ("1 / -", "-", "-", "-")
+    st = {"step": None, "guard": None, "weights": None, "heartbeats": [sized, old], "prompts_queued": 0,
+          "groups_waiting": 0, "groups_held": 0, "rates": {}, "lags": {}}
+    console = Console(record=True, width=200)
+    for table in render(RunConfig(name="t", model=ModelConfig(path="unused")), st):
+        console.print(table)
+    text = console.export_text().splitlines()
+    cells = lambda ln, bar: [c.strip() for c in ln.split(bar)[1:-1]]  # noqa: E731
+    (header,) = [cells(ln, "┃") for ln in text if ln.count("┃") > 2]
+    rows = {r[0]: dict(zip(header, r)) for r in (cells(ln, "│") for ln in text if ln.count("│") > 2)}
+    row = rows.__getitem__
+    assert {k: row("p0")[k] for k in ("in flight / limit", "engine idle", "failures infra / env", "tool retries")} == {
+        "in flight / limit": "5 / 8", "engine idle": "12%", "failures infra / env": "2 / 1", "tool retries": "7"}
+    assert [row("p1")[k] for k in ("in flight / limit", "engine idle", "failures infra / env", "tool retries")] == [
+        "1 / -", "-", "-", "-"]

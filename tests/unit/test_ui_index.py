@@ -194,6 +194,46 @@ def test_producers_restarts_kills_versions_and_tokens(tmp_path: Path) -> None:
     assert got["p1"]["processes"][0]["stop"]["clean"] is False and got["p1"]["restarts"] == 0
 
 
+def test_producers_show_in_flight_sizing_failure_counts_and_error_classes(tmp_path: Path) -> None:
+    """The latest in-flight limit and engine idle share, the limit over time, failure counts summed over processes
+    (each counts from zero), and each error's failure class; None ("-" on the page) where heartbeats or errors
+    predate those fields."""
+    from rlbus.cli.ui import _dumps
+    from rlbus.cli.ui_views import producers
+    from rlbus.schemas.wire import ErrorRaised, ProducerHeartbeat
+
+    run = tmp_path / "run"
+    _record(run, Recorder(run, "metadata"), 1)
+    beat = lambda t, pid, limit, idle, infra, env, retries: ProducerHeartbeat(  # noqa: E731
+        producer_id="p0", pid=pid, version=1, inflight_limit=limit, engine_idle=idle, infra_failures=infra,
+        env_failures=env, tool_retries=retries, created_at=100.0 + t)
+    # p0's first process predates the fields (an old log's heartbeat); its restart reports them, the limit growing
+    # from 1 to 4 and staying there; a third process starts again from a limit of 1 and no failures. p1's
+    # heartbeats all predate them.
+    _archive(run, "heartbeats", [ProducerHeartbeat(producer_id="p0", pid=11, version=0, created_at=100.0),
+                                 beat(2, 12, 1, 0.6, 0, 0, 0), beat(4, 12, 4, 0.3, 1, 0, 2),
+                                 beat(6, 12, 4, 0.05, 2, 1, 3), beat(40, 13, 1, 0.0, 0, 0, 0),
+                                 beat(42, 13, 1, 0.5, 1, 0, 0),
+                                 ProducerHeartbeat(producer_id="p1", pid=21, version=1, inflight=2, created_at=101.0)])
+    _archive(run, "errors", [ErrorRaised(role="producer", role_id="p0", error="InfrastructureError",
+                                         message="sandbox timed out", failure="infrastructure", created_at=103.0),
+                             ErrorRaised(role="producer", role_id="p0", error="ValueError", message="bad answer",
+                                         failure="environment", created_at=105.0),
+                             ErrorRaised(role="trainer", role_id="trainer-1", error="WeightsDeltaFallback",
+                                         message="base missing", created_at=106.0)])
+    served = json.loads(_dumps(producers(RunIndex.open(run))))
+    got = {p["producer_id"]: p for p in served["producers"]}
+    p0, p1 = got["p0"], got["p1"]
+    assert (p0["inflight_limit"], p0["engine_idle"]) == (1, 0.5)  # the latest heartbeat's
+    # where the limit changed, and the latest heartbeat (the line reaches it)
+    assert [(v["t"], v["limit"]) for v in p0["inflight_limits"]] == [(102.0, 1), (104.0, 4), (140.0, 1), (142.0, 1)]
+    assert (p0["infra_failures"], p0["env_failures"], p0["tool_retries"]) == (2 + 1, 1, 3)
+    assert all(p1[k] is None for k in ("inflight_limit", "engine_idle", "infra_failures", "env_failures",
+                                       "tool_retries")) and p1["inflight_limits"] == []
+    assert [(e["error"], e["failure"]) for e in served["errors"]] == [
+        ("WeightsDeltaFallback", None), ("ValueError", "environment"), ("InfrastructureError", "infrastructure")]
+
+
 def test_the_overview_marks_guard_actions_rollbacks_and_weight_versions(tmp_path: Path) -> None:
     from rlbus.schemas.wire import GuardAction, WeightsPublished
 

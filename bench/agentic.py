@@ -1,23 +1,36 @@
-"""Agentic RL with a slow tool: how much of its speed rlbus keeps when each tool call waits on a remote service.
+"""Agentic RL with a slow service: how much of its speed rlbus keeps when episodes wait on a tool, a judge or an env.
 
-    .venv/bin/python bench/agentic.py [--medians 1.0] [--seeds 0] [--steps 30] [--arms nolat async sync] [--docs]
-                                      [KEY=VALUE ...]   # overrides for every arm
+    .venv/bin/python bench/agentic.py [--workload b1|b2|b3] [--medians M ...] [--seeds 0] [--steps 30]
+                                      [--arms nolat async sync] [--docs] [KEY=VALUE ...]   # overrides for every arm
 
-Workload B1: the quickstart's task and model with its calculator behind a lognormal latency (bench/agentic_tools.py:
-median M seconds, sigma 1, capped at 8 s; an async tool, as an HTTP API is). Arms, run one after another in one
+Workloads (bench/agentic_workloads.py; the services are in bench/agentic_tools.py), each the quickstart's task and
+model with one remote service's lognormal latency (median M seconds, sigma 1, capped at 8 s):
+
+- `b1` (the default), a slow tool: the calculator behind the latency (an async tool, as an HTTP API is);
+- `b2`, a judge with few slots: the reward (the math reward's score) after the judge's latency, at most
+  RLBUS_JUDGE_SLOTS (4) calls at once per producer; the calculator instant;
+- `b3`, a straggling environment: the question as a Gym-style environment (its step is the calculator, or scores the
+  answer) whose steps wait the latency (M 0.2 s by default); a share RLBUS_ENV_STRAGGLE (0.05) of steps straggles
+  for RLBUS_ENV_STRAGGLE_S (20 s), a share RLBUS_ENV_HANG (0.01) hangs until rollout.episode_timeout_s (30 s) gives
+  the task back (an infrastructure failure: rolled out again, never trained).
+
+A shape variable set in the caller's environment wins over its default. Arms, run one after another in one
 invocation on the same machine (each its own `rlbus up`, from scratch):
 
-- `nolat`: the calculator without latency (the speed to keep);
-- `async`: the slow calculator, rlbus's defaults for such a run (`rollout.max_inflight_tasks=0`: tasks in flight sized
+- `nolat`: the same task without the latency (the speed to keep);
+- `async`: the latency, rlbus's defaults for such a run (`rollout.max_inflight_tasks=0`: tasks in flight sized
   from the engine's idle time; the staleness bound follows the measured wait up to trainer.max_staleness_for_latency);
-- `sync`: the slow calculator, synchronous (`trainer.max_staleness=0 trainer.max_staleness_for_latency=0`): one
+- `sync`: the latency, synchronous (`trainer.max_staleness=0 trainer.max_staleness_for_latency=0`): one
   step's groups in flight, all on the current weights.
 
-`nolat` and `async` both run `rollout.max_inflight_tasks=0` (the quickstart config pins 1, as its published figures
-were measured). Per run, after a warm-up of 3 steps: steps/min (from the stamps of the metrics rows), the trainer's
+Every arm runs `rollout.max_inflight_tasks=0` (the quickstart config pins 1, as its published figures were
+measured). Per run, after a warm-up of 3 steps: steps/min (from the stamps of the metrics rows), the trainer's
 idle share (its wait for data over the window), the p95 step interval, the mean weight publish time, the staleness
-bound in force at the end and the mean staleness, and the reward over the last 10 steps. Results go to
-bench/results/agentic.json (--results), and with --docs to the `## Agentic: a slow tool` section of docs/benchmarks.md.
+bound in force at the end and the mean staleness, the reward over the last 10 steps, and the failed rollouts of the
+event log (`ErrorRaised.failure`: infrastructure or environment; for b3 also the ledger's problems). Results go to
+bench/results/agentic.json (b1), agentic_b2.json or agentic_b3.json (--results), and with --docs to the workload's
+section of docs/benchmarks.md (`## Agentic: a slow tool`, `## Agentic: a judge with few slots`,
+`## Agentic: a straggling environment`).
 """
 
 from __future__ import annotations
@@ -34,20 +47,12 @@ from typing import Any
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: the repository root, for `bench.*`
 
-from bench.common import TIMED_OUT, git_commit, machine, shown, tail_up, write_section  # noqa: E402
+from bench.agentic_workloads import ARMS, WORKLOADS, Workload  # noqa: E402
+from bench.common import TIMED_OUT, git_commit, machine, run_ledger, shown, tail_up, write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "quickstart.yaml"
-RESULTS = ROOT / "bench" / "results" / "agentic.json"
-HEADING = "## Agentic: a slow tool"
 WARMUP = 3
-SLOW_TOOL = "rollout.tools=[bench.agentic_tools:RemoteCalculator]"
-ARMS: dict[str, list[str]] = {
-    "nolat": ["rollout.max_inflight_tasks=0"],
-    "async": [SLOW_TOOL, "rollout.max_inflight_tasks=0"],
-    "sync": [SLOW_TOOL, "rollout.max_inflight_tasks=0", "trainer.max_staleness=0",
-             "trainer.max_staleness_for_latency=0"],
-}
 
 
 def summarise(rows: list[dict], stamps: list[float]) -> dict[str, Any]:
@@ -75,42 +80,70 @@ def summarise(rows: list[dict], stamps: list[float]) -> dict[str, Any]:
     }
 
 
-def run_arm(arm: str, median: float, seed: int, steps: int, work: Path, timeout: float,
+def failed_rollouts(run_dir: Path) -> dict[str, int]:
+    """The rollouts the run's producers failed, from its event log (events/errors.jsonl: `ErrorRaised.failure`,
+    infrastructure or environment; each such task was given back and rolled out again, or dead-lettered)."""
+    out = {"infra_failures": 0, "env_failures": 0, "dead_letters": 0}
+    errors, dead = run_dir / "events" / "errors.jsonl", run_dir / "events" / "dead_letters.jsonl"
+    for line in errors.read_text().splitlines() if errors.is_file() else []:
+        failure = json.loads(line)["msg"].get("failure", "") if line.strip() else ""
+        if failure == "infrastructure":
+            out["infra_failures"] += 1
+        elif failure == "environment":
+            out["env_failures"] += 1
+    out["dead_letters"] = sum(1 for line in (dead.read_text().splitlines() if dead.is_file() else []) if line.strip())
+    return out
+
+
+def run_arm(wl: Workload, arm: str, median: float, seed: int, steps: int, work: Path, timeout: float,
             overrides: list[str] = ()) -> dict[str, Any]:
     run_dir = work / f"{arm}-m{median:g}-s{seed}"
-    argv = [sys.executable, "-m", "rlbus.cli", "up", str(CONFIG), f"name=agentic-{arm}-s{seed}",
+    argv = [sys.executable, "-m", "rlbus.cli", "up", str(CONFIG), f"name=agentic-{wl.name}-{arm}-s{seed}",
             f"logging.run_dir={run_dir}", f"trainer.total_steps={steps}", f"trainer.seed={seed}", f"feeder.seed={seed}",
-            f"data.seed={seed}", "logging.plot=false", "eval.interval=0", *overrides, *ARMS[arm]]
-    env = dict(os.environ, RLBUS_TOOL_MEDIAN_S=str(median), RLBUS_TOOL_SIGMA="1.0", RLBUS_TOOL_CAP_S="8.0",
-               RLBUS_TOOL_SEED=str(seed))
+            f"data.seed={seed}", "logging.plot=false", "eval.interval=0", *wl.overrides(arm, seed, overrides)]
+    env = dict(os.environ, **wl.latency_env(arm, median, seed))
     rows, stamps, rc, started, ended = tail_up(argv, run_dir, timeout, env=env)
     out: dict[str, Any] = {"arm": arm, "median_s": median if arm != "nolat" else 0.0, "seed": seed, "rc": rc,
                            "wall_s": round(ended - started, 1)}
     out.update(summarise(rows, stamps))
+    out.update(failed_rollouts(run_dir))
+    if wl.failures:  # every released task trained once, or accounted for (`rlbus events RUN --ledger`)
+        ledger = run_ledger(run_dir)
+        out.update(ledger_trained=ledger["trained"], ledger_problems=ledger["problems"])
     if rc not in (0, TIMED_OUT) or "error" in out:
         log = (run_dir / "launcher.out").read_text(errors="replace").strip().splitlines()
         out["log_tail"] = log[-30:]
     return out
 
 
+def _header(d: dict[str, Any], wl: Workload) -> str:
+    return (f"Command: `{d['command'].strip()}` (commit `{d['commit']}`, {d['date']}). Machine: "
+            f"{d['machine']['cpu_model']}, {d['machine']['cores']} cores, load {d['machine']['load_avg_1m']} at the "
+            f"start. {wl.described(d.get('shape', {}))}; {d['steps']} steps, rates after {WARMUP} warm-up steps.")
+
+
+def _failed(rs: list[dict[str, Any]]) -> str:
+    """Failed rollouts of `rs`, all together: infrastructure / environment."""
+    return f"{sum(r.get('infra_failures', 0) for r in rs)} / {sum(r.get('env_failures', 0) for r in rs)}"
+
+
 def by_arm(d: dict[str, Any]) -> str:
-    """The docs page's section: each arm and tool median over its seeds (every seed's row stays in `report`,
+    """The docs page's section: each arm and latency median over its seeds (every seed's row stays in `report`,
     printed on the console, and the results file)."""
+    wl = WORKLOADS[d.get("workload", "b1")]
     ok = [r for r in d["runs"] if "steps_per_min" in r]
     base = {r["seed"]: r["steps_per_min"] for r in ok if r["arm"] == "nolat"}
     keys = list(dict.fromkeys((r["arm"], r["median_s"]) for r in d["runs"]))
-    lines = [f"Command: `{d['command'].strip()}` (commit `{d['commit']}`, {d['date']}). Machine: "
-             f"{d['machine']['cpu_model']}, {d['machine']['cores']} cores, load {d['machine']['load_avg_1m']} at the "
-             "start. The quickstart's task and model; the calculator behind a lognormal latency (sigma 1, capped at "
-             f"8 s); {d['steps']} steps, rates after {WARMUP} warm-up steps.", "",
-             ("| arm | tool median | seeds | steps/min, mean (range) | of no-latency | mean staleness | "
-              "reward last 10 |"),
-             "|---|---:|---:|---|---:|---:|---:|"]
+    extra = " failed rollouts (infra / env) |" if wl.failures else ""
+    lines = [_header(d, wl), "",
+             (f"| arm | {wl.waits} median | seeds | steps/min, mean (range) | of no-latency | mean staleness | "
+              f"reward last 10 |{extra}"),
+             "|---|---:|---:|---|---:|---:|---:|" + ("---:|" if wl.failures else "")]
     for arm, median in keys:
         rs = [r for r in ok if (r["arm"], r["median_s"]) == (arm, median)]
         failed = sum(1 for r in d["runs"] if (r["arm"], r["median_s"]) == (arm, median) and r not in rs)
         if not rs:
-            lines.append(f"| {arm} | {median:g} s | {failed} failed | | | | |")
+            lines.append(f"| {arm} | {median:g} s | {failed} failed | | | | |" + (" |" if wl.failures else ""))
             continue
         rate = [r["steps_per_min"] for r in rs]
         share = [r["steps_per_min"] / base[r["seed"]] for r in rs if r["seed"] in base]
@@ -118,62 +151,77 @@ def by_arm(d: dict[str, Any]) -> str:
                      + f" | {statistics.fmean(rate):.1f} ({min(rate):.1f}-{max(rate):.1f}) | "
                      + (f"{statistics.fmean(share):.0%}" if share else "-")
                      + f" | {statistics.fmean(r['staleness_mean'] for r in rs):.2f} | "
-                     f"{statistics.fmean(r['last10'] for r in rs):.3f} |")
+                     f"{statistics.fmean(r['last10'] for r in rs):.3f} |"
+                     + (f" {_failed(rs)} |" if wl.failures else ""))
     lines += ["", f"Every seed's row (trainer idle, p95 step interval, staleness bound): {shown(Path(d['results']))}."]
     return "\n".join(lines)
 
 
 def report(d: dict[str, Any]) -> str:
-    lines = [f"Command: `{d['command']}` (commit `{d['commit']}`, {d['date']}). Machine: {d['machine']['cpu_model']}, "
-             f"{d['machine']['cores']} cores, load {d['machine']['load_avg_1m']} at the start. The quickstart's "
-             "task and model; the calculator behind a lognormal latency (sigma 1, capped at 8 s); "
-             f"{d['steps']} steps, rates after {WARMUP} warm-up steps.", "",
-             "| arm | tool median | seed | steps/min | of no-latency | trainer idle | p95 step interval | "
-             "staleness bound (end) | mean staleness | reward first 5 | reward last 10 |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    wl = WORKLOADS[d.get("workload", "b1")]
+    extra = " failed rollouts (infra / env) | ledger problems |" if wl.failures else ""
+    lines = [_header(d, wl), "",
+             f"| arm | {wl.waits} median | seed | steps/min | of no-latency | trainer idle | p95 step interval | "
+             f"staleness bound (end) | mean staleness | reward first 5 | reward last 10 |{extra}",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if wl.failures else "")]
     base = {r["seed"]: r["steps_per_min"] for r in d["runs"] if r["arm"] == "nolat" and "steps_per_min" in r}
     for r in d["runs"]:
+        tail = f" {_failed([r])} | {len(r.get('ledger_problems', []))} |" if wl.failures else ""
         if "steps_per_min" not in r:
             lines.append(f"| {r['arm']} | {r['median_s']:g} s | {r['seed']} | failed: {r.get('error', r['rc'])} "
-                         "| | | | | | | |")
+                         "| | | | | | | |" + tail)
             continue
         share = f"{r['steps_per_min'] / base[r['seed']]:.0%}" if r["seed"] in base else "-"
         lines.append(f"| {r['arm']} | {r['median_s']:g} s | {r['seed']} | {r['steps_per_min']:.1f} | {share} | "
                      f"{r['trainer_idle']:.0%} | {r['p95_step_interval_s']:.2f} s | {r['staleness_bound_end']} | "
-                     f"{r['staleness_mean']:.2f} | {r['first5']:.3f} | {r['last10']:.3f} |")
+                     f"{r['staleness_mean']:.2f} | {r['first5']:.3f} | {r['last10']:.3f} |" + tail)
     lines += ["", f"Results: {shown(Path(d['results']))}."]
     return "\n".join(lines)
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options; --medians and --results default to the workload's."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--medians", type=float, nargs="+", default=[1.0], help="tool latency medians (seconds)")
+    ap.add_argument("--workload", choices=list(WORKLOADS), default="b1",
+                    help="b1: a slow tool; b2: a judge with few slots; b3: a straggling environment")
+    ap.add_argument("--medians", type=float, nargs="+", default=None,
+                    help="latency medians in seconds (b1, b2: 1.0; b3: 0.2)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
-    ap.add_argument("--results", type=Path, default=RESULTS)
-    ap.add_argument("--docs", action="store_true", help="write the section of docs/benchmarks.md")
+    ap.add_argument("--results", type=Path, default=None,
+                    help="results file (b1: bench/results/agentic.json; b2, b3: agentic_b2.json, agentic_b3.json)")
+    ap.add_argument("--docs", action="store_true", help="write the workload's section of docs/benchmarks.md")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                     help="config overrides for every arm (an arm's own settings win)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    wl = WORKLOADS[args.workload]
+    args.medians = args.medians or [wl.default_median]
+    args.results = args.results or wl.results
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    wl = WORKLOADS[args.workload]
     d: dict[str, Any] = {"command": "python bench/agentic.py " + " ".join(sys.argv[1:]), "commit": git_commit(),
-                         "date": time.strftime("%Y-%m-%d"), "machine": machine(), "steps": args.steps,
-                         "results": str(args.results), "runs": []}
+                         "date": time.strftime("%Y-%m-%d"), "machine": machine(), "workload": wl.name,
+                         "shape": wl.shape_in(), "steps": args.steps, "results": str(args.results), "runs": []}
     with tempfile.TemporaryDirectory(prefix="rlbus-agentic-") as tmp:
         for seed in args.seeds:
             for median in args.medians:
                 for arm in args.arms:
                     if arm == "nolat" and median != args.medians[0]:
                         continue  # one no-latency run per seed
-                    r = run_arm(arm, median, seed, args.steps, Path(tmp), args.timeout, args.overrides)
+                    r = run_arm(wl, arm, median, seed, args.steps, Path(tmp), args.timeout, args.overrides)
                     print(json.dumps({k: v for k, v in r.items() if k not in ("rewards", "log_tail")}), flush=True)
                     d["runs"].append(r)
                     args.results.parent.mkdir(parents=True, exist_ok=True)
                     args.results.write_text(json.dumps(d, indent=1) + "\n")
     print(report(d))
     if args.docs:
-        write_section(HEADING, by_arm(d))
+        write_section(wl.heading, by_arm(d))
     return 0
 
 

@@ -1,20 +1,85 @@
-"""Workloads of bench/agentic.py: the quickstart's calculator behind a remote service's latency.
+"""Workloads of bench/agentic.py: the quickstart's task with a remote service's latency in its tool, judge or env.
 
-`rollout.tools=[bench.agentic_tools:RemoteCalculator]` (from the repository root): the same answers as the built-in
-`calculator`, each after a lognormal wait (median RLBUS_TOOL_MEDIAN_S seconds, sigma RLBUS_TOOL_SIGMA, capped at
-RLBUS_TOOL_CAP_S), as an HTTP API, a search engine or a sandbox would answer. The wait is `asyncio.sleep`: what
-costs time is the waiting, not the computing. Its random stream is seeded per process (RLBUS_TOOL_SEED + pid).
+Each is named in a config from the repository root; its latency is a lognormal wait (median, sigma, capped) whose
+random stream is seeded per process (the seed variable * 100003 + pid). The waits are sleeps: what costs time is the
+waiting, not the computing.
+
+- B1, `rollout.tools=[bench.agentic_tools:RemoteCalculator]`: the built-in `calculator`'s answers, each after
+  RLBUS_TOOL_MEDIAN_S (sigma RLBUS_TOOL_SIGMA, cap RLBUS_TOOL_CAP_S, seed RLBUS_TOOL_SEED), as an HTTP API answers.
+  An async tool.
+- B2, `rollout.reward=bench.agentic_tools:slow_judge`: a remote judge with few slots. It scores as the `math`
+  reward does, after RLBUS_JUDGE_MEDIAN_S (RLBUS_JUDGE_SIGMA, RLBUS_JUDGE_CAP_S, RLBUS_JUDGE_SEED), at most
+  RLBUS_JUDGE_SLOTS calls at once per producer process. rlbus has no attribute by which a reward declares its
+  concurrency (a tool's `max_concurrency` is applied by the tool runner only), so, like rlbus's own judge reward
+  (producers/rewards/judge.py), it holds an asyncio.Semaphore of its own.
+- B3, `env.type=gym env.make=bench.agentic_tools:make_straggler_env`: the quickstart's question as a Gym-style text
+  environment that straggles. Its `step` (synchronous: it runs in the producer's worker threads) is also the
+  calculator, so that the quickstart's model plays it in its own format: a turn holding a tool call is answered
+  with the calculator's `<tool_response>` (the same text the tool loop inserts), a turn without one is scored as the
+  `math` reward scores it (1 for the right answer) and ends the episode. Each step first waits RLBUS_ENV_MEDIAN_S
+  (RLBUS_ENV_SIGMA, RLBUS_ENV_CAP_S, RLBUS_ENV_SEED); a share RLBUS_ENV_STRAGGLE of steps waits RLBUS_ENV_STRAGGLE_S
+  instead, and a share RLBUS_ENV_HANG hangs (RLBUS_ENV_HANG_S, an hour by default) until rlbus's
+  rollout.episode_timeout_s gives the task back as an infrastructure failure.
+
+    .venv/bin/python -m pytest -q tests/unit/test_agentic_bench.py
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import os
 import random
+import threading
+import time
 from typing import Any
 
-from rlbus.producers.tools.calculator import CALCULATOR
+from rlbus.common.chat import ANSWER_START, TOOL_RESPONSE_END, TOOL_RESPONSE_START
+from rlbus.common.model.demos import arithmetic_problem
+from rlbus.producers.agent_loops.tool_parser import parse_tool_calls
+from rlbus.producers.rewards.math import compute_score
+from rlbus.producers.tools.calculator import CALCULATOR, evaluate
+from rlbus.schemas.wire import PromptTask
+
+
+class Lognormal:
+    """A service's wait in seconds: median_s * exp(N(0, sigma)), at most cap_s; its own seeded random stream, safe
+    to draw from the producer's worker threads at once."""
+
+    median_s: float
+    sigma: float
+    cap_s: float
+    rng: random.Random
+    _lock: threading.Lock
+
+    def __init__(self, median_s: float, sigma: float = 1.0, cap_s: float = 8.0, seed: int = 0):
+        self.median_s, self.sigma, self.cap_s = median_s, sigma, cap_s
+        self.rng = random.Random(seed)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_env(cls, prefix: str) -> Lognormal:
+        """From RLBUS_<prefix>_MEDIAN_S, _SIGMA, _CAP_S and _SEED; the stream is this process's own."""
+        return cls(_env(f"{prefix}_MEDIAN_S", 1.0), _env(f"{prefix}_SIGMA", 1.0), _env(f"{prefix}_CAP_S", 8.0),
+                   seed=int(_env(f"{prefix}_SEED", 0)) * 100003 + os.getpid())
+
+    def draw(self) -> float:
+        with self._lock:
+            return self._draw()
+
+    def _draw(self) -> float:  # the caller holds the lock
+        if self.median_s <= 0:
+            return 0.0
+        return min(self.cap_s, self.median_s * math.exp(self.rng.gauss(0.0, self.sigma)))
+
+
+def _env(name: str, default: float) -> float:
+    return float(os.environ.get(f"RLBUS_{name}", default))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# B1: a slow tool
 
 
 class RemoteCalculator:
@@ -22,15 +87,140 @@ class RemoteCalculator:
     description = CALCULATOR.description
     parameters = CALCULATOR.parameters
 
-    def __init__(self) -> None:
-        self.median_s = float(os.environ.get("RLBUS_TOOL_MEDIAN_S", "1.0"))
-        self.sigma = float(os.environ.get("RLBUS_TOOL_SIGMA", "1.0"))
-        self.cap_s = float(os.environ.get("RLBUS_TOOL_CAP_S", "8.0"))
-        self.rng = random.Random(int(os.environ.get("RLBUS_TOOL_SEED", "0")) * 100003 + os.getpid())
+    latency: Lognormal
 
-    def latency(self) -> float:
-        return min(self.cap_s, self.median_s * math.exp(self.rng.gauss(0.0, self.sigma)))
+    def __init__(self) -> None:
+        self.latency = Lognormal.from_env("TOOL")
 
     async def __call__(self, arguments: dict[str, Any]) -> str:
-        await asyncio.sleep(self.latency())
+        await asyncio.sleep(self.latency.draw())
         return await CALCULATOR(arguments)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# B2: a judge with few slots
+
+
+class SlowJudge:
+    """The math reward's score after a judge's wait, at most `slots` calls at once (callers beyond wait their turn,
+    and that wait is part of the episode's scoring time, as a busy judge's queue is)."""
+
+    latency: Lognormal
+    slots: int
+    _loop: asyncio.AbstractEventLoop | None
+    _slots: asyncio.Semaphore | None  # of the loop `_loop` (a semaphore belongs to one event loop)
+
+    def __init__(self, latency: Lognormal, slots: int):
+        if slots < 1:
+            raise ValueError(f"RLBUS_JUDGE_SLOTS: must be >= 1, got {slots}")
+        self.latency, self.slots = latency, slots
+        self._loop, self._slots = None, None
+
+    async def __call__(self, response_text: str, ground_truth: str) -> float:
+        loop = asyncio.get_running_loop()
+        if self._slots is None or self._loop is not loop:
+            self._loop, self._slots = loop, asyncio.Semaphore(self.slots)
+        async with self._slots:
+            await asyncio.sleep(self.latency.draw())
+        return compute_score(response_text, ground_truth)
+
+
+@functools.cache
+def _judge() -> SlowJudge:
+    """This process's judge, made on first use (the producer's environment sets the variables before it starts)."""
+    return SlowJudge(Lognormal.from_env("JUDGE"), int(_env("JUDGE_SLOTS", 4)))
+
+
+async def slow_judge(response_text: str, ground_truth: str, *, task: PromptTask) -> float:
+    """`rollout.reward=bench.agentic_tools:slow_judge`: a reward as producers/rewards/registry.py calls one."""
+    return await _judge()(response_text, ground_truth)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# B3: a straggling environment
+
+
+class StepLatency:
+    """An environment step's wait: the lognormal wait, except that a share `straggle` of steps takes `straggle_s`
+    and a share `hang` takes `hang_s` (an hour: a step that hangs until the episode timeout cuts it off)."""
+
+    wait: Lognormal
+    straggle: float
+    straggle_s: float
+    hang: float
+    hang_s: float
+
+    def __init__(self, wait: Lognormal, *, straggle: float = 0.0, straggle_s: float = 20.0, hang: float = 0.0,
+                 hang_s: float = 3600.0):
+        if not (0 <= straggle and 0 <= hang and straggle + hang <= 1):
+            raise ValueError(f"RLBUS_ENV_STRAGGLE ({straggle}) and RLBUS_ENV_HANG ({hang}): shares in [0, 1] whose "
+                             "sum is at most 1")
+        self.wait, self.straggle, self.straggle_s, self.hang, self.hang_s = wait, straggle, straggle_s, hang, hang_s
+
+    @classmethod
+    def from_env(cls) -> StepLatency:
+        return cls(Lognormal.from_env("ENV"), straggle=_env("ENV_STRAGGLE", 0.0),
+                   straggle_s=_env("ENV_STRAGGLE_S", 20.0), hang=_env("ENV_HANG", 0.0),
+                   hang_s=_env("ENV_HANG_S", 3600.0))
+
+    def draw(self) -> float:
+        with self.wait._lock:  # one stream: the share and the wait are drawn together
+            u = self.wait.rng.random()
+            if u < self.hang:
+                return self.hang_s
+            if u < self.hang + self.straggle:
+                return self.straggle_s
+            return self.wait._draw()
+
+
+class StragglerEnv:
+    """The quickstart's question as a text environment: reset(seed) asks "What is 17*23?", step(action) answers a
+    calculator call or scores an answer, after the step's wait."""
+
+    latency: StepLatency | None  # None: no wait (the pure logic, as the tests check it)
+    answer: str  # the right answer of the question of the last reset
+
+    def __init__(self, latency: StepLatency | None = None):
+        self.latency = latency
+        self.answer = ""
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict]:
+        question, self.answer = arithmetic_problem(random.Random(seed))  # deterministic in the seed, as rlbus checks
+        return question, {}
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict]:
+        if self.latency is not None:
+            time.sleep(self.latency.draw())
+        return self.respond(action)
+
+    def respond(self, action: str) -> tuple[str, float, bool, bool, dict]:
+        """What the quickstart's tool loop and math reward would make of the turn: (obs, reward, terminated,
+        truncated, info)."""
+        calls = parse_tool_calls(action)
+        if not calls or ANSWER_START in action:
+            return "", compute_score(action, self.answer), True, False, {}
+        results = [call.error or _calculator(call.name, call.arguments or {}) for call in calls]
+        return "".join(f"{TOOL_RESPONSE_START}{r}{TOOL_RESPONSE_END}" for r in results), 0.0, False, False, {}
+
+    def close(self) -> None:
+        pass
+
+
+def _calculator(name: str, arguments: dict[str, Any]) -> str:
+    """The built-in calculator's answer to a call, as the tool loop gives it (an error is the model's to read)."""
+    if name != CALCULATOR.name:
+        return f"error: unknown tool {name!r}; available: {CALCULATOR.name}"
+    if "expression" not in arguments:
+        return 'error: missing argument "expression"'
+    return evaluate(arguments["expression"])
+
+
+@functools.cache
+def _step_latency() -> StepLatency:
+    """One stream per process, shared by every episode's environment (each sample makes its own)."""
+    return StepLatency.from_env()
+
+
+def make_straggler_env() -> StragglerEnv:
+    """`env.make=bench.agentic_tools:make_straggler_env`: a fresh environment with this process's step latency."""
+    return StragglerEnv(_step_latency())

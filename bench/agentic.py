@@ -73,6 +73,8 @@ def summarise(rows: list[dict], stamps: list[float]) -> dict[str, Any]:
         "publish_s": round(statistics.fmean(r.get("time/publish_weights", 0.0) for r, _ in measured), 4),
         "staleness_bound_end": steps[-1][0].get("staleness/bound"),
         "staleness_mean": round(statistics.fmean(r.get("staleness/mean", 0.0) for r, _ in measured), 2),
+        "mismatch_kl_max": round(max((r.get("mismatch/kl_k3", 0.0) for r, _ in measured), default=0.0), 4),
+        "guard_fired": sum(1 for r, _ in steps if r.get("guard/fired")),
         "first5": round(statistics.fmean(rewards[:5]), 3),
         "last10": round(statistics.fmean(rewards[-10:]), 3),
         "rewards": [round(x, 3) for x in rewards],

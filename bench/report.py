@@ -337,11 +337,11 @@ def _agentic(files: list[dict[str, Any]]) -> Reading:
 
 FIGURES: tuple[Figure, ...] = (
     Figure("Quickstart learns its tool (HF engine)",
-           "Quickstart, a 1000-step warm start (6 December): 20 seeds, quiet",
-           ("quickstart_seeds20_w1000_quiet.json",), _learning, headline=True),
+           "Quickstart, the model rlbus ships: 20 seeds, quiet",
+           ("quickstart_seeds20_shipped_quiet.json",), _learning, headline=True),
     Figure("Quickstart learns its tool (HF engine, cores kept busy)",
-           "Quickstart, a 1000-step warm start (6 December): 20 seeds, both cores busy",
-           ("quickstart_seeds20_w1000_busy.json",), _learning),
+           "Quickstart, the model rlbus ships: 10 seeds, both cores busy",
+           ("quickstart_seeds10_shipped_busy.json",), _learning),
     Figure("Quickstart on the vLLM engine",
            "The vLLM quickstart, its model rebuilt (6 December): 20 seeds, quiet",
            ("quickstart_vllm_seeds20_w3000_quiet.json",), _learning, headline=True),

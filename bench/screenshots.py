@@ -40,7 +40,14 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: the r
 
 from bench.common import run_up  # noqa: E402
 from rlbus.schemas.config_io import load_config  # noqa: E402
-from tests.support.browser import launch_chromium, new_page, replay_from_page, shot, ui_server  # noqa: E402
+from tests.support.browser import (  # noqa: E402
+    launch_chromium,
+    new_page,
+    open_run,
+    replay_from_page,
+    shot,
+    ui_server,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = Path("configs") / "quickstart.yaml"
@@ -110,9 +117,7 @@ def photograph(run_dir: Path, out: Path, total_steps: int) -> None:
             sys.exit(f"{run_dir} is not a finished run: step {info['last_step']} of {total_steps}"
                      f"{' (still training)' if info['live'] else ''}; run without --reuse to train it")
         page = new_page(chromium, errors, WIDTH, HEIGHT)
-        page.goto(f"{url}?token={token}")
-        page.wait_for_function(f"+document.querySelector('#last-step').textContent === {total_steps}")
-        page.wait_for_selector("#chart .main-svg")
+        open_run(page, url, token, total_steps)
         shot(page, out / "ui-run.png")
 
         page.goto(url + "#samples")

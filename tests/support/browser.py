@@ -64,6 +64,13 @@ def new_page(browser: Any, errors: list[str], width: int = 1400, height: int = 1
     return page
 
 
+def open_run(page: Any, url: str, token: str, last_step: int) -> None:
+    """The inspector's run view, once it shows `last_step` and its chart is drawn."""
+    page.goto(f"{url}?token={token}")
+    page.wait_for_function(f"+document.querySelector('#last-step').textContent === {last_step}")
+    page.wait_for_selector("#chart .main-svg")
+
+
 def shot(page: Any, path: Path) -> None:
     """A PNG of the viewport, taken once the page has no request in flight (its charts and tables drawn)."""
     page.wait_for_load_state("networkidle")

@@ -23,6 +23,7 @@ from tests.support.browser import (  # noqa: F401 (chromium: a fixture)
     chromium,
     http_status,
     new_page,
+    open_run,
     replay_from_page,
     replay_on_the_command_line,
     shot,
@@ -79,9 +80,7 @@ def test_the_inspector_follows_a_live_run_and_replays_a_step(chromium: Any, tmp_
     shots.mkdir()
     with ui_server(run_dir) as (url, token):
         page = new_page(chromium, errors)
-        page.goto(f"{url}?token={token}")
-        page.wait_for_function(f"+document.querySelector('#last-step').textContent === {TOTAL}")
-        page.wait_for_selector("#chart .main-svg")
+        open_run(page, url, token, TOTAL)
         shot(page, shots / "ui-run.png")
 
         page.goto(url + "#samples")

@@ -25,12 +25,11 @@ import ast
 import difflib
 import importlib.machinery
 import importlib.util
-import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rlbus.common.imports import cwd_on_path
 from rlbus.schemas.config import RunConfig
 from rlbus.schemas.env import DataEnvConfig, GymEnvConfig, ReasoningGymEnvConfig, VerifiersEnvConfig
 from rlbus.schemas.errors import ConfigError
@@ -135,12 +134,6 @@ def _env_errors(cfg: RunConfig) -> list[ConfigError]:
     return []
 
 
-def _on_path() -> None:
-    """The current directory on the path, as common/imports.py puts it for the roles."""
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
-
-
 def _module_spec(module_name: str) -> importlib.machinery.ModuleSpec | None:
     """The spec of a module, found without importing it or its parent packages (find_spec would import those)."""
     parts = module_name.split(".")
@@ -181,7 +174,7 @@ def find_object(path: str, field: str) -> None:
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(field, f"{path!r} is not an import path 'pkg.module:attr'")
-    _on_path()
+    cwd_on_path()
     try:
         spec = _module_spec(module_name)
     except (ImportError, ValueError):  # a parent already imported oddly: leave it to the import

@@ -14,15 +14,19 @@ from typing import Any
 from rlbus.schemas.errors import ConfigError
 
 
+def cwd_on_path() -> None:
+    """Put the current directory on the import path, as `python -m` would: the `rlbus` console script puts its own
+    bin/ first instead, and a user's `my_agent:rollout` beside the config is found all the same."""
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+
+
 def import_object(path: str, field: str) -> Any:
     """Resolve "pkg.module:attr" (attr may be dotted), raising ConfigError(field, ...) saying what failed."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(field, f"{path!r} is neither a built-in name nor an import path 'pkg.module:attr'")
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        # The `rlbus` console script puts its own bin/ first, not the current directory (as `python -m` would): a
-        # user's `my_agent:rollout` beside the config is found all the same.
-        sys.path.append(os.getcwd())
+    cwd_on_path()
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as e:

@@ -119,7 +119,7 @@ class LagSizer:
 
         clamp(1 + ceil(p90 of a group's wait / median step time), max_staleness, max_staleness_for_latency)
 
-    reached step by step (it rises by at most half of itself a step, and falls at once), where a group's wait is its
+    reached one step at a time (it rises by at most one a step, and falls at once), where a group's wait is its
     slowest sample's time outside generation (tool calls and scoring: a group is done when
     its last episode is) and a step's time is the trainer's own work, not its wait for data (otherwise a trainer
     starved by a tight bound would measure long steps and never loosen it). A run whose episodes do not wait
@@ -151,18 +151,18 @@ class LagSizer:
 
     def step(self, work_s: float, mismatch_kl: float = math.nan) -> None:
         """The trainer's own work on a step took `work_s` seconds, and its tokens' behaviour policy was
-        `mismatch_kl` (KL, k3) from the proximal one. The bound moves towards what the waits need, up by at most
-        half of itself a step (2, 3, 4, 6, 9, 13, 16: a policy that moves fast early in a run meets old tokens
-        gradually, not all at once, and the mismatch they bring is measured before the next rise), down at once;
-        and while the mismatch is over half of `kl_budget` (the guard's `max_mismatch_kl`) it steps down by one
-        instead of up: lag past what the off-policy correction handles costs more than the wait it hides."""
+        `mismatch_kl` (KL, k3) from the proximal one. The bound moves towards what the waits need, up by at most one
+        a step (a policy that moves fast early in a run meets old tokens gradually, not all at once: a jump from 2
+        to 16 between two steps would hand the trainer groups 14 versions older than any it had corrected for), down
+        at once; and while the mismatch is over half of `kl_budget` (the guard's `max_mismatch_kl`) it steps down by
+        one instead of up: lag past what the off-policy correction handles costs more than the wait it hides."""
         self._steps = (self._steps + [work_s])[-LAG_WINDOW:]
-        move = -1 if mismatch_kl > KL_BACKOFF * self.kl_budget else max(1, self._bound // 2)
+        move = -1 if mismatch_kl > KL_BACKOFF * self.kl_budget else 1
         self._bound = max(self.floor, min(self.need(), self._bound + move))
 
     def hold(self, bound: int) -> None:
         """Something else (the stability guard's tightening) holds the bound at `bound` for now: when it lets go, the
-        bound climbs back from there, as from any lower bound."""
+        bound climbs back from there, one a step, as from any lower bound."""
         self._bound = min(self._bound, bound)
 
     def need(self) -> int:

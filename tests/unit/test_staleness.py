@@ -112,7 +112,7 @@ def test_the_lag_sizer_raises_the_bound_to_hide_the_measured_wait_up_to_its_ceil
         sizer.group(30.0)  # a judge that takes half a minute
         sizer.step(0.5)
         bounds.append(sizer.bound())
-    assert all(0 <= b - a <= max(1, a // 2) for a, b in zip([4, *bounds], bounds))  # up half of itself at most
+    assert all(0 <= b - a <= 1 for a, b in zip([4, *bounds], bounds))  # up one a step at most
     assert bounds[-1] == 8  # to the ceiling
     for _ in range(40):
         sizer.group(0.0)  # the judge is fast again: back down at once
@@ -134,7 +134,7 @@ def test_the_lag_sizer_climbs_back_from_a_bound_the_guard_held_not_from_before_i
         if i < 3:
             sizer.hold(1)  # tightened for three steps: below the floor, as the guard may go
         bounds.append(sizer.bound())
-    assert bounds == [1, 1, 1, 2, 3, 4]  # then up from the floor, never a jump back to 8
+    assert bounds == [1, 1, 1, 2, 3, 4]  # then up one a step from the floor, never a jump back to 8
 
 
 def test_the_lag_steps_down_while_its_tokens_mismatch_more_than_half_the_kl_budget():
@@ -145,7 +145,6 @@ def test_the_lag_steps_down_while_its_tokens_mismatch_more_than_half_the_kl_budg
         # the mismatch grows with the lag: 0.01 per version of it
         sizer.step(0.5, 0.01 * sizer.bound())
         bounds.append(sizer.bound())
-    # settles where the KL is about half the budget (0.05): at 5, with a rise to 7 that the mismatch turns back
-    assert max(bounds) <= 7 and set(bounds[-10:]) <= {5, 6, 7}
+    assert max(bounds) <= 6 and bounds[-1] in (4, 5, 6)  # settles where the KL is about half the budget (0.05)
     sizer.step(0.5, float("nan"))  # no measure: climbs as before
-    assert sizer.bound() == bounds[-1] + bounds[-1] // 2
+    assert sizer.bound() == bounds[-1] + 1

@@ -141,8 +141,30 @@ def _module_spec(module_name: str) -> importlib.machinery.ModuleSpec | None:
     for i in range(1, len(parts)):
         if spec is None or spec.submodule_search_locations is None:
             return None
-        spec = importlib.machinery.PathFinder.find_spec(".".join(parts[: i + 1]), spec.submodule_search_locations)
+        spec = _submodule_spec(".".join(parts[: i + 1]), list(spec.submodule_search_locations))
     return spec
+
+
+def _submodule_spec(name: str, locations: list[str]) -> importlib.machinery.ModuleSpec | None:
+    """`name`'s spec in its package's `locations`, as the path finder finds it, but for a namespace package (a
+    folder without __init__.py, such as a project's tests/fixtures) too: the path finder needs the parent imported
+    to describe one of those."""
+    part = name.rsplit(".", 1)[-1]
+    portions = []
+    for location in locations:
+        base = Path(location) / part
+        if (base / "__init__.py").is_file():
+            return importlib.util.spec_from_file_location(name, base / "__init__.py",
+                                                          submodule_search_locations=[str(base)])
+        if base.with_suffix(".py").is_file():
+            return importlib.util.spec_from_file_location(name, base.with_suffix(".py"))
+        if base.is_dir():
+            portions.append(str(base))
+    if portions:
+        spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        spec.submodule_search_locations = portions
+        return spec
+    return importlib.machinery.PathFinder.find_spec(name, locations)  # compiled modules, zip imports, ...
 
 
 def _top_level_names(tree: ast.Module) -> set[str] | None:
@@ -188,8 +210,8 @@ def find_object(path: str, field: str) -> None:
     first = attr.split(".")[0]
     if names is None or first in names:
         return
-    if spec.submodule_search_locations and importlib.machinery.PathFinder.find_spec(
-            f"{module_name}.{first}", spec.submodule_search_locations):
+    if spec.submodule_search_locations and _submodule_spec(f"{module_name}.{first}",
+                                                           list(spec.submodule_search_locations)):
         return  # a submodule of the package
     near = difflib.get_close_matches(first, sorted(names), n=1)
     raise ConfigError(field, f"{path!r}: {module_name!r} has no attribute {first!r}"

@@ -7,6 +7,7 @@ anything; `rlbus config show` prints them and exits 2.
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -136,6 +137,7 @@ def test_gym_ids_and_kwargs():
 
 def test_a_verifiers_load_is_found_in_its_source_without_importing_it(monkeypatch):
     monkeypatch.chdir(ROOT)
+    monkeypatch.delitem(sys.modules, "tests.fixtures.vf_envs", raising=False)  # another test may have imported it
     find_object("tests.fixtures.vf_envs:single", "env.load")
     with pytest.raises(ConfigError) as e:
         find_object("tests.fixtures.vf_envs:singel", "env.load")
@@ -152,3 +154,13 @@ def test_several_errors_are_all_reported():
         check_config(cfg)
     assert [x.field for x in e.value.errors] == ["model.path", "rollout.reward"]
     assert str(e.value).splitlines()[0] == "2 errors:"
+
+
+def test_a_load_in_a_namespace_package_is_found_before_its_parent_is_imported():
+    """`rlbus up` checks env.load in a fresh process, where a folder without __init__.py (tests/fixtures) has no
+    imported parent to describe it by (the path finder raised KeyError there)."""
+    code = ("import sys; from rlbus.cli.validate import find_object; "
+            "find_object('tests.fixtures.vf_envs:single', 'env.load'); "
+            "assert 'tests' not in sys.modules and 'tests.fixtures.vf_envs' not in sys.modules; print('found')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "found" in proc.stdout, proc.stderr[-2000:]

@@ -35,15 +35,10 @@ def machine(**extra: Any) -> dict[str, Any]:
     """CPU model, cores, OS, Python, torch, the 1-minute load (a shared machine makes absolute numbers noisy)."""
     import torch
 
-    model = platform.processor() or "unknown"
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+    from rlbus.common.model.init_model import cpu_model
+
     return {
-        "cpu_model": model,
+        "cpu_model": cpu_model(),
         "cores": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),

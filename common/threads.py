@@ -32,8 +32,8 @@ Processes re-check (`refresh`, rate-limited to every REFRESH_EVERY_S): a process
 run starts and grows back when it ends, each change logged once at INFO. Torch keeps the count per thread (OpenMP),
 so the refresh must run on the thread that computes: the roles' event loops hand their work (generate, train step,
 weight loads) to executor threads that refresh before each call (`refresh_executor_threads`); the warm start calls
-`refresh()` every step; a multi-rank trainer's ranks other than 0 (trainer/worker.py's loop) keep their first count
-for now. A replay holds the recorded trainer's count (CPU sums depend on it) and does not refresh.
+`refresh()` every step, and every trainer rank before each step (trainer/worker.py). A replay holds the recorded
+trainer's count (CPU sums depend on it) and does not refresh.
 Inter-op pools get one thread: no role runs independent ops in parallel, and each extra thread is one more to
 preempt. Environment variables are left as they are: $OMP_NUM_THREADS set by rlbus would read as an explicit count
 in its children, which register themselves instead.

@@ -10,9 +10,11 @@ model with one remote service's lognormal latency (median M seconds, sigma 1, ca
 - `b2`, a judge with few slots: the reward (the math reward's score) after the judge's latency, at most
   RLBUS_JUDGE_SLOTS (4) calls at once per producer; the calculator instant;
 - `b3`, a straggling environment: the question as a Gym-style environment (its step is the calculator, or scores the
-  answer) whose steps wait the latency (M 0.2 s by default); a share RLBUS_ENV_STRAGGLE (0.05) of steps straggles
-  for RLBUS_ENV_STRAGGLE_S (20 s), a share RLBUS_ENV_HANG (0.01) hangs until rollout.episode_timeout_s (30 s) gives
-  the task back (an infrastructure failure: rolled out again, never trained).
+  answer) whose steps wait the latency (M 0.2 s by default); a share RLBUS_ENV_STRAGGLE (0.02) of steps straggles
+  for RLBUS_ENV_STRAGGLE_S (30 s), a share RLBUS_ENV_HANG (0.005) hangs until rollout.episode_timeout_s (60 s) gives
+  the task back (an infrastructure failure: rolled out again, never trained). Every arm runs
+  `rollout.redundant_samples=2` (a group starts n + 2 episodes and is the first n to finish; pass
+  `rollout.redundant_samples=0` to see the run without).
 
 A shape variable set in the caller's environment wins over its default. Arms, run one after another in one
 invocation on the same machine (each its own `rlbus up`, from scratch):

@@ -6,7 +6,8 @@ A workload is the quickstart's task and model with one remote service's latency 
     b2  a judge with few slots: the reward scored after the judge's wait, at most RLBUS_JUDGE_SLOTS calls at once
         per producer (RLBUS_JUDGE_*)
     b3  a straggling environment: the question as a Gym-style environment whose steps wait (RLBUS_ENV_*); a share
-        of them straggles, a share hangs until rollout.episode_timeout_s (30 s here) gives the task back
+        of them straggles, a share hangs until rollout.episode_timeout_s (60 s here) gives the task back; every
+        arm starts 2 redundant episodes a group (rollout.redundant_samples=2: a group is its first n to finish)
 
 The arms, each its own `rlbus up`: `nolat` is the same task without the latency (b1: the built-in calculator; b2,
 b3: the same judge or environment with a median of 0 and no stragglers or hangs), `async` is rlbus's defaults
@@ -93,11 +94,13 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
         "b3", "## Agentic: a straggling environment", RESULTS_DIR / "agentic_b3.json", "ENV", "env step",
         "The quickstart's question and model as a Gym-style environment (its step is the calculator, or scores the "
         "answer) whose steps wait a lognormal latency (sigma 1, capped at 8 s); a share {RLBUS_ENV_STRAGGLE} of "
-        "steps straggles for {RLBUS_ENV_STRAGGLE_S} s, a share {RLBUS_ENV_HANG} hangs until the episode timeout (30 s)",
+        "steps straggles for {RLBUS_ENV_STRAGGLE_S} s, a share {RLBUS_ENV_HANG} hangs until the episode timeout (60 s); "
+        "each group starts 2 redundant episodes and keeps the first n to finish",
         default_median=0.2,
         task=("env.type=gym", "env.make=bench.agentic_tools:make_straggler_env", "env.seed={seed}",
-              f"env.system_prompt={QUICKSTART_SYSTEM_PROMPT}", "rollout.tools=[]", "rollout.episode_timeout_s=30"),
-        shape={"RLBUS_ENV_STRAGGLE": "0.05", "RLBUS_ENV_STRAGGLE_S": "20", "RLBUS_ENV_HANG": "0.01"},
+              f"env.system_prompt={QUICKSTART_SYSTEM_PROMPT}", "rollout.tools=[]", "rollout.episode_timeout_s=60",
+              "rollout.redundant_samples=2"),
+        shape={"RLBUS_ENV_STRAGGLE": "0.02", "RLBUS_ENV_STRAGGLE_S": "30", "RLBUS_ENV_HANG": "0.005"},
         quiet={"RLBUS_ENV_STRAGGLE": "0", "RLBUS_ENV_HANG": "0"}, failures=True),
 )}
 

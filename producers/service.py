@@ -250,6 +250,9 @@ class Producer:
         log.info("producer %s: %d groups published (%d generated tokens); discarded for staleness: %d generated "
                  "tokens (%d groups given back, %d samples restarted)", self.producer_id, self.groups_done,
                  self.tokens_generated, tokens, self.groups_abandoned, restarted)
+        if self.agent_loop is not None and self.agent_loop.spares_cancelled:
+            log.info("producer %s: %d redundant episode(s) cancelled once their group had its n (%d generated tokens)",
+                     self.producer_id, self.agent_loop.spares_cancelled, self.agent_loop.spare_tokens_discarded)
         if self.bus is not None:
             with contextlib.suppress(Exception):  # best effort: the bus may be the thing that failed
                 await self.bus.publish_event(RoleStopped(role="producer", role_id=self.producer_id,
@@ -494,7 +497,8 @@ class Producer:
                 groups_per_min=self.groups_done / minutes, inflight=len(self._inflight),
                 inflight_limit=self.sizer.limit, engine_idle=round(self.sizer.idle_share(), 3),
                 infra_failures=self.infra_failures, env_failures=self.env_failures,
-                tool_retries=getattr(getattr(self.agent_loop, "runner", None), "infra_retries", 0)))
+                tool_retries=getattr(getattr(self.agent_loop, "runner", None), "infra_retries", 0),
+                spares_cancelled=self.agent_loop.spares_cancelled))
             await asyncio.sleep(self.cfg.rollout.heartbeat_interval_s)
 
 

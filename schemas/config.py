@@ -175,6 +175,7 @@ class RolloutConfig(_Section):
     torch_threads: int = 0  # torch CPU threads of each producer; 0 = auto (OMP_NUM_THREADS, else CPUs / processes)
     nice: int = 0  # CPU priority of each producer (nice, 0-19): > 0 lets a trainer on the same CPUs preempt it
     partial_rollout: bool = True  # restart just the samples the staleness bound no longer admits, not the group
+    redundant_samples: int = 0  # episodes started beyond n per group; it takes the first n to finish (stragglers)
 
     def __post_init__(self) -> None:
         _need(self.n >= 1, "n", "must be >= 1")
@@ -198,6 +199,9 @@ class RolloutConfig(_Section):
         _need(0 <= self.nice <= 19, "nice", "must be in [0, 19] (a role may lower its own priority, not raise it)")
         _need(self.agent_loop != "openai" or bool(self.openai.function or self.openai.command), "openai.function",
               "agent_loop: openai needs the agent, 'pkg.module:fn' (or openai.command, a program)")
+        _need(self.redundant_samples >= 0, "redundant_samples", "must be >= 0")
+        _need(self.agent_loop != "openai" or self.redundant_samples == 0, "redundant_samples",
+              "agent_loop: openai runs the agent's own turns, whose trajectories cannot be cut to n: must be 0")
 
 
 # grpo (group z-score), rloo (leave-one-out), reinforce_plus_plus (discounted returns, batch-whitened),

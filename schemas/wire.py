@@ -162,6 +162,7 @@ class ProducerHeartbeat(Wire, tag="producer_heartbeat"):
     infra_failures: int = 0  # tasks given back because a tool, sandbox or judge failed (not trained)
     env_failures: int = 0  # tasks that failed because the environment raised or gave bad output
     tool_retries: int = 0  # tool attempts retried after their service failed
+    spares_cancelled: int = 0  # episodes cancelled because their group had its n first (rollout.redundant_samples)
 
 
 class RoleStarted(Wire, tag="role_started"):

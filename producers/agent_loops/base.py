@@ -223,6 +223,8 @@ class AgentLoop(abc.ABC):
     seed: int | None  # None: the engine's own random stream; else call k samples with seed + k (reproducible)
     staleness: StalenessWatch | None  # set by a producer under rollout.partial_rollout; None: no restarts
     meter: EngineMeter  # how much of the time the engine had a turn to work on
+    spares_cancelled: int  # episodes cancelled because their group had its n (rollout.redundant_samples)
+    spare_tokens_discarded: int  # the tokens those episodes had generated
     _num_calls: int
 
     def __init__(self, cfg: RolloutConfig, engine: RolloutEngine, tokenizer: Any, tools: Mapping[str, Tool],
@@ -238,25 +240,39 @@ class AgentLoop(abc.ABC):
         self.seed = seed
         self.staleness = None
         self.meter = EngineMeter()
+        self.spares_cancelled = self.spare_tokens_discarded = 0
         self._num_calls = 0
 
     async def close(self) -> None:
         """Release what the loop holds besides the engine (the openai loop's endpoint)."""
 
     async def rollout_group(self, task: PromptTask, n: int) -> list[Trajectory]:
-        """Roll out `task` n times together and score every trajectory, within rollout.episode_timeout_s."""
+        """Roll out `task` n times together and score every trajectory, within rollout.episode_timeout_s.
+
+        With `rollout.redundant_samples` r > 0, n + r episodes start and the group is the first n to finish: the r
+        slowest are cancelled (their tokens never trained), so a group no longer waits for a straggling or hung
+        environment unless more than r of its episodes straggle. The price is r more episodes' generation, and a
+        bias towards short episodes wherever an episode's duration depends on what the policy does (long answers,
+        many tool calls): meant for environments and services that straggle on their own."""
+        rollout = self.rollout_many([task], n, spare=self.cfg.redundant_samples)
         try:
-            return (await asyncio.wait_for(self.rollout_many([task], n), self.cfg.episode_timeout_s))[0]
+            return (await asyncio.wait_for(rollout, self.cfg.episode_timeout_s))[0]
         except asyncio.TimeoutError:
             raise EpisodeTimeout(f"the episodes did not end within rollout.episode_timeout_s="
                                  f"{self.cfg.episode_timeout_s:g}s (a hung environment, tool or reward?)") from None
 
-    async def rollout_many(self, tasks: list[PromptTask], n: int) -> list[list[Trajectory]]:
+    async def rollout_many(self, tasks: list[PromptTask], n: int, *, spare: int = 0) -> list[list[Trajectory]]:
         """A group for each task (the evaluator's held-out set, a producer's task): every sample's episode runs on
-        its own, and the engine batches the turns that are ready together."""
-        groups = [self.start(task, n) for task in tasks]
-        await asyncio.gather(*(self.run_episodes(task, g) for task, g in zip(tasks, groups)))
-        return groups
+        its own, and the engine batches the turns that are ready together. With `spare`, each group starts n +
+        spare episodes and is the first n to finish."""
+        groups = [self.start(task, n + spare) for task in tasks]
+        return list(await asyncio.gather(*(self.run_episodes(task, g, keep=n) for task, g in zip(tasks, groups))))
+
+    def _cancelled_spares(self, trajs: list[Trajectory], kept: list[Trajectory]) -> None:
+        kept_ids = {id(t) for t in kept}
+        cut = [t for t in trajs if id(t) not in kept_ids]
+        self.spares_cancelled += len(cut)
+        self.spare_tokens_discarded += sum(sum(t.response_mask) for t in cut)
 
     @abc.abstractmethod
     async def _episode(self, traj: Trajectory) -> None:
@@ -266,34 +282,43 @@ class AgentLoop(abc.ABC):
         await self._episode(traj)
         await self.score_one(task, traj)
 
-    async def run_episodes(self, task: PromptTask, trajs: list[Trajectory]) -> None:
+    async def run_episodes(self, task: PromptTask, trajs: list[Trajectory], keep: int | None = None
+                           ) -> list[Trajectory]:
         """Each sample's episode on its own: generate, call tools or step the environment, score; no sample waits
         for another's tool call, environment step or reward. The engine batches whatever turns are ready at once
-        (across samples, groups and tasks). The group is done when its last episode is.
+        (across samples, groups and tasks). The group is done when its last episode is, or, given `keep`, when
+        `keep` episodes have finished: the others are cancelled. Returns the finished trajectories, in `trajs`' order.
 
         Under partial rollout a sample that finished, and that a newer version has since made too stale, begins
         again from its prompt as soon as that version is known, beside the group's stragglers, until every sample
         is fresh enough or out of restarts."""
         watch = self.staleness
+        keep = len(trajs) if keep is None else keep
         running: dict[asyncio.Future, Trajectory] = {
             asyncio.ensure_future(self._episode_scored(task, t)): t for t in trajs}
         changed = asyncio.ensure_future(watch.changed()) if watch is not None else None
+        finished: list[Trajectory] = []  # in the order they finished
         try:
-            while running:
+            while len(finished) < keep:
                 waiting = [*running] if changed is None else [*running, changed]
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 for future in done - {changed}:
-                    running.pop(future)
+                    finished.append(running.pop(future))
                     future.result()  # an engine, environment or infrastructure failure ends the group
                 if watch is None:
                     continue
                 if changed.done():
                     changed = asyncio.ensure_future(watch.changed())
-                busy = {id(t) for t in running.values()}
-                for traj in trajs:
-                    if id(traj) not in busy and watch.too_stale(traj):
+                for traj in list(finished):
+                    if watch.too_stale(traj):
                         watch.restart(traj, "finished early")
+                        finished.remove(traj)
                         running[asyncio.ensure_future(self._episode_scored(task, traj))] = traj
+            order = {id(t): i for i, t in enumerate(trajs)}
+            kept = sorted(finished[:keep], key=lambda t: order[id(t)])
+            if len(kept) < len(trajs):
+                self._cancelled_spares(trajs, kept)
+            return kept
         finally:
             rest = [*running] + ([changed] if changed is not None else [])
             for future in rest:

@@ -61,9 +61,10 @@ class GymAgentLoop(AgentLoop):
             self._seeds[id(traj)] = seed
         return trajs
 
-    async def run_episodes(self, task: PromptTask, trajs: list[Trajectory]) -> None:
+    async def run_episodes(self, task: PromptTask, trajs: list[Trajectory], keep: int | None = None
+                           ) -> list[Trajectory]:
         try:
-            await super().run_episodes(task, trajs)
+            return await super().run_episodes(task, trajs, keep)
         finally:
             for traj in trajs:
                 self._seeds.pop(id(traj), None)

@@ -164,7 +164,9 @@ class OpenAIAgentLoop(AgentLoop):
             self._http = None
         await self.endpoint.close()
 
-    async def rollout_many(self, tasks: list[PromptTask], n: int) -> list[list[Trajectory]]:
+    async def rollout_many(self, tasks: list[PromptTask], n: int, *, spare: int = 0) -> list[list[Trajectory]]:
+        if spare:  # the config check refuses it: a run of the agent may make several trajectories
+            raise ValueError("rollout.redundant_samples: not supported with agent_loop: openai")
         await self._ensure_started()
         runs = await asyncio.gather(*(self._run(task) for task in tasks for _ in range(n)))
         return [[t for run in runs[i * n : (i + 1) * n] for t in run] for i in range(len(tasks))]

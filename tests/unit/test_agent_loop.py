@@ -19,7 +19,7 @@ from rlbus.common.model.demos import QUICKSTART_SYSTEM_PROMPT, answer_text, tool
 from rlbus.common.model.tokenizer import build_tokenizer
 from rlbus.producers.rewards import load_reward
 from rlbus.producers.tools import load_tools
-from rlbus.schemas.config import ModelConfig, RolloutConfig, RunConfig
+from rlbus.schemas.config import ModelConfig, OpenAIAgentConfig, RolloutConfig, RunConfig
 from rlbus.schemas.wire import ChatMessage, PromptTask
 
 LOGP = -0.5  # every scripted token's log-prob: non-zero, so a 0.0 can only come from the mask
@@ -345,6 +345,37 @@ async def test_each_sample_advances_on_its_own(tok) -> None:
     assert trajs[0].tool_time_s >= 0.6 and trajs[1].tool_time_s < 0.3
     for t in trajs:
         _check_invariants(tok, t)
+
+
+async def test_redundant_samples_publish_the_first_n_and_cancel_the_stragglers(tok) -> None:
+    """rollout.redundant_samples: n + r episodes start, the group is the first n to finish (in the samples' order),
+    and the stragglers are cancelled at once: the group does not wait for them, nor for the episode timeout."""
+    behaviours = [
+        [_pause(60), answer_text("391")],  # hangs (well past the test's patience)
+        [_pause(0.01), answer_text("391")],
+        [answer_text("390")],
+        [_pause(30), answer_text("391")],  # straggles
+        [_pause(0.02), answer_text("391")],
+    ]
+    loop, engine = _loop(tok, behaviours, tools=[f"{__name__}:PausingTool"], max_turns=3, max_response_tokens=300,
+                         max_tool_response_tokens=64, n=3, redundant_samples=2, episode_timeout_s=120)
+    t0 = asyncio.get_running_loop().time()
+    trajs = await loop.rollout_group(_task(n=3), 3)
+    assert asyncio.get_running_loop().time() - t0 < 5
+    assert [t.num_turns for t in trajs] == [2, 1, 2]  # samples 1, 2, 4, in order
+    assert [t.reward for t in trajs] == [1.0, 0.0, 1.0]
+    assert loop.spares_cancelled == 2
+    first_turns = [tok.encode(_pause(s), add_special_tokens=False) + [tok.eos_token_id] for s in (60, 30)]
+    assert loop.spare_tokens_discarded == sum(map(len, first_turns))  # their first turns, the tool calls
+    for t in trajs:
+        _check_invariants(tok, t)
+
+
+def test_redundant_samples_are_refused_for_the_openai_loop() -> None:
+    with pytest.raises(ValueError, match="redundant_samples"):
+        RolloutConfig(agent_loop="openai", openai=OpenAIAgentConfig(function="pkg.mod:fn"), redundant_samples=1)
+    with pytest.raises(ValueError, match="redundant_samples"):
+        RolloutConfig(redundant_samples=-1)
 
 
 async def test_group_samples_take_one_engine_call_a_turn_each(tok) -> None:

@@ -53,8 +53,9 @@ def test_every_arm_is_a_valid_config_of_its_workload(name, arm):
     assert slow_tool == (name == "b1" and arm != "nolat")
     assert (cfg.rollout.reward == "bench.agentic_tools:slow_judge") == (name == "b2")
     if name == "b3":
-        assert isinstance(cfg.env, GymEnvConfig) and cfg.env.seed == 7 and cfg.rollout.episode_timeout_s == 30
+        assert isinstance(cfg.env, GymEnvConfig) and cfg.env.seed == 7 and cfg.rollout.episode_timeout_s == 60
         assert cfg.env.system_prompt == QUICKSTART_SYSTEM_PROMPT  # the quickstart's prompt, as the model knows it
+        assert cfg.rollout.redundant_samples == 2
 
 
 def test_nolat_has_no_latency_and_the_callers_shape_wins():
@@ -63,7 +64,7 @@ def test_nolat_has_no_latency_and_the_callers_shape_wins():
     assert (quiet["RLBUS_ENV_MEDIAN_S"], quiet["RLBUS_ENV_STRAGGLE"], quiet["RLBUS_ENV_HANG"]) == ("0.0", "0", "0")
     slow = b3.latency_env("async", 0.2, 1, environ={"RLBUS_ENV_STRAGGLE": "0.2"})
     assert slow["RLBUS_ENV_MEDIAN_S"] == "0.2" and slow["RLBUS_ENV_SEED"] == "1"
-    assert (slow["RLBUS_ENV_STRAGGLE"], slow["RLBUS_ENV_HANG"]) == ("0.2", "0.01")
+    assert (slow["RLBUS_ENV_STRAGGLE"], slow["RLBUS_ENV_HANG"]) == ("0.2", "0.005")
     assert WORKLOADS["b2"].latency_env("sync", 1.0, 0, environ={})["RLBUS_JUDGE_SLOTS"] == "4"
 
 
@@ -170,6 +171,6 @@ def test_the_tables_name_the_workload_and_b3_counts_its_failures():
     assert "The quickstart's task and model; the calculator behind a lognormal latency (sigma 1, capped at 8 s); " \
            "30 steps" in b1 and "| tool median |" in b1 and "failed rollouts" not in b1
     b3 = by_arm(_results("b3"))
-    assert "| env step median |" in b3 and "a share 0.05 of steps straggles for 20 s" in b3
+    assert "| env step median |" in b3 and "a share 0.02 of steps straggles for 30 s" in b3
     assert b3.splitlines()[-3].endswith("| 3 / 0 |")
     assert "| ledger problems |" in report(_results("b3")) and "4 calls at once" in report(_results("b2"))

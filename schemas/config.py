@@ -22,6 +22,7 @@ from rlbus.schemas.env import DataEnvConfig, EnvConfig
 from rlbus.schemas.judge import JudgeConfig
 from rlbus.schemas.lora import LoraConfig, WeightSyncConfig, check_lora
 from rlbus.schemas.sections import _need, _Section
+from rlbus.schemas.sft import SftConfig, check_sft
 from rlbus.schemas.subjects import check_run_name
 
 #: Window in which JetStream drops a re-published message with the same Nats-Msg-Id (seconds).
@@ -373,6 +374,7 @@ class TrainerConfig(_Section):
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
     seed: int = 0  # torch seed of the trainer
     torch_threads: int = 0  # torch CPU threads of each trainer rank; 0 = auto (OMP_NUM_THREADS, else CPUs / processes)
+    sft: SftConfig = msgspec.field(default_factory=SftConfig)  # a supervised phase before RL (schemas/sft.py)
 
     @property
     def staleness_ceiling(self) -> int:
@@ -380,7 +382,8 @@ class TrainerConfig(_Section):
         return max(self.max_staleness, self.max_staleness_for_latency)
 
     def __post_init__(self) -> None:
-        _need(self.total_steps >= 1, "total_steps", "must be >= 1")
+        _need(self.total_steps >= 1 or (self.total_steps == 0 and self.sft.enabled), "total_steps",
+              "must be >= 1 (0 only with a trainer.sft phase: a supervised run)")
         _need(self.groups_per_step >= 1, "groups_per_step", "must be >= 1")
         _need(self.max_staleness >= 0, "max_staleness", "must be >= 0")
         _need(self.max_staleness_for_latency >= 0, "max_staleness_for_latency", "must be >= 0")
@@ -533,6 +536,7 @@ class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         except ValueError as e:
             raise ValueError(f"name: {e}") from None
         check_lora(self.model.lora, self.algorithm.adv_estimator, self.critic.backbone, self.trainer.weight_sync)
+        check_sft(self.trainer.sft, self.algorithm.kl_coef)
         t = self.trainer
         # Weights published every N steps leave a producer's tokens up to N - 1 versions behind at best: beyond
         # max_staleness, the drop policy would discard every group and the run would never train.

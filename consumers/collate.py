@@ -12,6 +12,8 @@ rollout_log_probs [R], versions [R]); the group's metadata (SampleMeta) carries 
     versions             [B, T]  policy version that generated the token (-1 elsewhere)
     token_level_rewards  [B, T]  the sample's reward on its last generated token, 0 elsewhere
     group_index          [B]     samples of one GRPO group share a value
+    response_len         [B]     response tokens, tool output included (SampleMeta.response_len)
+    truncated            [B]     bool: generation was cut at a length limit (finish_reason "length")
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ def collate(
             "versions": versions,
             "token_level_rewards": rewards,
             "group_index": torch.as_tensor(list(group_index), dtype=torch.long),
+            "response_len": torch.as_tensor([meta.response_len for meta, _ in samples], dtype=torch.long),
+            "truncated": torch.as_tensor([meta.finish_reason == "length" for meta, _ in samples], dtype=torch.bool),
         },
         batch_size=[B],
     )

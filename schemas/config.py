@@ -209,6 +209,7 @@ class RolloutConfig(_Section):
 # reinforce_plus_plus_baseline (group mean removed, batch-whitened), gae (a critic: the critic section): verl's names.
 AdvEstimatorName = Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+PolicyLossName = Literal["vanilla", "gspo", "cispo", "sapo", "geo_mean", "dppo_tv", "dppo_kl"]  # verl's loss_mode names
 
 
 class AlgorithmConfig(_Section):
@@ -216,11 +217,13 @@ class AlgorithmConfig(_Section):
     norm_adv_by_std: bool = True  # False = Dr.GRPO
     gamma: float = 1.0  # discount over response tokens (gae, reinforce_plus_plus)
     lam: float = 1.0  # GAE's lambda (gae)
-    clip_ratio_low: float = 0.2  # ratio clipped to [1 - low, 1 + high]
-    clip_ratio_high: float = 0.2  # clip-higher (DAPO uses 0.28)
-    clip_ratio_c: float = 3.0  # dual-clip lower bound for negative advantages; must be > 1
+    clip_ratio_low: float = 0.2  # ratio clipped to [1 - low, 1 + high]; geo_mean: log ratio; dppo_*: divergence
+    clip_ratio_high: float = 0.2  # clip-higher (DAPO uses 0.28); geo_mean: log-ratio bound; dppo_*: divergence bound
+    clip_ratio_c: float = 3.0  # dual-clip lower bound for negative advantages (dppo_*: IS ratio cap); must be > 1
     loss_agg_mode: LossAggMode = "token-mean"  # how token losses become the step loss (see trainer/algorithms)
-    loss_mode: Literal["vanilla", "gspo", "cispo"] = "vanilla"  # PPO clip, GSPO (sequence ratio), CISPO (clipped IS)
+    loss_mode: PolicyLossName = "vanilla"  # vanilla (PPO clip), gspo, cispo, sapo, geo_mean (GMPO), dppo_tv/_kl (DPPO)
+    tau_pos: float = 1.0  # sapo: temperature of the soft gate where A > 0 (verl's actor.tau_pos)
+    tau_neg: float = 1.05  # sapo: temperature of the soft gate where A <= 0 (verl's actor.tau_neg)
     off_policy: Literal["decoupled", "bypass", "none"] = "decoupled"  # decoupled / bypass / none
     is_cap: float = 2.0  # truncation C of the importance weight proximal / behaviour
     log_ratio_clamp: float = 20.0  # |log ratio| clamp before exp, for stability
@@ -236,6 +239,10 @@ class AlgorithmConfig(_Section):
     rollout_is_batch_normalize: bool = False  # divide the IS weights by their step mean (over tokens or sequences)
     rollout_rs: str | None = None  # rejection: comma list of token_k*, seq_sum_k*, seq_mean_k*, seq_max_k2/k3
     rollout_rs_threshold: float | str | None = None  # per option or one for all: k1 "lower_upper" or upper; k2/k3 upper
+    # DAPO's overlong reward shaping and filtering, applied by the trainer (trainer/algorithms/overlong.py)
+    overlong_buffer_tokens: int = 0  # penalty ramp over the last N tokens before rollout.max_response_tokens; 0 = off
+    overlong_penalty_factor: float = 1.0  # reward taken off at rollout.max_response_tokens (linearly less in the ramp)
+    mask_truncated: bool = False  # samples cut at a length limit (finish_reason length) leave the loss
 
     RS_OPTIONS: typing.ClassVar[tuple[str, ...]] = (
         "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
@@ -294,6 +301,10 @@ class AlgorithmConfig(_Section):
         _need(0 <= self.clip_ratio_low < 1, "clip_ratio_low", "must be in [0, 1)")
         _need(self.clip_ratio_high >= 0, "clip_ratio_high", "must be >= 0")
         _need(self.clip_ratio_c > 1, "clip_ratio_c", "must be > 1 (dual-clip bound)")
+        _need(self.tau_pos > 0, "tau_pos", "must be > 0 (the soft gate is sigmoid(tau (ratio - 1)) * 4 / tau)")
+        _need(self.tau_neg > 0, "tau_neg", "must be > 0 (the soft gate is sigmoid(tau (ratio - 1)) * 4 / tau)")
+        _need(self.overlong_buffer_tokens >= 0, "overlong_buffer_tokens", "must be >= 0 (0 = no overlong penalty)")
+        _need(self.overlong_penalty_factor >= 0, "overlong_penalty_factor", "must be >= 0")
         _need(self.is_cap >= 1, "is_cap", "must be >= 1")
         _need(self.log_ratio_clamp > 0, "log_ratio_clamp", "must be > 0")
         _need(self.loss_scale_factor >= 0, "loss_scale_factor", "must be >= 0 (0 = the step's longest response)")
@@ -536,6 +547,11 @@ class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         except ValueError as e:
             raise ValueError(f"name: {e}") from None
         check_lora(self.model.lora, self.algorithm.adv_estimator, self.critic.backbone, self.trainer.weight_sync)
+        if self.algorithm.overlong_buffer_tokens > self.rollout.max_response_tokens:
+            raise ValueError(
+                f"algorithm.overlong_buffer_tokens: {self.algorithm.overlong_buffer_tokens} is more than "
+                f"rollout.max_response_tokens={self.rollout.max_response_tokens}, where the penalty ends"
+            )
         check_sft(self.trainer.sft, self.algorithm.kl_coef)
         t = self.trainer
         # Weights published every N steps leave a producer's tokens up to N - 1 versions behind at best: beyond

@@ -25,7 +25,6 @@ import time
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -45,6 +44,7 @@ from rlbus.trainer.critic import (
     value_loss_scale,
 )
 from rlbus.trainer.dist import DistInfo, all_reduce, init_distributed
+from rlbus.trainer.logprobs import token_log_probs  # noqa: F401 - its users import it from here
 from rlbus.trainer.memory import peak_rss_bytes, reset_peak_rss
 from rlbus.trainer.optim import (  # noqa: F401 - lr_factor, make_optimizer: this module's names for their users
     clipped_step,
@@ -60,14 +60,6 @@ from rlbus.trainer.step_metrics import _Accumulator, correction_metrics
 BATCH_KEYS = ("input_ids", "attention_mask", "position_ids", "response_mask", "rollout_log_probs",
               "token_level_rewards", "group_index")  # fmt: skip
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def token_log_probs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log softmax(logits / temperature)[token] [B, T]: position t scored by the logits at t - 1; position 0 gets 0."""
-    z_BTV = logits_BTV[:, :-1].float() / temperature
-    picked_BT = z_BTV.gather(-1, input_ids_BT[:, 1:, None]).squeeze(-1)
-    # gather - logsumexp avoids materialising a second [B, T, V] tensor for log_softmax.
-    return F.pad(picked_BT - torch.logsumexp(z_BTV, dim=-1), (1, 0))
 
 
 def update_parts(B: int, mini_batches: int, device: Any = None,
@@ -98,6 +90,7 @@ class TrainEngine:
     logits_chunk_bytes: int  # float32 logits made at once by the chunked output head (trainer/logprobs.py)
     fuse_proximal: bool  # take proximal log-probs from the update's forward when that is the same computation
     correction: algo.CorrectionSpec  # IS weights and rejection between behaviour and proximal (rollout_* fields)
+    overlong: algo.OverlongSpec  # DAPO's overlong penalty and truncation mask (algorithm.overlong_*, mask_truncated)
     hidden_size: int  # the model's, for packing's cost model
     critic: Critic | None  # the value model of adv_estimator: gae, critic.backbone: separate (trainer/critic.py)
     value_head: SharedValueHead | None  # the value head on the policy of critic.backbone: shared
@@ -115,6 +108,7 @@ class TrainEngine:
         gradient_checkpointing: bool = False,
         critic_cfg: CriticConfig | None = None,
         lora_cfg: LoraConfig | None = None,
+        max_response_tokens: int = 0,
     ) -> None:
         self.cfg = trainer_cfg
         self.lora = lora_cfg or LoraConfig()
@@ -125,6 +119,7 @@ class TrainEngine:
         self.logits_chunk_bytes = logprobs.CHUNK_BYTES
         self.fuse_proximal = True
         self.correction = algo.CorrectionSpec.from_config(algo_cfg)
+        self.overlong = algo.OverlongSpec.from_config(algo_cfg, max_response_tokens)  # L_max: rollout's budget
         self.info = init_distributed(trainer_cfg.device)
         self.critic_cfg = critic_cfg or CriticConfig()
         shared = algo_cfg.adv_estimator == "gae" and self.critic_cfg.backbone == "shared"
@@ -165,7 +160,8 @@ class TrainEngine:
         """
         return cls(model_path or cfg.model.path, cfg.trainer, cfg.algorithm, temperature=cfg.rollout.temperature,
                    dtype=cfg.model.dtype, gradient_checkpointing=cfg.model.gradient_checkpointing,
-                   critic_cfg=cfg.critic, lora_cfg=cfg.model.lora)  # fmt: skip
+                   critic_cfg=cfg.critic, lora_cfg=cfg.model.lora,
+                   max_response_tokens=cfg.rollout.max_response_tokens)  # fmt: skip
 
     def _load(self, path: str, dtype: str, gradient_checkpointing: bool, *, value_head: bool = False,
               adapter: bool = False) -> nn.Module:
@@ -266,10 +262,11 @@ class TrainEngine:
         return logp_BT, values_BT
 
     def _tensors(self, batch: TensorDict) -> dict[str, torch.Tensor]:
-        missing = [k for k in BATCH_KEYS if k not in batch.keys()]
+        keys = BATCH_KEYS + self.overlong.batch_keys  # consumers/collate.py makes them all
+        missing = [k for k in keys if k not in batch.keys()]
         if missing:
-            raise KeyError(f"train batch lacks {missing}; it must carry {list(BATCH_KEYS)}")
-        return {k: batch.get(k).to(self.info.device) for k in BATCH_KEYS}
+            raise KeyError(f"train batch lacks {missing}; it must carry {list(keys)}")
+        return {k: batch.get(k).to(self.info.device) for k in keys}
 
     @staticmethod
     def _rows(data: dict[str, torch.Tensor], idx: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -321,7 +318,9 @@ class TrainEngine:
             timing["timing/proximal_s"] = time.perf_counter() - t
 
         old_BT = algo.old_log_probs_for(self.algo.off_policy, behaviour_BT, proximal_BT)
-        rewards_BT = data["token_level_rewards"].float()
+        # DAPO: the overlong penalty joins the reward; `kept_BT` is the mask less truncated samples (mask_truncated),
+        # which leave the loss but keep their place in their group's baseline (the advantages below use mask_BT).
+        rewards_BT, kept_BT = algo.shape_rewards(data, mask_BT, self.overlong)
         if ref_BT is not None and not self.algo.use_kl_loss:
             rewards_BT = algo.apply_kl_reward_penalty(
                 rewards_BT, old_BT, ref_BT, mask_BT, kl_coef=self.algo.kl_coef, kl_type=self.algo.kl_type
@@ -366,11 +365,11 @@ class TrainEngine:
         # normaliser keeps every token, since the rejected ones are only known during the update.
         corr = None
         if proximal_BT is not None and not fused:
-            corr = self._correct(proximal_BT, behaviour_BT, mask_BT)
+            corr = self._correct(proximal_BT, behaviour_BT, kept_BT)
         weights_BT = corr.weights_BT if corr is not None else None
         if fused and self.correction.is_level is not None:
             weights_BT = torch.zeros_like(behaviour_BT)
-        loss_mask_BT = corr.mask_BT if corr is not None else mask_BT
+        loss_mask_BT = corr.mask_BT if corr is not None else kept_BT
         bypass_sums = algo.MismatchSums()
         # C of seq-mean-token-sum-norm: the configured constant (Dr.GRPO keeps one for the whole run), else the
         # longest response of the step over all ranks, fixed for the step.
@@ -401,7 +400,7 @@ class TrainEngine:
                     if fused:
                         self._fill_proximal(idx, out.logp_bT.detach(), proximal_BT, weights_BT, behaviour_BT, mask_BT)
                     elif proximal_BT is None:  # bypass
-                        c = algo.correct(out.logp_bT.detach(), behaviour_BT[idx], mask_BT[idx], self.correction)
+                        c = algo.correct(out.logp_bT.detach(), behaviour_BT[idx], kept_BT[idx], self.correction)
                         bypass_sums, mask_bT = bypass_sums + c.sums, c.mask_BT
                     loss, pg_loss = self._micro_loss(idx, out.logp_bT, out.entropy_bT, old_BT, adv_BT, mask_bT,
                                                      weights_BT, ref_BT, norm, acc)  # fmt: skip
@@ -426,7 +425,7 @@ class TrainEngine:
         timing["timing/update_s"] = time.perf_counter() - t_update
 
         if fused and not actor_waits:  # the statistics of the weights the update used, now that all are known
-            corr = algo.correct(proximal_BT, behaviour_BT, mask_BT, self.correction)
+            corr = algo.correct(proximal_BT, behaviour_BT, kept_BT, self.correction)
         acc.add("perf/num_tokens", float(data["attention_mask"].sum().item()), 0.0)
         acc.add("perf/forward_positions", float(self.forward_positions), 0.0)
         metrics = acc.reduce(num_updates=self.cfg.mini_batches)
@@ -505,9 +504,7 @@ class TrainEngine:
         mode = self.algo.loss_agg_mode
         out = algo.policy_loss(
             self.algo.loss_mode, logp_bT, old_BT[idx], adv_BT[idx], mask_bT, norm=norm, agg_mode=mode,
-            clip_ratio_low=self.algo.clip_ratio_low, clip_ratio_high=self.algo.clip_ratio_high,
-            clip_ratio_c=self.algo.clip_ratio_c, log_ratio_clamp=self.algo.log_ratio_clamp,
-            token_weights_BT=None if weights_BT is None else weights_BT[idx],
+            **algo.policy_loss_kwargs(self.algo), token_weights_BT=None if weights_BT is None else weights_BT[idx],
         )  # fmt: skip
         loss = out.loss
         n = out.num_tokens

@@ -34,6 +34,15 @@ from torch.utils.checkpoint import checkpoint
 CHUNK_BYTES = 64 * 1024**2
 
 
+def token_log_probs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / temperature)[token] [B, T]: position t scored by the logits at t - 1; position 0 gets 0.
+    The reference the chunked head is held to (full logits; the trainer itself never makes them)."""
+    z_BTV = logits_BTV[:, :-1].float() / temperature
+    picked_BT = z_BTV.gather(-1, input_ids_BT[:, 1:, None]).squeeze(-1)
+    # gather - logsumexp avoids materialising a second [B, T, V] tensor for log_softmax.
+    return F.pad(picked_BT - torch.logsumexp(z_BTV, dim=-1), (1, 0))
+
+
 def _chunk_scores(
     hidden_bcH: torch.Tensor,
     weight_VH: torch.Tensor,

@@ -159,6 +159,8 @@ CORRECTIONS = {
     "bypass_geo_rs": dict(off_policy="bypass", rollout_rs="seq_mean_k1", rollout_rs_threshold="0.8_1.25"),
     # GSPO, whose ratio is a sequence's, with sequence-level TIS (CISPO's and GSPO's numerics: the unit tests)
     "gspo_seq_tis": dict(loss_mode="gspo", rollout_is="sequence", rollout_is_threshold=2.0),
+    # GMPO: one loss per sequence, normalised by the sequences of the whole update over both ranks
+    "gmpo": dict(loss_mode="geo_mean"),
 }  # fmt: skip
 
 

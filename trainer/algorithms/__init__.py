@@ -16,6 +16,7 @@ from rlbus.trainer.algorithms.advantages import (
 )
 from rlbus.trainer.algorithms.kl import apply_kl_reward_penalty, entropy_from_logits, kl_estimate
 from rlbus.trainer.algorithms.off_policy import needs_proximal, old_log_probs_for
+from rlbus.trainer.algorithms.overlong import OverlongSpec, overlong_penalty, shape_rewards
 from rlbus.trainer.algorithms.policy_loss import (
     LOSS_AGG_MODES,
     POLICY_LOSS_MODES,
@@ -23,10 +24,14 @@ from rlbus.trainer.algorithms.policy_loss import (
     PolicyLossOutput,
     aggregate_loss,
     cispo_loss,
+    dppo_loss,
+    gmpo_loss,
     gspo_loss,
     masked_mean,
     policy_loss,
+    policy_loss_kwargs,
     ppo_clip_loss,
+    sapo_loss,
 )
 from rlbus.trainer.algorithms.rollout_correction import (
     Correction,
@@ -48,6 +53,7 @@ __all__ = [
     "CorrectionSpec",
     "LossNormaliser",
     "MismatchSums",
+    "OverlongSpec",
     "PolicyLossOutput",
     "ValueLossOutput",
     "ValueSums",
@@ -58,8 +64,10 @@ __all__ = [
     "compute_advantages",
     "correct",
     "discounted_returns",
+    "dppo_loss",
     "entropy_from_logits",
     "gae_advantages_returns",
+    "gmpo_loss",
     "grpo_advantages",
     "gspo_loss",
     "importance_weights",
@@ -69,11 +77,15 @@ __all__ = [
     "mismatch_metrics",
     "needs_proximal",
     "old_log_probs_for",
+    "overlong_penalty",
     "policy_loss",
+    "policy_loss_kwargs",
     "ppo_clip_loss",
     "reinforce_pp_baseline_advantages",
     "rejection_mask",
     "rloo_advantages",
+    "sapo_loss",
     "sequence_scores",
+    "shape_rewards",
     "value_loss",
 ]

@@ -149,7 +149,8 @@ class Evaluator:
 
     async def _evaluate(self, published: WeightsPublished) -> None:
         t0 = time.perf_counter()
-        if not (published.version == 0 and not self._loaded) and published.weights_checksum != self._loaded:
+        base = published.version == 0 and not self._loaded and not published.sft_steps  # model.path's own weights
+        if not base and published.weights_checksum != self._loaded:
             try:
                 await self.weight_sync.load(published)
             except (WeightsMissing, WeightsChecksumMismatch) as e:

@@ -443,7 +443,9 @@ class Producer:
             if (published.version, published.weights_checksum) == (self.engine.version, self._loaded_checksum):
                 return
             if published.version == self.engine.version == 0 and not self._loaded_checksum \
-                    and not published.full_checksum:  # delta sync: load it, the next delta applies to it
+                    and not published.full_checksum and not published.sft_steps:
+                # Version 0 is the model the engine was built from: nothing to load. Not under delta sync (load
+                # it: the next delta applies to it), nor when a supervised phase (trainer.sft) trained it.
                 self._loaded_checksum = published.weights_checksum  # the base model the engine was built from
                 return
             # Raises WeightsChecksumMismatch unless the store's bytes are the ones announced.

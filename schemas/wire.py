@@ -125,6 +125,7 @@ class WeightsPublished(Wire, tag="weights_published"):
     base_checksum: str = ""  # "delta": that version's full checksum (the link a producer's weights must match)
     full_checksum: str = ""  # under trainer.weight_sync.encoding delta: the full weights' checksum of this version
     max_staleness: int = -1  # the staleness bound in force from this version on (-1: trainer.max_staleness)
+    sft_steps: int = 0  # supervised steps (trainer.sft) in these weights: > 0, version 0 is not model.path's weights
 
     @property
     def weights_checksum(self) -> str:

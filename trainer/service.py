@@ -22,6 +22,7 @@ import asyncio
 import logging
 import math
 import os
+import shutil
 import signal
 import socket
 import time
@@ -63,6 +64,8 @@ from rlbus.trainer.feeder import Feeder, parse_task_id
 from rlbus.trainer.guard import StabilityGuard, Verdict, rollback_checkpoint
 from rlbus.trainer.memory import peak_rss_bytes
 from rlbus.trainer.metrics import MetricsLog
+from rlbus.trainer.sft import SFT_CHECKPOINTS
+from rlbus.trainer.sft_phase import run_phase
 from rlbus.trainer.worker import StepPlan, StepResult, StepWorker, plan_shards
 
 log = logging.getLogger("rlbus.trainer")
@@ -91,6 +94,7 @@ class TrainerService:
     _incarnation: str  # this trainer process, in its weights announcements' message ids
     guard: StabilityGuard  # the stability guard: judges each step's metrics, tightens, rolls back (trainer/guard.py)
     _step_groups: dict[int, list[str]]  # step -> its group ids, for the steps a rollback may drop
+    sft_steps: int  # supervised steps (trainer.sft) trained into the weights before RL; 0 without a phase
 
     def __init__(self, cfg: RunConfig, worker: StepWorker):
         self.cfg, self.worker = cfg, worker
@@ -116,6 +120,7 @@ class TrainerService:
         extra = self.worker.restored
         self.step = int(extra.get("step", 0))
         self.version = int(extra.get("version", 0))
+        self.sft_steps = int(extra.get("sft_steps", 0))
         if "guard" in extra:
             self.guard.load_state_dict(extra["guard"])
         self.recorder = Recorder(run_dir, cfg.logging.record, resume_step=self.step)
@@ -139,6 +144,8 @@ class TrainerService:
         await self.bus.publish_event(RoleStarted(role="trainer", role_id=f"trainer-{os.getpid()}",
                                                  host=socket.gethostname(), pid=os.getpid(),
                                                  detail=f"step {self.step} version {self.version}"))
+        if self.worker.sft is not None and not await self._sft_phase():
+            return  # asked to stop during the supervised phase (checkpointed: a restart goes on from there)
         # Producers (and late joiners via the KV bucket) need the weights of the version we resume at.
         result = await self._execute(StepPlan(step=self.step, shards=None, publish=True, checkpoint=None))
         await self._publish_weights(result.state_dict)
@@ -151,8 +158,19 @@ class TrainerService:
             missing = await self.batcher.await_redelivery(lost, timeout=2 * cfg.bus.ack_wait_s + 5)
             if missing:
                 log.warning("%d group(s) of lost steps did not come back: %s", len(missing), missing[:5])
-        self._feeder_task = asyncio.create_task(self._feed(), name="feeder")
+        if cfg.trainer.total_steps > 0:  # 0: a supervised run (trainer.sft), no prompt to release
+            self._feeder_task = asyncio.create_task(self._feed(), name="feeder")
         log.info("trainer up at step %d, version %d", self.step, self.version)
+
+    async def _sft_phase(self) -> bool:
+        """trainer.sft's phase (trainer/sft_phase.py), then the run's step-0 checkpoint holding its result; whether
+        it finished."""
+        if not await run_phase(self.cfg, self.worker.sft, self._execute, self._stopping):
+            return False
+        self.sft_steps = self.worker.sft.num_steps
+        await self._checkpoint()
+        shutil.rmtree(self.cfg.run_dir / "checkpoints" / SFT_CHECKPOINTS, ignore_errors=True)  # step 0 has it all
+        return True
 
     def stop(self) -> None:
         self._stopping.set()
@@ -421,7 +439,7 @@ class TrainerService:
         msg = await self.weight_store.put(self.version, self.step, state_dict)
         # Producers restart samples (partial rollout) and give back groups by the bound in force, not the configured
         # one: a bound raised for latency must not make them throw away what the trainer would keep.
-        msg = msgspec.structs.replace(msg, max_staleness=self.staleness_bound(self.step + 1))
+        msg = msgspec.structs.replace(msg, max_staleness=self.staleness_bound(self.step + 1), sft_steps=self.sft_steps)
         # The id names this trainer process too: a trainer resumed from a checkpoint republishes that checkpoint's
         # version, and JetStream must not drop it as a duplicate of the dead process's announcement (whose
         # timeline is gone); within one process the id still de-duplicates a retried publish.
@@ -436,7 +454,7 @@ class TrainerService:
     async def _checkpoint(self) -> None:
         trained = sorted(self.batcher.trained_ids())
         extra = {"step": self.step, "version": self.version, "feeder": self.feeder.state_dict(), "trained": trained,
-                 "guard": self.guard.state_dict()}
+                 "guard": self.guard.state_dict(), "sft_steps": self.sft_steps}
         await self._execute(StepPlan(step=self.step, shards=None, publish=False, checkpoint=extra))
         acked = await self.batcher.commit(self.step)  # the step is durable: now its groups may go
         log.info("checkpoint at step %d; acked %d group(s)", self.step, acked)

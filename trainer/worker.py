@@ -30,6 +30,7 @@ from rlbus.trainer.checkpoint import checkpoint_name, load_checkpoint, save_chec
 from rlbus.trainer.dist import destroy_distributed, init_distributed
 from rlbus.trainer.engine import TrainEngine
 from rlbus.trainer.guard import install_lr_scale, set_lr_scale
+from rlbus.trainer.sft import SftRunner
 
 
 class StepPlan(msgspec.Struct, kw_only=True):
@@ -41,6 +42,10 @@ class StepPlan(msgspec.Struct, kw_only=True):
     checkpoint: dict | None  # extra state to save with a checkpoint at this step, or None
     lr_scale: float = 1.0  # the stability guard's multiplier of the LR schedule for this round's updates
     restore: int | None = None  # first restore the checkpoint of this step (the guard's rollback), or None
+    # > 0: this step of the supervised phase (trainer.sft) instead, trained unless it is the one trained last (then
+    # the round only checkpoints the phase); `checkpoint` then saves the phase's checkpoint (trainer/sft.py)
+    sft_step: int = 0
+    sft_eval: bool = False  # with sft_step: also the held-out loss (trainer.sft.eval_data) after the update
 
 
 class StepResult(msgspec.Struct, kw_only=True):
@@ -75,6 +80,7 @@ class StepWorker:
     pad_id: int
     tokenizer: PreTrainedTokenizerBase  # the model's tokenizer (prompt-length filtering of the data set)
     restored: dict  # the checkpoint's extra blob (step, version, feeder, trained ids); {} on a fresh start
+    sft: SftRunner | None  # the supervised phase still to train (trainer.sft, on a fresh start only), else None
 
     def __init__(self, cfg: RunConfig, model_path: str):
         info = init_distributed(cfg.trainer.device)
@@ -85,6 +91,12 @@ class StepWorker:
         # A collective: every rank restores its shards of model and optimizer from the same checkpoint.
         install_lr_scale(self.engine)  # the stability guard may scale the LR schedule (plan.lr_scale)
         self.restored = load_checkpoint(self.engine, cfg.run_dir / "checkpoints") or {}
+        # trainer.sft's phase comes before the first RL checkpoint: a run that has one is past it. A collective too
+        # (the phase's own checkpoint, when a previous trainer died in the middle of it).
+        self.sft = None
+        if cfg.trainer.sft.enabled and not self.restored:
+            self.sft = SftRunner(self.engine, cfg, self.tokenizer)
+            self.sft.restore(cfg.run_dir / "checkpoints")
         # Ray last: under `rlbus up` the head may still be starting while the model loads (ensure_ray waits for it).
         ensure_ray(cfg.ray)
         self.tq = TransferQueue.connect(cfg.name, cfg.ray)
@@ -104,6 +116,10 @@ class StepWorker:
             t0 = time.perf_counter()
             load_checkpoint(self.engine, self.cfg.run_dir / "checkpoints" / checkpoint_name(plan.restore))
             timings["time/restore"] = time.perf_counter() - t0
+        if plan.sft_step:
+            return self._sft_step(plan)
+        if self.sft is not None and self.sft.finished:  # the phase is over: its optimizer's memory goes
+            self.sft = None
         if plan.shards is not None:
             t0 = time.perf_counter()
             shard = plan.shards[self.rank]
@@ -144,6 +160,19 @@ class StepWorker:
                             keep=self.cfg.trainer.keep_checkpoints)
             timings["time/checkpoint"] = time.perf_counter() - t0
         return StepResult(metrics=metrics, state_dict=state_dict if self.rank == 0 else None, timings=timings)
+
+    def _sft_step(self, plan: StepPlan) -> StepResult:
+        """A step of the supervised phase (trainer/sft.py): train, evaluate if asked, checkpoint the phase if asked."""
+        t0 = time.perf_counter()
+        metrics = self.sft.step(plan.sft_step) if plan.sft_step > self.sft.steps_done else {}
+        timings = {"time/train": time.perf_counter() - t0}
+        if plan.sft_eval:
+            metrics["sft/eval_loss"] = self.sft.evaluate()
+        if plan.checkpoint is not None:
+            t0 = time.perf_counter()
+            self.sft.save(self.cfg.run_dir / "checkpoints", plan.checkpoint, keep=self.cfg.trainer.keep_checkpoints)
+            timings["time/checkpoint"] = time.perf_counter() - t0
+        return StepResult(metrics=metrics, timings=timings)
 
     def serve(self) -> None:
         """Ranks > 0: follow rank 0's plans until it sends None."""

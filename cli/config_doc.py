@@ -16,6 +16,7 @@ from rlbus.schemas import config as C
 from rlbus.schemas import env as E
 from rlbus.schemas import judge as J
 from rlbus.schemas import lora as L
+from rlbus.schemas import sft as S
 
 _FIELD = re.compile(r"^    (\w+): [^=]+?(?: = (.+?))?\s*(?:#\s*(.*))?$")
 
@@ -28,6 +29,7 @@ SECTIONS = {
     "env.tasks[]": E.ReasoningGymTask, "env (type: verifiers)": E.VerifiersEnvConfig,
     "env (type: gym)": E.GymEnvConfig,
     "algorithm": C.AlgorithmConfig, "trainer": C.TrainerConfig, "trainer.weight_sync": L.WeightSyncConfig,
+    "trainer.sft": S.SftConfig,
     "critic": C.CriticConfig, "feeder": C.FeederConfig,
     "eval": C.EvalConfig,
     "logging": C.LoggingConfig, "launcher": C.LauncherConfig, "guard": C.GuardConfig, "judge": J.JudgeConfig,

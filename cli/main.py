@@ -82,6 +82,12 @@ def cmd_judge(args: argparse.Namespace) -> int:
     return judge_main(_load(args))
 
 
+def cmd_tinker(args: argparse.Namespace) -> int:
+    from rlbus.tinker_api.service import main as tinker_main
+
+    return tinker_main(_load(args))
+
+
 def cmd_trainer(args: argparse.Namespace) -> int:
     from rlbus.trainer.service import main as trainer_main
 
@@ -193,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(sub.add_parser("trainer", help="run the trainer (and the prompt feeder)")).set_defaults(func=cmd_trainer)
     with_config(sub.add_parser("judge", help="serve the judge model of a model-based reward (judge.*): batched, "
                                              "bounded, restartable")).set_defaults(func=cmd_judge)
+    with_config(sub.add_parser("tinker", help="serve the Tinker API to the `tinker` SDK: LoRA training and sampling "
+                                              "on model.path (docs/tinker.md)")).set_defaults(func=cmd_tinker)
     upp = with_config(sub.add_parser("up", help="all in one: bus, Ray, trainer and producers, supervised, "
                                                 "with progress"))
     upp.add_argument("--ui", action="store_true", help="also serve the web inspector (rlbus ui) beside the run")

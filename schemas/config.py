@@ -24,6 +24,7 @@ from rlbus.schemas.lora import LoraConfig, WeightSyncConfig, check_lora
 from rlbus.schemas.sections import _need, _Section
 from rlbus.schemas.sft import SftConfig, check_sft
 from rlbus.schemas.subjects import check_run_name
+from rlbus.schemas.tinker import TinkerConfig
 
 #: Window in which JetStream drops a re-published message with the same Nats-Msg-Id (seconds).
 DUPLICATE_WINDOW_S = 300.0
@@ -540,6 +541,7 @@ class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     launcher: LauncherConfig = msgspec.field(default_factory=LauncherConfig)
     guard: GuardConfig = msgspec.field(default_factory=GuardConfig)
     judge: JudgeConfig = msgspec.field(default_factory=JudgeConfig)  # a model-based reward served to producers
+    tinker: TinkerConfig = msgspec.field(default_factory=TinkerConfig)  # the Tinker API served by `rlbus tinker`
 
     def __post_init__(self) -> None:
         try:

@@ -23,7 +23,8 @@ from packaging.requirements import Requirement
 ROOT = Path(__file__).resolve().parents[2]
 #: Repository folder -> its name once installed.
 FOLDERS = {"bus": "rlbus/bus", "cli": "rlbus/cli", "common": "rlbus/common", "consumers": "rlbus/consumers",
-           "producers": "rlbus/producers", "schemas": "rlbus/schemas", "trainer": "rlbus/trainer"}
+           "producers": "rlbus/producers", "schemas": "rlbus/schemas", "tinker_api": "rlbus/tinker_api",
+           "trainer": "rlbus/trainer"}
 
 
 @pytest.fixture(scope="module")

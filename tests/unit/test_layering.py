@@ -23,7 +23,10 @@ ALLOWED: dict[str, set[str]] = {
     "producers": {"schemas", "bus", "common", "producers"},
     "consumers": {"schemas", "bus", "common", "consumers"},
     "trainer": {"schemas", "bus", "common", "consumers", "trainer"},
-    "cli": {"schemas", "bus", "common", "producers", "consumers", "trainer", "cli"},
+    # The Tinker gateway runs in one process (tinker_api/service.py says why): it composes the trainer's LoRA, log-prob,
+    # optimizer and loss code with the producers' HF engine, as the CLI composes roles. No role imports it.
+    "tinker_api": {"schemas", "bus", "common", "producers", "trainer", "tinker_api"},
+    "cli": {"schemas", "bus", "common", "producers", "consumers", "trainer", "tinker_api", "cli"},
 }
 PACKAGES = set(ALLOWED)
 

@@ -152,3 +152,52 @@ def test_a_phase_lowers_the_heldout_loss_and_resumes_exactly(tmp_path: Path, fre
     assert (tmp_path / "ckpt" / "sft" / "step_00000008" / ".metadata").is_file()
     for name, value in out["final"].items():  # the resumed phase ends on the same weights
         torch.testing.assert_close(out["resumed"][name], value, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _heldout_loss(model_dir: Path, heldout: Path) -> float:
+    """Token-mean loss of the held-out conversations under a model directory, by transformers' own loss."""
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    nll = tokens = 0.0
+    with torch.no_grad():
+        for c in load_conversations(heldout, tok):
+            ids = torch.tensor([c.ids])
+            labels = torch.where(torch.tensor([c.mask]).bool(), ids, -100)
+            n = float((labels[:, 1:] != -100).sum())
+            nll += model(input_ids=ids, labels=labels).loss.item() * n
+            tokens += n
+    return nll / tokens
+
+
+@pytest.mark.slow
+def test_a_phase_before_rl_in_the_trainer(tmp_path: Path, bus_config, run_creds, ray_address, tiny_model_dir,
+                                          run_name, role_processes) -> None:
+    """`rlbus trainer` with trainer.sft and two RL steps: the phase's rows and held-out loss, the step-0 checkpoint
+    that holds its result, a producer that loads that result as version 0, then RL from it."""
+    from rlbus.trainer.checkpoint import checkpoint_name
+    from rlbus.trainer.metrics import read_metrics
+    from tests.support.runs import small_run_config, start_role, wait_exit, write_config
+
+    data = write_conversations(tmp_path / "train.jsonl", 96, seed=1)
+    heldout = write_conversations(tmp_path / "heldout.jsonl", 24, seed=2)
+    run_dir = tmp_path / "run"
+    sft = {"data": str(data), "eval_data": str(heldout), "steps": 12, "batch_size": 8, "lr": 3e-3,
+           "checkpoint_interval": 5, "eval_interval": 6}
+    cfg = small_run_config(run_name, run_dir, tiny_model_dir, bus_config.url, bus_config.creds_file, ray_address,
+                           trainer={"total_steps": 2, "sft": sft})
+    cfg_path = write_config(tmp_path / "run.yaml", cfg)
+    trainer = start_role("trainer", cfg_path, tmp_path / "logs", creds=run_creds)
+    producer = start_role("producer", cfg_path, tmp_path / "logs", "--id", "p0", name="p0", creds=run_creds)
+    role_processes += [trainer, producer]
+    assert wait_exit(trainer, 600) == 0, trainer.log_path.read_text()[-4000:]
+
+    rows = read_metrics(run_dir / "sft")
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    evals = [r["sft/eval_loss"] for r in rows if "sft/eval_loss" in r]
+    assert len(evals) == 2 and evals[1] < evals[0] < _heldout_loss(tiny_model_dir, heldout)
+    extra = json.loads((run_dir / "checkpoints" / checkpoint_name(0) / "extra.json").read_text())
+    assert (extra["step"], extra["sft_steps"]) == (0, 12)
+    assert not (run_dir / "checkpoints" / "sft").exists()  # step 0 holds the phase's result
+    assert [r["step"] for r in read_metrics(run_dir) if "reward/mean" in r] == [1, 2]
+    # Version 0 is the phase's result, not the model the producer was built from: it loads it.
+    assert "loaded weights v0" in producer.log_path.read_text()

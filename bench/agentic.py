@@ -38,6 +38,7 @@ section of docs/benchmarks.md (`## Agentic: a slow tool`, `## Agentic: a judge w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -197,6 +198,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--results", type=Path, default=None,
                     help="results file (b1: bench/results/agentic.json; b2, b3: agentic_b2.json, agentic_b3.json)")
     ap.add_argument("--docs", action="store_true", help="write the workload's section of docs/benchmarks.md")
+    ap.add_argument("--keep", type=Path, default=None,
+                    help="keep each run's directory under this one (rlbus ui / rlbus status on it), not in a temp dir")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                     help="config overrides for every arm (an arm's own settings win)")
     args = ap.parse_args(argv)
@@ -212,7 +215,8 @@ def main() -> int:
     d: dict[str, Any] = {"command": "python bench/agentic.py " + " ".join(sys.argv[1:]), "commit": git_commit(),
                          "date": time.strftime("%Y-%m-%d"), "machine": machine(), "workload": wl.name,
                          "shape": wl.shape_in(), "steps": args.steps, "results": str(args.results), "runs": []}
-    with tempfile.TemporaryDirectory(prefix="rlbus-agentic-") as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = args.keep or stack.enter_context(tempfile.TemporaryDirectory(prefix="rlbus-agentic-"))
         for seed in args.seeds:
             for median in args.medians:
                 for arm in args.arms:

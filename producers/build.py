@@ -36,7 +36,7 @@ def build_rollout(cfg: RunConfig, *, seed: int | None = None, instance: str = ""
     """Everything `cfg.model`, `cfg.env` and `cfg.rollout` describe, ready to roll out (the model is built first if the config
     asks for it). `seed` makes the agent loop's sampling reproducible (the dry run); None leaves it random.
     `instance` (the producer id) tells apart the random streams of engines built from one config."""
-    configure_blocking(cfg.rollout.blocking_workers)
+    configure_blocking(cfg.rollout.blocking_slots)
     model_path = ensure_model(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     tools = load_tools(cfg.rollout.tools)

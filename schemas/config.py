@@ -172,12 +172,22 @@ class RolloutConfig(_Section):
     max_inflight_cap: int = 64  # the most tasks in flight that automatic sizing may reach
     tool_timeout_s: float = 30.0  # one attempt of a tool call (a tool's own timeout_s wins); past it, retried
     tool_retries: int = 2  # attempts after the first when a tool's service fails (a tool's own retries wins)
-    blocking_workers: int = 16  # synchronous tools, rewards and environment steps running at once (worker threads)
+    # synchronous tools, rewards and environment steps running at once (worker threads); 0 = one for each episode a
+    # producer may hold (max_inflight_tasks, else max_inflight_cap, times n + redundant_samples)
+    blocking_workers: int = 0
     episode_timeout_s: float = 600.0  # a group's episodes (turns, environment steps, scoring) running longer fail the task
     torch_threads: int = 0  # torch CPU threads of each producer; 0 = auto (OMP_NUM_THREADS, else CPUs / processes)
     nice: int = 0  # CPU priority of each producer (nice, 0-19): > 0 lets a trainer on the same CPUs preempt it
     partial_rollout: bool = True  # restart just the samples the staleness bound no longer admits, not the group
     redundant_samples: int = 0  # episodes started beyond n per group; it takes the first n to finish (stragglers)
+
+    @property
+    def blocking_slots(self) -> int:
+        """Blocking calls a producer runs at once: `blocking_workers`, or one for each episode it may hold, so that no
+        episode waits for another's slot (a sleeping thread costs a stack, not a core)."""
+        if self.blocking_workers:
+            return self.blocking_workers
+        return (self.max_inflight_tasks or self.max_inflight_cap) * (self.n + self.redundant_samples)
 
     def __post_init__(self) -> None:
         _need(self.n >= 1, "n", "must be >= 1")
@@ -195,7 +205,7 @@ class RolloutConfig(_Section):
         _need(self.max_inflight_cap >= 1, "max_inflight_cap", "must be >= 1")
         _need(self.tool_timeout_s > 0, "tool_timeout_s", "must be > 0")
         _need(self.tool_retries >= 0, "tool_retries", "must be >= 0")
-        _need(self.blocking_workers >= 1, "blocking_workers", "must be >= 1")
+        _need(self.blocking_workers >= 0, "blocking_workers", "must be >= 0 (0 = one per episode in flight)")
         _need(self.episode_timeout_s > 0, "episode_timeout_s", "must be > 0")
         _need(self.torch_threads >= 0, "torch_threads", "must be >= 0 (0 = auto)")
         _need(0 <= self.nice <= 19, "nice", "must be in [0, 19] (a role may lower its own priority, not raise it)")

@@ -85,3 +85,13 @@ async def test_errors_reach_the_caller():
 
     with pytest.raises(ValueError, match="bad input"):
         await blocking.run_blocking(broken)
+
+
+def test_the_pool_holds_one_slot_for_each_episode_a_producer_may_hold_unless_set() -> None:
+    from rlbus.schemas.config import RolloutConfig
+
+    assert RolloutConfig(n=4).blocking_slots == 64 * 4  # max_inflight_cap tasks of n episodes
+    assert RolloutConfig(n=8, redundant_samples=2, max_inflight_tasks=3).blocking_slots == 3 * 10
+    assert RolloutConfig(blocking_workers=5).blocking_slots == 5
+    with pytest.raises(ValueError, match="blocking_workers"):
+        RolloutConfig(blocking_workers=-1)

@@ -17,6 +17,7 @@ from rlbus.schemas import env as E
 from rlbus.schemas import judge as J
 from rlbus.schemas import lora as L
 from rlbus.schemas import sft as S
+from rlbus.schemas import tinker as T
 
 _FIELD = re.compile(r"^    (\w+): [^=]+?(?: = (.+?))?\s*(?:#\s*(.*))?$")
 
@@ -33,6 +34,7 @@ SECTIONS = {
     "critic": C.CriticConfig, "feeder": C.FeederConfig,
     "eval": C.EvalConfig,
     "logging": C.LoggingConfig, "launcher": C.LauncherConfig, "guard": C.GuardConfig, "judge": J.JudgeConfig,
+    "tinker": T.TinkerConfig,
 }
 
 

@@ -14,9 +14,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from google.protobuf.message import DecodeError
-from tinker.proto import tinker_public_pb2 as pb
 
 from rlbus.tinker_api.wire import BadRequest
+
+try:
+    from tinker.proto import tinker_public_pb2 as pb
+except ImportError as e:  # an extra, not a core dependency
+    raise ImportError("rlbus tinker needs the tinker extra: pip install 'rlbus[tinker]' (tinker==0.38.0)") from e
 
 CONTENT_TYPE = "application/x-protobuf"
 _DTYPES = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}

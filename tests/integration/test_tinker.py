@@ -122,6 +122,21 @@ def test_cross_entropy_training_lowers_the_loss_and_sums_weighted_tokens(served:
     assert tc.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(before, rel=1e-6)
 
 
+def test_gradients_add_up_until_optim_step(served: Served, client_a) -> None:
+    tc = client_a.create_lora_training_client(base_model=served.base_model, rank=4, seed=7).result()
+    data = batch(tc.get_tokenizer())
+    frozen = types.AdamParams(learning_rate=0.0)  # reports the gradient's norm, moves nothing
+
+    def norm_after(calls: int) -> float:
+        for _ in range(calls):
+            tc.forward_backward(data, "cross_entropy")
+        return tc.optim_step(frozen).result().metrics["grad_norm:mean"]
+
+    one, two = norm_after(1), norm_after(2)
+    assert one > 0 and two == pytest.approx(2 * one, rel=1e-4)  # summed, not averaged, and cleared by the step
+    assert norm_after(1) == pytest.approx(one, rel=1e-4)
+
+
 def test_rl_losses_are_tinkers_token_sums(served: Served, client_a) -> None:
     tc = client_a.create_lora_training_client(base_model=served.base_model, rank=4, seed=1).result()
     tok = tc.get_tokenizer()

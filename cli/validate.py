@@ -59,7 +59,14 @@ def check_config(cfg: RunConfig) -> None:
 
 def config_errors(cfg: RunConfig) -> list[ConfigError]:
     """Every error of `cfg` beyond its schema, each naming its field; [] when there is none."""
-    return [*_model_errors(cfg), *_env_errors(cfg), *_rollout_errors(cfg), *_logging_errors(cfg)]
+    return [*_model_errors(cfg), *_env_errors(cfg), *_rollout_errors(cfg), *_logging_errors(cfg), *_sft_errors(cfg)]
+
+
+def _sft_errors(cfg: RunConfig) -> list[ConfigError]:
+    """trainer.sft's conversation files exist (what the trainer's load_conversations would refuse at start)."""
+    sft = cfg.trainer.sft
+    return [ConfigError(f"trainer.sft.{field}", f"{path} does not exist")
+            for field, path in (("data", sft.data), ("eval_data", sft.eval_data)) if path and not Path(path).is_file()]
 
 
 def _caught(check: Callable[[], Any]) -> list[ConfigError]:

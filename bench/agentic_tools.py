@@ -2,7 +2,8 @@
 
 Each is named in a config from the repository root; its latency is a lognormal wait (median, sigma, capped) whose
 random stream is seeded per process (the seed variable * 100003 + pid). The waits are sleeps: what costs time is the
-waiting, not the computing.
+waiting, not the computing. They are drawn by bench/agentic_latency.py (standard library only: the TRL side,
+bench/agentic_trl.py, draws the same waits in its own venv).
 
 - B1, `rollout.tools=[bench.agentic_tools:RemoteCalculator]`: the built-in `calculator`'s answers, each after
   RLBUS_TOOL_MEDIAN_S (sigma RLBUS_TOOL_SIGMA, cap RLBUS_TOOL_CAP_S, seed RLBUS_TOOL_SEED), as an HTTP API answers.
@@ -28,54 +29,17 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import math
-import os
 import random
-import threading
 import time
 from typing import Any
 
+from bench.agentic_latency import Lognormal, StepLatency, env_float
 from rlbus.common.chat import ANSWER_START, TOOL_RESPONSE_END, TOOL_RESPONSE_START
 from rlbus.common.model.demos import arithmetic_problem
 from rlbus.producers.agent_loops.tool_parser import parse_tool_calls
 from rlbus.producers.rewards.math import compute_score
 from rlbus.producers.tools.calculator import CALCULATOR, evaluate
 from rlbus.schemas.wire import PromptTask
-
-
-class Lognormal:
-    """A service's wait in seconds: median_s * exp(N(0, sigma)), at most cap_s; its own seeded random stream, safe
-    to draw from the producer's worker threads at once."""
-
-    median_s: float
-    sigma: float
-    cap_s: float
-    rng: random.Random
-    _lock: threading.Lock
-
-    def __init__(self, median_s: float, sigma: float = 1.0, cap_s: float = 8.0, seed: int = 0):
-        self.median_s, self.sigma, self.cap_s = median_s, sigma, cap_s
-        self.rng = random.Random(seed)
-        self._lock = threading.Lock()
-
-    @classmethod
-    def from_env(cls, prefix: str) -> Lognormal:
-        """From RLBUS_<prefix>_MEDIAN_S, _SIGMA, _CAP_S and _SEED; the stream is this process's own."""
-        return cls(_env(f"{prefix}_MEDIAN_S", 1.0), _env(f"{prefix}_SIGMA", 1.0), _env(f"{prefix}_CAP_S", 8.0),
-                   seed=int(_env(f"{prefix}_SEED", 0)) * 100003 + os.getpid())
-
-    def draw(self) -> float:
-        with self._lock:
-            return self._draw()
-
-    def _draw(self) -> float:  # the caller holds the lock
-        if self.median_s <= 0:
-            return 0.0
-        return min(self.cap_s, self.median_s * math.exp(self.rng.gauss(0.0, self.sigma)))
-
-
-def _env(name: str, default: float) -> float:
-    return float(os.environ.get(f"RLBUS_{name}", default))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -128,7 +92,7 @@ class SlowJudge:
 @functools.cache
 def _judge() -> SlowJudge:
     """This process's judge, made on first use (the producer's environment sets the variables before it starts)."""
-    return SlowJudge(Lognormal.from_env("JUDGE"), int(_env("JUDGE_SLOTS", 4)))
+    return SlowJudge(Lognormal.from_env("JUDGE"), int(env_float("JUDGE_SLOTS", 4)))
 
 
 async def slow_judge(response_text: str, ground_truth: str, *, task: PromptTask) -> float:
@@ -138,39 +102,6 @@ async def slow_judge(response_text: str, ground_truth: str, *, task: PromptTask)
 
 # ---------------------------------------------------------------------------------------------------------------
 # B3: a straggling environment
-
-
-class StepLatency:
-    """An environment step's wait: the lognormal wait, except that a share `straggle` of steps takes `straggle_s`
-    and a share `hang` takes `hang_s` (an hour: a step that hangs until the episode timeout cuts it off)."""
-
-    wait: Lognormal
-    straggle: float
-    straggle_s: float
-    hang: float
-    hang_s: float
-
-    def __init__(self, wait: Lognormal, *, straggle: float = 0.0, straggle_s: float = 20.0, hang: float = 0.0,
-                 hang_s: float = 3600.0):
-        if not (0 <= straggle and 0 <= hang and straggle + hang <= 1):
-            raise ValueError(f"RLBUS_ENV_STRAGGLE ({straggle}) and RLBUS_ENV_HANG ({hang}): shares in [0, 1] whose "
-                             "sum is at most 1")
-        self.wait, self.straggle, self.straggle_s, self.hang, self.hang_s = wait, straggle, straggle_s, hang, hang_s
-
-    @classmethod
-    def from_env(cls) -> StepLatency:
-        return cls(Lognormal.from_env("ENV"), straggle=_env("ENV_STRAGGLE", 0.0),
-                   straggle_s=_env("ENV_STRAGGLE_S", 20.0), hang=_env("ENV_HANG", 0.0),
-                   hang_s=_env("ENV_HANG_S", 3600.0))
-
-    def draw(self) -> float:
-        with self.wait._lock:  # one stream: the share and the wait are drawn together
-            u = self.wait.rng.random()
-            if u < self.hang:
-                return self.hang_s
-            if u < self.hang + self.straggle:
-                return self.straggle_s
-            return self.wait._draw()
 
 
 class StragglerEnv:

@@ -13,6 +13,7 @@ import re
 import msgspec
 
 from rlbus.schemas import config as C
+from rlbus.schemas import distill as D
 from rlbus.schemas import env as E
 from rlbus.schemas import judge as J
 from rlbus.schemas import lora as L
@@ -29,7 +30,8 @@ SECTIONS = {
     "env (type: data)": E.DataEnvConfig, "env (type: reasoning_gym)": E.ReasoningGymEnvConfig,
     "env.tasks[]": E.ReasoningGymTask, "env (type: verifiers)": E.VerifiersEnvConfig,
     "env (type: gym)": E.GymEnvConfig,
-    "algorithm": C.AlgorithmConfig, "trainer": C.TrainerConfig, "trainer.weight_sync": L.WeightSyncConfig,
+    "algorithm": C.AlgorithmConfig, "algorithm.distill": D.DistillConfig,
+    "trainer": C.TrainerConfig, "trainer.weight_sync": L.WeightSyncConfig,
     "trainer.sft": S.SftConfig,
     "critic": C.CriticConfig, "feeder": C.FeederConfig,
     "eval": C.EvalConfig,

@@ -14,6 +14,8 @@ rollout_log_probs [R], versions [R]); the group's metadata (SampleMeta) carries 
     group_index          [B]     samples of one GRPO group share a value
     response_len         [B]     response tokens, tool output included (SampleMeta.response_len)
     truncated            [B]     bool: generation was cut at a length limit (finish_reason "length")
+    teacher_log_probs    [B, T]  the distillation teacher's log-prob of the token (0 where response_mask is 0); only
+                                 when the samples carry it (algorithm.distill: producers/teacher.py), all or none
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from tensordict import TensorDict
 from rlbus.schemas.wire import SampleMeta
 
 TRAJECTORY_FIELDS = ("prompt_ids", "response_ids", "response_mask", "rollout_log_probs", "versions")
+#: Per-token fields a sample may carry beyond those, each [R], placed as rollout_log_probs is (0 off the mask).
+OPTIONAL_TOKEN_FIELDS = ("teacher_log_probs",)
 
 
 def collate(
@@ -57,6 +61,14 @@ def collate(
     log_probs = torch.zeros((B, T), dtype=torch.float32)
     versions = torch.full((B, T), -1, dtype=torch.long)
     rewards = torch.zeros((B, T), dtype=torch.float32)
+    optional = {}
+    for name in OPTIONAL_TOKEN_FIELDS:
+        have = [meta.key for meta, t in samples if name in t]
+        if have and len(have) != B:
+            lacking = [meta.key for meta, t in samples if name not in t]
+            raise ValueError(f"{len(have)} of {B} samples carry {name}; {lacking[:3]} do not (all or none)")
+        if have:
+            optional[name] = torch.zeros((B, T), dtype=torch.float32)
     for i, (meta, t) in enumerate(samples):
         p, n = meta.prompt_len, lengths[i]
         input_ids[i, :p] = t["prompt_ids"]
@@ -67,6 +79,10 @@ def collate(
         response_mask[i, p:n] = mask
         log_probs[i, p:n] = t["rollout_log_probs"].to(torch.float32) * mask  # exactly 0 off the mask
         versions[i, p:n] = torch.where(mask > 0, t["versions"].to(torch.long), -1)
+        for name, out in optional.items():
+            if t[name].numel() != n - p:
+                raise ValueError(f"trajectory {meta.key}: {name} has {t[name].numel()} entries for {n - p} tokens")
+            out[i, p:n] = torch.where(mask > 0, t[name].to(torch.float32), 0.0)
         generated = torch.nonzero(mask > 0)
         if len(generated):
             rewards[i, p + int(generated[-1])] = meta.reward
@@ -82,6 +98,7 @@ def collate(
             "group_index": torch.as_tensor(list(group_index), dtype=torch.long),
             "response_len": torch.as_tensor([meta.response_len for meta, _ in samples], dtype=torch.long),
             "truncated": torch.as_tensor([meta.finish_reason == "length" for meta, _ in samples], dtype=torch.bool),
+            **optional,
         },
         batch_size=[B],
     )

@@ -17,6 +17,7 @@ from typing import Literal
 
 import msgspec
 
+from rlbus.schemas.distill import DistillConfig, check_distill
 from rlbus.schemas.engines import EngineConfig, HFEngineConfig, SimulatedEngineConfig, VLLMEngineConfig
 from rlbus.schemas.env import DataEnvConfig, EnvConfig
 from rlbus.schemas.judge import JudgeConfig
@@ -254,6 +255,7 @@ class AlgorithmConfig(_Section):
     overlong_buffer_tokens: int = 0  # penalty ramp over the last N tokens before rollout.max_response_tokens; 0 = off
     overlong_penalty_factor: float = 1.0  # reward taken off at rollout.max_response_tokens (linearly less in the ramp)
     mask_truncated: bool = False  # samples cut at a length limit (finish_reason length) leave the loss
+    distill: DistillConfig = msgspec.field(default_factory=DistillConfig)  # on-policy distillation (schemas/distill.py)
 
     RS_OPTIONS: typing.ClassVar[tuple[str, ...]] = (
         "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
@@ -565,6 +567,7 @@ class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"rollout.max_response_tokens={self.rollout.max_response_tokens}, where the penalty ends"
             )
         check_sft(self.trainer.sft, self.algorithm.kl_coef)
+        check_distill(self.algorithm.distill, self.trainer, self.rollout.engine)
         t = self.trainer
         # Weights published every N steps leave a producer's tokens up to N - 1 versions behind at best: beyond
         # max_staleness, the drop policy would discard every group and the run would never train.

@@ -91,6 +91,7 @@ class TrainEngine:
     fuse_proximal: bool  # take proximal log-probs from the update's forward when that is the same computation
     correction: algo.CorrectionSpec  # IS weights and rejection between behaviour and proximal (rollout_* fields)
     overlong: algo.OverlongSpec  # DAPO's overlong penalty and truncation mask (algorithm.overlong_*, mask_truncated)
+    distill: algo.DistillSpec  # on-policy distillation: the teacher's reverse KL in the advantage (algorithm.distill)
     hidden_size: int  # the model's, for packing's cost model
     critic: Critic | None  # the value model of adv_estimator: gae, critic.backbone: separate (trainer/critic.py)
     value_head: SharedValueHead | None  # the value head on the policy of critic.backbone: shared
@@ -120,6 +121,7 @@ class TrainEngine:
         self.fuse_proximal = True
         self.correction = algo.CorrectionSpec.from_config(algo_cfg)
         self.overlong = algo.OverlongSpec.from_config(algo_cfg, max_response_tokens)  # L_max: rollout's budget
+        self.distill = algo.DistillSpec.from_config(algo_cfg)
         self.info = init_distributed(trainer_cfg.device)
         self.critic_cfg = critic_cfg or CriticConfig()
         shared = algo_cfg.adv_estimator == "gae" and self.critic_cfg.backbone == "shared"
@@ -262,7 +264,7 @@ class TrainEngine:
         return logp_BT, values_BT
 
     def _tensors(self, batch: TensorDict) -> dict[str, torch.Tensor]:
-        keys = BATCH_KEYS + self.overlong.batch_keys  # consumers/collate.py makes them all
+        keys = BATCH_KEYS + self.overlong.batch_keys + self.distill.batch_keys  # consumers/collate.py makes them all
         missing = [k for k in keys if k not in batch.keys()]
         if missing:
             raise KeyError(f"train batch lacks {missing}; it must carry {list(keys)}")
@@ -355,6 +357,7 @@ class TrainEngine:
                 norm_by_std=self.algo.norm_adv_by_std, gamma=self.algo.gamma, reduce=reduce,
             )  # fmt: skip
             returns_BT, actor_waits, metrics_values = None, False, {}
+        adv_BT = algo.mix_distill(adv_BT, data, mask_BT, self.distill, acc.add)  # (1 - w) A_env + w A_teacher
         self.computed = {"advantages": adv_BT.detach()}
         if returns_BT is not None:
             self.computed.update(values=values_BT.detach(), returns=returns_BT.detach())

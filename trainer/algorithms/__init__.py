@@ -14,6 +14,7 @@ from rlbus.trainer.algorithms.advantages import (
     rloo_advantages,
     sequence_scores,
 )
+from rlbus.trainer.algorithms.distill import DistillSpec, distill_advantages, mix_distill, reverse_kl
 from rlbus.trainer.algorithms.kl import apply_kl_reward_penalty, entropy_from_logits, kl_estimate
 from rlbus.trainer.algorithms.off_policy import needs_proximal, old_log_probs_for
 from rlbus.trainer.algorithms.overlong import OverlongSpec, overlong_penalty, shape_rewards
@@ -51,6 +52,7 @@ __all__ = [
     "POLICY_LOSS_MODES",
     "Correction",
     "CorrectionSpec",
+    "DistillSpec",
     "LossNormaliser",
     "MismatchSums",
     "OverlongSpec",
@@ -64,6 +66,7 @@ __all__ = [
     "compute_advantages",
     "correct",
     "discounted_returns",
+    "distill_advantages",
     "dppo_loss",
     "entropy_from_logits",
     "gae_advantages_returns",
@@ -75,6 +78,7 @@ __all__ = [
     "masked_mean",
     "masked_whiten",
     "mismatch_metrics",
+    "mix_distill",
     "needs_proximal",
     "old_log_probs_for",
     "overlong_penalty",
@@ -83,6 +87,7 @@ __all__ = [
     "ppo_clip_loss",
     "reinforce_pp_baseline_advantages",
     "rejection_mask",
+    "reverse_kl",
     "rloo_advantages",
     "sapo_loss",
     "sequence_scores",

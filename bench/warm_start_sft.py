@@ -12,10 +12,10 @@ Differences, all the trainer's: its loss is the token mean over the step's 48 co
 adds the demonstrations' token mean and the drills' (about 270 and 314 assistant tokens a step: per token a drill
 weighs 0.86x a demonstration there, 1x here, and the gradient is about twice as large there, so clipped at 1.0
 more often); torch's sdpa attention and the fused AdamW, where the warm start runs eager attention and the default
-kernel; and one attempt, where the warm start tries other streams while it misses the target. The shipped model's bytes and
-configs/quickstart.yaml are untouched: this builds a model beside them, for comparison.
+kernel; and one attempt, where the warm start tries other streams while it misses the target. The shipped model's
+bytes and configs/quickstart.yaml are untouched: this builds a model beside them, for comparison.
 
-    .venv/bin/python bench/warm_start_sft.py --out runs/warm-start-sft            # about 2-5 min on 2 cores
+    .venv/bin/python bench/warm_start_sft.py --out runs/warm-start-sft        # about 2-5 min on 2 cores
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ class SftConfig(_Section):
     seed: int = 0  # shuffle seed (epoch e uses seed and e)
     eval_data: str = ""  # held-out conversations: their token-mean loss is sft/eval_loss ("" = none)
     eval_interval: int = 0  # evaluate every N steps (and after the last); 0 = after the last only
-    checkpoint_interval: int = 0  # steps between checkpoints of the phase (resume point); 0 = trainer.checkpoint_interval
+    checkpoint_interval: int = 0  # steps between checkpoints of the phase; 0 = trainer.checkpoint_interval
 
     def __post_init__(self) -> None:
         _need(self.steps >= 0, "steps", "must be >= 0 (0 = by epochs)")

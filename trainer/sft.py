@@ -90,8 +90,9 @@ class SftRunner:
                                            max_length=sft.max_length) if sft.eval_data else [])  # fmt: skip
         self.num_steps = sft.steps or math.ceil(sft.epochs * len(self.train) / sft.batch_size)
         # The phase's schedule: trainer's AdamW settings (betas, weight decay, kernel), the phase's LR over its steps.
-        phase = msgspec.structs.replace(cfg.trainer, lr=sft.lr, lr_schedule=sft.lr_schedule, min_lr_ratio=sft.min_lr_ratio,
-                                        warmup_steps=sft.warmup_steps, total_steps=self.num_steps, mini_batches=1)
+        phase = msgspec.structs.replace(cfg.trainer, lr=sft.lr, lr_schedule=sft.lr_schedule,
+                                        min_lr_ratio=sft.min_lr_ratio, warmup_steps=sft.warmup_steps,
+                                        total_steps=self.num_steps, mini_batches=1)
         self.optimizer = make_optimizer([p for p in engine.model.parameters() if p.requires_grad], phase)
         self.scheduler = make_scheduler(self.optimizer, phase, warmup_steps=sft.warmup_steps)
         self.steps_done = 0

@@ -81,8 +81,8 @@ def test_smollm2_template_masks_each_assistant_turn_through_its_eos() -> None:
     spans += [cur] if cur else []
     assert [tok.decode(s) for s in spans] == ["It is 4.<|im_end|>", "6, of course.<|im_end|>"]
     # The template's default system prompt (no system message given) is context, never trained.
-    assert "SmolLM" in tok.decode(conv.ids) and "SmolLM" not in tok.decode([i for i, m in zip(conv.ids, conv.mask)
-                                                                            if m])
+    trained = tok.decode([i for i, m in zip(conv.ids, conv.mask) if m])
+    assert "SmolLM" in tok.decode(conv.ids) and "SmolLM" not in trained
     # Against the template's own text with generation tags (a system message first: SmolLM2 adds none then).
     with_system = [{"role": "system", "content": "Be brief."}, *messages]
     conv = encode_conversation(tok, with_system)
@@ -115,7 +115,8 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tiny) -> None:
     # Drops every assistant turn but the last (as templates that strip past reasoning do).
     tok.chat_template = ("{%- for m in messages -%}{%- if m['role'] != 'assistant' or loop.last -%}"
                          "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}{%- endif -%}"
-                         "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+                         "{%- endfor -%}"
+                         "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
     messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
                 {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
     with pytest.raises(ValueError, match="rewrites earlier turns"):

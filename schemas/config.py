@@ -173,9 +173,8 @@ class RolloutConfig(_Section):
     max_inflight_cap: int = 64  # the most tasks in flight that automatic sizing may reach
     tool_timeout_s: float = 30.0  # one attempt of a tool call (a tool's own timeout_s wins); past it, retried
     tool_retries: int = 2  # attempts after the first when a tool's service fails (a tool's own retries wins)
-    # synchronous tools, rewards and environment steps running at once (worker threads); 0 = one for each episode a
-    # producer may hold (max_inflight_tasks, else max_inflight_cap, times n + redundant_samples)
-    blocking_workers: int = 0
+    # 0: max_inflight_tasks (else max_inflight_cap) times n + redundant_samples, the episodes a producer may hold
+    blocking_workers: int = 0  # sync tools, rewards and env steps at once (threads); 0 = one per episode held
     episode_timeout_s: float = 600.0  # a group's episodes (turns, environment steps, scoring) running longer fail the task
     torch_threads: int = 0  # torch CPU threads of each producer; 0 = auto (OMP_NUM_THREADS, else CPUs / processes)
     nice: int = 0  # CPU priority of each producer (nice, 0-19): > 0 lets a trainer on the same CPUs preempt it

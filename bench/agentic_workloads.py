@@ -9,11 +9,12 @@ A workload is the quickstart's task and model with one remote service's latency 
         of them straggles, a share hangs until rollout.episode_timeout_s (60 s here) gives the task back; every
         arm starts 2 redundant episodes a group (rollout.redundant_samples=2: a group is its first n to finish)
 
-The arms, each its own `rlbus up`: `nolat` is the same task without the latency (b1: the built-in calculator; b2,
-b3: the same judge or environment with a median of 0 and no stragglers or hangs), `async` is rlbus's defaults
-with the latency, `sync` the latency with one step's groups in flight on the current weights. The median comes
-from bench/agentic.py's --medians; a workload's other latency settings (`shape`) are its defaults here, and a
-variable already set in the caller's environment wins (`RLBUS_JUDGE_SLOTS=2 python bench/agentic.py --workload b2`).
+The arms: `nolat` is the same task without the latency (b1: the built-in calculator; b2, b3: the same judge or
+environment with a median of 0 and no stragglers or hangs), `async` is rlbus's defaults with the latency, `sync`
+the latency with one step's groups in flight on the current weights, each its own `rlbus up`; `trl` is TRL's
+GRPOTrainer with the latency (bench/agentic_trl.py, in the TRL venv). The median comes from bench/agentic.py's
+--medians; a workload's other latency settings (`shape`) are its defaults here, and a variable already set in the
+caller's environment wins (`RLBUS_JUDGE_SLOTS=2 python bench/agentic.py --workload b2`).
 """
 
 from __future__ import annotations
@@ -26,13 +27,16 @@ from typing import Mapping
 from rlbus.common.model.demos import QUICKSTART_SYSTEM_PROMPT
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-#: Every arm sizes its tasks in flight from the engine's idle time (the quickstart config pins 1, as its published
-#: figures were measured); `sync` also holds the staleness bound at 0.
+#: Every rlbus arm sizes its tasks in flight from the engine's idle time (the quickstart config pins 1, as its
+#: published figures were measured); `sync` also holds the staleness bound at 0. `trl` is TRL's GRPOTrainer
+#: (bench/agentic_trl.py, b1 and b3), no rlbus run: the workload's config, resolved, gives it the task's settings.
 ARMS: dict[str, tuple[str, ...]] = {
     "nolat": ("rollout.max_inflight_tasks=0",),
     "async": ("rollout.max_inflight_tasks=0",),
     "sync": ("rollout.max_inflight_tasks=0", "trainer.max_staleness=0", "trainer.max_staleness_for_latency=0"),
+    "trl": (),
 }
+RLBUS_ARMS = ("nolat", "async", "sync")
 SIGMA, CAP_S = 1.0, 8.0
 
 

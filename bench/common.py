@@ -58,15 +58,16 @@ def git_commit() -> str:
 TIMED_OUT = 124  # a run's exit status when it ran past its timeout (as timeout(1) reports it)
 
 
-def run_up(argv: list[str], timeout: float) -> tuple[int, str]:
-    """A bench's run of `argv` (`rlbus up ...`, a peer's trainer) from the repository root: its exit status and
-    output. Past `timeout` it is stopped as Ctrl-C would (rlbus's roles stop and write what they have: the metrics
-    of the steps and evaluations done so far), killed if it has not exited a minute later, and the status is
-    TIMED_OUT: the bench records the run and goes on to the next, instead of losing every seed's results."""
+def run_up(argv: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """A bench's run of `argv` (`rlbus up ...`, a peer's trainer) from the repository root, in `env` (None: this
+    process's environment): its exit status and output. Past `timeout` it is stopped as Ctrl-C would (rlbus's roles
+    stop and write what they have: the metrics of the steps and evaluations done so far), killed if it has not exited
+    a minute later, and the status is TIMED_OUT: the bench records the run and goes on to the next, instead of losing
+    every seed's results."""
     # A bench started in the background (`cmd &` in a script) has SIGINT ignored, and a child inherits that: give
     # the run Ctrl-C's default back, so that it can be stopped as Ctrl-C would stop it.
     proc = subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
+                            stderr=subprocess.STDOUT, text=True, env=env,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         output = proc.communicate(timeout=timeout)[0]

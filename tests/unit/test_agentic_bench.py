@@ -1,6 +1,8 @@
 """bench/agentic.py runs what its workloads claim: the arms' configs are valid and are the task they name, the
 latencies are the ones asked for (and none in `nolat`), the judge scores as the math reward with its slots, and the
-straggling environment pays 1 for the right answer, answers calculator calls, and waits as seeded.
+straggling environment pays 1 for the right answer, answers calculator calls, and waits as seeded. The TRL arm runs
+only with its venv, gets the rlbus arms' config and prompts, and its row has the same window and N/A for what only
+rlbus measures (the TRL side itself needs the TRL venv: the bench's smoke run checks it).
 
     .venv/bin/python -m pytest -q tests/unit/test_agentic_bench.py
 """
@@ -14,12 +16,15 @@ import time
 import msgspec
 import pytest
 
-from bench import agentic_tools
-from bench.agentic import CONFIG, by_arm, failed_rollouts, parse_args, report
+from bench import agentic, agentic_tools
+from bench.agentic import (CONFIG, RLBUS_ONLY, TRL_SIDE, by_arm, failed_rollouts, parse_args, report, seeded,
+                           trl_argv, trl_settings, trl_summary, write_trl_prompts)
 from bench.agentic_tools import Lognormal, SlowJudge, StepLatency, StragglerEnv, make_straggler_env
 from bench.agentic_workloads import WORKLOADS
+from rlbus.common.envs import load_tasks
 from rlbus.common.envs.gym import examples
-from rlbus.common.model.demos import QUICKSTART_SYSTEM_PROMPT, answer_text, question_expression, tool_call_text
+from rlbus.common.model.demos import (QUICKSTART_SYSTEM_PROMPT, answer_text, evaluate_expression, question_expression,
+                                      tool_call_text)
 from rlbus.producers.rewards.registry import load_reward
 from rlbus.schemas.config_io import load_config
 from rlbus.schemas.env import GymEnvConfig
@@ -174,3 +179,76 @@ def test_the_tables_name_the_workload_and_b3_counts_its_failures():
     assert "| env step median |" in b3 and "a share 0.02 of steps straggles for 30 s" in b3
     assert b3.splitlines()[-3].endswith("| 3 / 0 |")
     assert "| ledger problems |" in report(_results("b3")) and "4 calls at once" in report(_results("b2"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The TRL arm (bench/agentic_trl.py runs under the TRL venv's python; here only what the bench does around it)
+
+
+@pytest.fixture
+def trl_venv(tmp_path, monkeypatch):
+    """A stand-in for .bench/trl-venv's python; the test makes it exist or not."""
+    python = tmp_path / "trl-venv" / "bin" / "python"
+    monkeypatch.setattr(agentic, "TRL_PY", python)
+    return python
+
+
+def test_the_trl_arm_runs_by_default_only_where_its_venv_is(trl_venv):
+    assert parse_args([]).arms == ["nolat", "async", "sync"]
+    with pytest.raises(SystemExit):
+        parse_args(["--arms", "async", "trl"])  # asked for without the venv: the error says how to make it
+    trl_venv.parent.mkdir(parents=True)
+    trl_venv.touch()
+    assert parse_args([]).arms == ["nolat", "async", "sync", "trl"]
+    assert parse_args(["--workload", "b3"]).arms[-1] == "trl"
+    assert parse_args(["--workload", "b2"]).arms == ["nolat", "async", "sync"]  # no TRL judge
+    with pytest.raises(SystemExit):
+        parse_args(["--workload", "b2", "--arms", "trl"])
+
+
+def test_the_trl_side_gets_the_config_the_rlbus_arms_run(trl_venv, tmp_path):
+    wl = WORKLOADS["b3"]
+    cfg = load_config(CONFIG, [*seeded(3, 12), *wl.overrides("trl", 3, ["trainer.lr=1e-4"])])
+    s = trl_settings(wl, cfg, 3, 12, tmp_path / "model", tmp_path / "prompts.jsonl")
+    assert (s["workload"], s["seed"], s["steps"], s["lr"]) == ("b3", 3, 12, 1e-4)  # the caller's override too
+    assert (s["n"], s["groups_per_step"], s["mini_batches"], s["max_turns"]) == (8, 4, 2, 2)
+    assert (s["max_new_tokens"], s["max_response_tokens"], s["episode_timeout_s"]) == (40, 120, 60)
+    assert (s["clip_ratio_low"], s["clip_ratio_high"], s["warmup_steps"], s["lr_schedule"]) == (0.2, 0.28, 5, "cosine")
+    assert json.loads(json.dumps(s)) == s  # the settings file the side reads
+    assert trl_argv(tmp_path / "s.json", tmp_path / "o.json") == [
+        str(trl_venv), str(TRL_SIDE), str(tmp_path / "s.json"), str(tmp_path / "o.json")]
+    assert TRL_SIDE.is_file()
+    env = wl.latency_env("trl", 0.5, 3, environ={})
+    assert (env["RLBUS_ENV_MEDIAN_S"], env["RLBUS_ENV_SEED"], env["RLBUS_ENV_STRAGGLE"]) == ("0.5", "3", "0.02")
+
+
+@pytest.mark.parametrize("name", ["b1", "b3"])
+def test_the_trl_side_trains_on_the_feeders_prompts(name, tmp_path):
+    wl = WORKLOADS[name]
+    cfg = load_config(CONFIG, [*seeded(1, 5), *wl.overrides("trl", 1)])
+    rows = [json.loads(x) for x in write_trl_prompts(wl, cfg, tmp_path / "p.jsonl").read_text().splitlines()]
+    tasks = load_tasks(cfg)
+    assert len(rows) == len(tasks) and rows[5]["prompt"] == [{"role": m.role, "content": m.content}
+                                                             for m in tasks[5].prompt]
+    assert rows[0]["prompt"][0] == {"role": "system", "content": QUICKSTART_SYSTEM_PROMPT}
+    for row in rows[:50]:  # the truth is the question's answer (b3: the one the environment's reset set)
+        question = row["prompt"][-1]["content"]
+        assert row["truth"] == str(evaluate_expression(question_expression(question)))
+
+
+def test_a_trl_run_is_summarised_over_the_same_window_with_na_for_rlbus_only_figures(tmp_path):
+    out = tmp_path / "out.json"
+    assert trl_summary(out) == {"error": "no output"}
+    steps = [{"step": i + 1, "t": 1000.0 + 10 * (i + 1), "reward": 0.1 * i, "tool_calls": 0.5, "tool_failures": 0.0}
+             for i in range(6)]
+    out.write_text(json.dumps({"t_start": 1000.0, "steps": steps, "timeouts": 2, "versions": {"trl": "1.16.0"}}))
+    row = trl_summary(out)
+    assert row["steps_per_min"] == 6.0 and row["window_s"] == 30.0  # 3 steps after the warm-up's last, in 30 s
+    assert (row["first5"], row["last10"], row["startup_s"]) == (0.2, 0.25, 10.0)
+    assert all(row[k] is None for k in RLBUS_ONLY) and row["staleness_mean"] == 0.0
+    assert (row["infra_failures"], row["tool_calls_per_sample"]) == (2, 0.5)
+    d = _results("b3")
+    d["runs"] = [{**d["runs"][0], "median_s": 0.2}, {"arm": "trl", "median_s": 0.2, "seed": 0, "rc": 0, **row}]
+    table = report(d)
+    assert "| trl | 0.2 s | 0 | 6.0 | - | N/A | 10.00 s | N/A | 0.00 | 0.200 | 0.250 | 2 / 0 | N/A |" in table
+    assert "rlbus's steps/min over TRL's at a median of 0.2 s: async 5.0x." in by_arm(d)

@@ -3,7 +3,8 @@
 The schema (schemas/) checks types, ranges and how fields fit together; what it cannot know is whether the names a
 config gives exist: a reasoning-gym task and its generator settings, a gymnasium id or `env.make`, a verifiers
 `env.load`, the `rollout.reward` / `rollout.tools` / `rollout.openai.function` import paths, a model directory
-(or the GGUF file or `init_if_missing` that makes one), the judge's and the critic's models, the W&B package.
+(or the GGUF file or `init_if_missing` that makes one), the judge's, the critic's and the distillation teacher's
+models (the teacher's tokenizer against the student's), the W&B package.
 `config_errors(cfg)` checks them all, with the functions the roles check them with where they meet them (so a
 role started alone says the same), and nothing heavier: no model is built or loaded, no data set generated, no
 environment constructed, and a verifiers environment is found in its source rather than imported (verifiers
@@ -101,6 +102,8 @@ def _model_dir(field: str, path: str, gguf: str, gguf_field: str, *, init_if_mis
 
 
 def _model_errors(cfg: RunConfig) -> list[ConfigError]:
+    from rlbus.common.model.ensure import model_ready
+
     m = cfg.model
     errors = _model_dir("model.path", m.path, m.gguf, "model.gguf", init_if_missing=m.init_if_missing,
                         how="run `rlbus init-model DIR` or set model.init_if_missing=true (or model.gguf)")
@@ -111,6 +114,11 @@ def _model_errors(cfg: RunConfig) -> list[ConfigError]:
     if cfg.algorithm.adv_estimator == "gae" and c.backbone == "separate" and c.path:
         errors += _model_dir("critic.path", c.path, "", "", init_if_missing=False,
                              how="give the critic's initial weights, or leave critic.path empty for model.path's")
+    if cfg.algorithm.distill.enabled:  # a student not built yet: its producers compare the tokenizers once it is
+        from rlbus.common.teacher import check_teacher
+
+        student = m.path if model_ready(Path(m.path)) else None
+        errors += _caught(lambda: check_teacher(cfg.algorithm.distill.teacher, student))
     return errors
 
 

@@ -40,6 +40,7 @@ from rlbus.producers.agent_loops.base import StalenessWatch, failure_kind
 from rlbus.producers.build import build_rollout
 from rlbus.producers.engines import RolloutEngine
 from rlbus.producers.inflight import WINDOW_S, InflightSizer
+from rlbus.producers.teacher import Teacher
 from rlbus.schemas import staleness
 from rlbus.schemas.config import RunConfig
 from rlbus.schemas.errors import EngineDead, WeightsChecksumMismatch, WeightsLost, WeightsMissing
@@ -106,6 +107,7 @@ class Producer:
     weight_sync: WeightSync | None  # fetches announced versions into the engine (full, or an adapter on the base)
     engine: RolloutEngine | None
     agent_loop: AgentLoop | None
+    teacher: Teacher | None  # algorithm.distill's teacher: scores each group's tokens before it is stored
     sizer: InflightSizer | None  # how many tasks it holds at once (set by start())
     trainer_version: int  # newest version the trainer announced
     staleness_bound: int | None  # the bound in force it announced with it (None: trainer.max_staleness)
@@ -133,6 +135,7 @@ class Producer:
         self._handover = None
         self._unsettled = {}
         self.bus = self.tq = self.weight_store = self.weight_sync = self.engine = self.agent_loop = self.sizer = None
+        self.teacher = None
         self.trainer_version = 0
         self.staleness_bound = None
         self.groups_done = self.groups_abandoned = self.tokens_generated = self.tokens_discarded = 0
@@ -162,6 +165,7 @@ class Producer:
         # Before Ray: under `rlbus up` the head may still be starting (ensure_ray waits).
         stack = build_rollout(cfg, instance=self.producer_id)
         self.engine, self.agent_loop = stack.engine, stack.agent_loop
+        self.teacher = Teacher.from_config(cfg, stack.tokenizer)  # a ConfigError unless it shares the tokenizer
         self.sizer = InflightSizer(cfg.rollout.max_inflight_tasks, cfg.rollout.max_inflight_cap, self.agent_loop.meter)
         if cfg.rollout.partial_rollout:
             self.agent_loop.staleness = StalenessWatch(cfg.trainer, self.trainer_version)
@@ -262,6 +266,8 @@ class Producer:
             await self.agent_loop.close()
         if self.engine is not None:
             await self.engine.close()
+        if self.teacher is not None:
+            self.teacher.close()
 
     # ---------------------------------------------------------------- one task
 
@@ -293,6 +299,9 @@ class Producer:
             # again as delivery 1, and two producers then put (and the surplus one deleted) the same keys.
             prefix = f"{task.task_id}/d{delivery.num_delivered}-{self.producer_id}-{uuid.uuid4().hex[:8]}"
             items = {f"{prefix}/{i}": t.tensors() for i, t in enumerate(trajectories)}
+            if self.teacher is not None:  # on-policy distillation: the teacher's scores travel with the tokens
+                for tensors, scores in zip(items.values(), await self.teacher.score(trajectories)):
+                    tensors["teacher_log_probs"] = scores
             unpublished = list(items)
             await self.tq.put_many(items)
             group = TrajectoryGroup(

@@ -246,3 +246,31 @@ def test_distillation_moves_the_student_toward_the_teacher(student_dir: Path, pr
     assert exact1 < 0.7 * exact0, (exact0, exact1)
     assert logp1 > logp0, (logp0, logp1)
     assert sum(kl[-3:]) / 3 < 0.7 * kl[0], kl
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the teacher's scores are part of the recorded batch: `rlbus replay` redoes a distillation step without the teacher
+
+
+def test_a_distillation_step_replays_bit_for_bit_without_the_teacher(tmp_path: Path, monkeypatch) -> None:
+    from tests.integration import test_replay as R
+    from rlbus.trainer.replay import replay
+
+    def with_teacher(step: int, *args):  # what a producer stores: the teacher's scores, 0 where the mask is 0
+        groups, stored = make_groups(step, *args)
+        g = torch.Generator().manual_seed(step)
+        for t in stored.values():
+            t["teacher_log_probs"] = -torch.rand(t["response_ids"].shape, generator=g) * 6 * t["response_mask"]
+        return groups, stored
+
+    make_groups = R.make_groups
+    monkeypatch.setattr(R, "make_groups", with_teacher)
+    # The teacher's directory does not exist: the trainer never loads it (the producers do), nor does the replay.
+    recorded = R.record_run(tmp_path, algorithm={"distill": {"teacher": str(tmp_path / "gone"), "weight": 0.5}})
+    result, _ = replay(recorded["run_dir"], from_step=3, num_steps=2)
+    assert result.identical, [d for d in result.diffs if not d.equal]
+    assert result.metrics[4]["distill/reverse_kl"] == recorded["rows"][3]["distill/reverse_kl"] != 0
+    # ... and the teacher's signal is in the recorded step: without it the same batch trains otherwise
+    what_if, _ = replay(recorded["run_dir"], from_step=3, num_steps=1, overrides=["algorithm.distill.weight=0"])
+    assert what_if.metrics[3]["actor/pg_loss"] != recorded["rows"][2]["actor/pg_loss"]
+    assert "distill/reverse_kl" not in what_if.metrics[3]

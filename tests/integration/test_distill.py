@@ -72,7 +72,7 @@ def sampled(student_dir: Path, prompts: list[list[int]], temperature: float, *, 
         t = Trajectory(prompt_ids=list(prompts[i]))
         k = len(gen.token_ids) // 2 if holes and i % 2 else len(gen.token_ids)
         t.add_generated(gen.token_ids[:k], gen.log_probs[:k], [0] * k)
-        if k < len(gen.token_ids):  # the environment's tokens (mask 0) between two of the model's; these scored as context only
+        if k < len(gen.token_ids):  # the environment's tokens (mask 0) between two of the model's turns
             t.add_inserted([5, 6, 7])
             t.add_generated(gen.token_ids[k:], gen.log_probs[k:], [0] * (len(gen.token_ids) - k))
         out.append(t)

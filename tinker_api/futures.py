@@ -115,13 +115,13 @@ async def settle(fut: asyncio.Future[Result], kind: str, work: Work) -> None:
 class Ordered:
     """Runs one model's requests one at a time, in seq_id order, whatever order they arrive in."""
 
-    next_seq: int  # the seq_id that runs next
+    next_seq: int | None  # the seq_id that runs next; None: the first one submitted (a model restored mid-run)
     _pending: dict[int, tuple[str, Work, asyncio.Future[Result]]]  # seq_id -> (kind, work, its future)
     _ids: dict[int, str]  # seq_id -> request id, for every request taken (a resent one gets the same)
     _wake: asyncio.Event
     _task: asyncio.Task | None
 
-    def __init__(self, first_seq: int):
+    def __init__(self, first_seq: int | None):
         self.next_seq = first_seq
         self._pending, self._ids = {}, {}
         self._wake = asyncio.Event()
@@ -129,6 +129,8 @@ class Ordered:
 
     def submit(self, futures: Futures, owner: str, kind: str, seq_id: int | None, work: Work) -> str:
         """Queue `work` as request `seq_id` (None: after every request taken so far); returns its request id."""
+        if self.next_seq is None:
+            self.next_seq = seq_id if seq_id is not None else 1
         if seq_id is None:
             seq_id = max([self.next_seq - 1, *self._ids]) + 1
         if seq_id in self._ids:  # a retry of a request already taken

@@ -15,22 +15,30 @@ models, sampling sessions, futures, checkpoints) is found only with that key: as
 missing (404, `tinker.NotFoundError`). A request the service cannot take is answered 400 (`tinker.BadRequestError`)
 at once; one that fails while it runs fails its future (`tinker.RequestFailedError`, category user or server).
 Any other route is 404.
+
+A restarted service (the same tinker.dir) restores sessions, training models and sampling sessions from their
+records when a client asks for them (tinker_api/records.py says which models it can restore exactly and what a
+client is told of the others). Futures do not outlive the process: a request id it does not know is answered 410,
+which the SDK reads as a lost promise (a sampling client sends its request again; a training call raises).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 from aiohttp import web
 
 from rlbus.schemas.tinker import TinkerConfig
 from rlbus.tinker_api import paths, proto
 from rlbus.tinker_api.futures import Futures, Ordered, UserError, json_result
 from rlbus.tinker_api.keys import Keys
+from rlbus.tinker_api.records import ModelRecord, Records, SamplerRecord
 from rlbus.tinker_api.sampling import Samplers
 from rlbus.tinker_api.training import Base, TrainingModel, read_info
 from rlbus.tinker_api.wire import (
@@ -77,6 +85,7 @@ class Session:
 class Model:
     model: TrainingModel
     ordered: Ordered  # its requests, in seq_id order
+    record: ModelRecord  # what a restarted service makes it again from (records.py)
 
 
 @dataclass
@@ -99,22 +108,26 @@ class TinkerServer:
     keys: Keys
     root: Path  # tinker.dir: saved states and sampler weights, one tree per owner
     futures: Futures
+    records: Records  # sessions, models and sampling sessions as a restarted service finds them
     base_url: str  # http://host:port once started
     _sessions: dict[str, Session]
     _models: dict[str, Model]
     _sampling: dict[str, SamplingSession]
     _runner: web.AppRunner | None
     _sweeper: asyncio.Task | None  # ends sessions whose client stopped sending heartbeats
+    _restoring: asyncio.Lock  # one model restored at a time (each loads a state)
 
     def __init__(self, cfg: TinkerConfig, base: Base, keys: Keys, root: Path):
         self.cfg, self.base, self.keys, self.root = cfg, base, keys, root
         self.samplers = Samplers(base, max_samplers=cfg.max_samplers, max_batch_size=cfg.max_batch_size,
                                  max_tokens=cfg.max_tokens)  # fmt: skip
         self.futures = Futures(cfg.future_ttl_s)
+        self.records = Records(root)
         self.base_url = ""
         self._sessions, self._models, self._sampling = {}, {}, {}
         self._runner = None
         self._sweeper = None
+        self._restoring = asyncio.Lock()
 
     # ----------------------------------------------------------------------------------------------- lifecycle
 
@@ -177,8 +190,9 @@ class TinkerServer:
                     await self._end_session(session_id, s)
 
     async def _end_session(self, session_id: str, s: Session) -> None:
-        """A finished session's training models go (their memory with them); its checkpoints stay."""
+        """A finished session's training models go (their memory and records with them); its checkpoints stay."""
         s.finished = True
+        self.records.drop_session(s.owner, session_id)
         gone = [mid for mid, m in self._models.items() if m.model.session_id == session_id]
         for mid in gone:
             await self._models.pop(mid).ordered.close()
@@ -189,15 +203,60 @@ class TinkerServer:
 
     def _session(self, owner: str, session_id: str) -> Session:
         s = self._sessions.get(session_id)
+        if s is None and self.records.has_session(owner, session_id):  # made before a restart
+            s = self._sessions[session_id] = Session(owner, asyncio.get_running_loop().time())
+            log.info("tinker: session %s restored", session_id)
         if s is None or s.owner != owner:
             raise NotFound(f"session {session_id!r} not found")
         return s
 
-    def _model(self, owner: str, model_id: str) -> Model:
+    async def _model(self, owner: str, model_id: str) -> Model:
         m = self._models.get(model_id)
-        if m is None or m.model.owner != owner:
+        if m is None:
+            m = await self._restore(owner, model_id)
+        if m.model.owner != owner:
             raise NotFound(f"model {model_id!r} not found")
         return m
+
+    async def _restore(self, owner: str, model_id: str) -> Model:
+        """A model made before the service restarted, from its record; NotFound if it cannot be made exactly."""
+        rec = self.records.model(owner, model_id)
+        if rec is None:
+            raise NotFound(f"model {model_id!r} not found")
+        if rec.changed:
+            since = f"its last saved state {rec.state}" if rec.state else "it was made (it was never saved)"
+            resume = (f"; continue from that state with create_training_client_from_state_with_optimizer"
+                      f"({rec.state!r})" if rec.state else "")  # fmt: skip
+            raise NotFound(f"model {model_id!r} was lost when the service stopped: it had changed since {since}, "
+                           f"and that lived in memory only{resume}")
+        self._session(owner, rec.session_id)
+        async with self._restoring:
+            if model_id not in self._models:
+                src = self._checkpoint(owner, rec.state) if rec.state else None
+                model = await asyncio.to_thread(self._remake, owner, model_id, rec, src)
+                # the client's seq_ids go on from where they were: the first to arrive runs first
+                self._models[model_id] = Model(model, Ordered(first_seq=None), rec)
+                log.info("tinker: model %s restored (%s)", model_id, rec.state or "its initialisation")
+        return self._models[model_id]
+
+    def _remake(self, owner: str, model_id: str, rec: ModelRecord, src: Path | None) -> TrainingModel:
+        if len(self._models) >= self.cfg.max_models:
+            raise UserError(f"the service holds tinker.max_models={self.cfg.max_models} models already")
+        model = TrainingModel(self.base, model_id, owner, rec.session_id, rank=rec.rank, alpha=rec.alpha,
+                              train_attn=rec.train_attn, train_mlp=rec.train_mlp, seed=rec.seed)  # fmt: skip
+        if src is not None:
+            model.load(src, self.base, optimizer=rec.optimizer)
+        return model
+
+    def _record(self, m: Model, *, changed: bool, state: str | None = None, optimizer: bool = True) -> None:
+        """Write what `m` now equals: `changed` (set before a request that changes it runs), or a `state`."""
+        if changed:
+            if m.record.changed:
+                return  # written once until the next state
+            m.record = msgspec.structs.replace(m.record, changed=True)
+        else:
+            m.record = msgspec.structs.replace(m.record, state=state, optimizer=optimizer, changed=False)
+        self.records.save_model(m.model.owner, m.model.model_id, m.record)
 
     def _checkpoint(self, owner: str, path: str) -> Path:
         """The directory of `path` (tinker://...) in `owner`'s tree; NotFound if it has none."""
@@ -228,6 +287,7 @@ class TinkerServer:
         decode(CreateSessionRequest, await request.read())
         session_id = uuid.uuid4().hex
         self._sessions[session_id] = Session(request["owner"], asyncio.get_running_loop().time())
+        self.records.save_session(request["owner"], session_id)
         return _json({"type": "create_session", "session_id": session_id})
 
     async def _heartbeat(self, request: web.Request) -> web.Response:
@@ -264,52 +324,61 @@ class TinkerServer:
         if req.optimizer_config.type != "adamw":
             raise BadRequest(f"optimizer_config: {req.optimizer_config.type!r} is not served here (adamw is)")
         model_id = f"{req.session_id}:train:{req.model_seq_id}"
+        seed = lc.seed if lc.seed is not None else secrets.randbelow(2**31)  # recorded: a restart makes the same A
 
         async def work():
             if model_id not in self._models:  # a create sent again makes nothing new
                 model = await asyncio.to_thread(self._new_model, owner, req.session_id, req.model_seq_id,
                                                 rank=lc.rank, train_attn=lc.train_attn, train_mlp=lc.train_mlp,
-                                                seed=lc.seed)  # fmt: skip
-                self._models[model_id] = Model(model, Ordered(first_seq=1))
+                                                seed=seed)  # fmt: skip
+                rec = ModelRecord(session_id=req.session_id, rank=lc.rank, alpha=self.cfg.lora_alpha,
+                                  train_attn=lc.train_attn, train_mlp=lc.train_mlp, seed=seed)  # fmt: skip
+                self.records.save_model(owner, model_id, rec)
+                self._models[model_id] = Model(model, Ordered(first_seq=1), rec)
                 log.info("tinker: model %s (LoRA rank %d) for %s", model_id, lc.rank, owner)
             return json_result({"model_id": model_id, "type": "create_model"})
 
         return _json(UntypedFuture(request_id=self.futures.run(owner, "create_model", work), model_id=model_id))
 
     async def _get_info(self, request: web.Request) -> web.Response:
-        m = self._model(request["owner"], decode(GetInfoRequest, await request.read()).model_id).model
+        m = (await self._model(request["owner"], decode(GetInfoRequest, await request.read()).model_id)).model
         arch = (getattr(self.base.model.config, "architectures", None) or [None])[0]
         return _json(GetInfoResponse(model_data=ModelData(arch=arch, model_name=self.base.name,
                                                           tokenizer_id=self.base.path),
                                      model_id=m.model_id, lora_rank=m.rank, model_name=self.base.name))
 
-    def _submit(self, request: web.Request, model_id: str, seq_id: int | None, kind: str, work) -> web.Response:
-        m = self._model(request["owner"], model_id)
+    async def _submit(self, request: web.Request, model_id: str, seq_id: int | None, kind: str,
+                      work) -> web.Response:  # fmt: skip
+        m = await self._model(request["owner"], model_id)
         request_id = m.ordered.submit(self.futures, request["owner"], kind, seq_id, work)
         return _json(UntypedFuture(request_id=request_id, model_id=model_id))
 
     async def _forward_backward(self, request: web.Request) -> web.Response:
         req = proto.parse_forward_backward(await request.read(), request.headers.get("Content-Encoding", ""))
-        m = self._model(request["owner"], req.model_id).model
+        held = await self._model(request["owner"], req.model_id)
+        m = held.model
 
         async def work():
+            if not req.forward_only:
+                self._record(held, changed=True)  # its gradients live in memory until a step and a save
             outputs, metrics = await asyncio.to_thread(m.forward_backward, req)
             return proto.CONTENT_TYPE, proto.forward_backward_output(outputs, len(req.data), metrics)
 
-        return self._submit(request, req.model_id, req.seq_id, "forward" if req.forward_only else
+        return await self._submit(request, req.model_id, req.seq_id, "forward" if req.forward_only else
                             "forward_backward", work)  # fmt: skip
 
     async def _optim_step(self, request: web.Request) -> web.Response:
         req = decode(OptimStepRequest, await request.read())
-        m = self._model(request["owner"], req.model_id).model
+        held = await self._model(request["owner"], req.model_id)
         if req.adam_params is None:
             raise BadRequest("optim_params: only AdamParams are served here")
         adam = req.adam_params
 
         async def work():
-            return json_result({"metrics": await asyncio.to_thread(m.optim_step, adam)})
+            self._record(held, changed=True)
+            return json_result({"metrics": await asyncio.to_thread(held.model.optim_step, adam)})
 
-        return self._submit(request, req.model_id, req.seq_id, "optim_step", work)
+        return await self._submit(request, req.model_id, req.seq_id, "optim_step", work)
 
     def _save_dir(self, m: TrainingModel, kind: paths.Kind, name: str) -> tuple[paths.TinkerPath, Path]:
         tp = paths.TinkerPath(m.model_id, kind, paths.check_name(name))
@@ -317,20 +386,23 @@ class TinkerServer:
 
     async def _save_weights(self, request: web.Request) -> web.Response:
         req = decode(SaveWeightsRequest, await request.read())
-        m = self._model(request["owner"], req.model_id).model
+        held = await self._model(request["owner"], req.model_id)
+        m = held.model
         tp, out = self._save_dir(m, "weights", req.path or f"state-{req.seq_id or uuid.uuid4().hex[:8]}")
 
         async def work():
             if out.exists() and not req.overwrite:
                 raise UserError(f"path: {tp} exists (pass overwrite=True to replace it)")
             await asyncio.to_thread(m.save, out, self.base, optimizer=True)
+            if m.pending_grads == 0:  # pending gradients are not in a state: the model is not that state yet
+                self._record(held, changed=False, state=str(tp))
             return json_result({"path": str(tp), "type": "save_weights"})
 
-        return self._submit(request, req.model_id, req.seq_id, "save_weights", work)
+        return await self._submit(request, req.model_id, req.seq_id, "save_weights", work)
 
     async def _save_for_sampler(self, request: web.Request) -> web.Response:
         owner, req = request["owner"], decode(SaveWeightsForSamplerRequest, await request.read())
-        m = self._model(owner, req.model_id).model
+        m = (await self._model(owner, req.model_id)).model
         if req.kind != "snapshot":
             raise BadRequest(f"kind {req.kind!r}: only snapshot sampling clients are served here")
         tp, out = self._save_dir(m, "sampler_weights", req.path or f"snapshot-{uuid.uuid4().hex[:12]}")
@@ -343,19 +415,23 @@ class TinkerServer:
             return json_result({"path": str(tp), "sampling_session_id": sampling_id,
                                 "type": "save_weights_for_sampler"})
 
-        return self._submit(request, req.model_id, req.seq_id, "save_weights_for_sampler", work)
+        return await self._submit(request, req.model_id, req.seq_id, "save_weights_for_sampler", work)
 
     async def _load_weights(self, request: web.Request) -> web.Response:
         owner, req = request["owner"], decode(LoadWeightsRequest, await request.read())
         src = self._checkpoint(owner, req.path)
         if req.model_id is not None:  # into a model that exists, in its order
-            m = self._model(owner, req.model_id).model
+            held = await self._model(owner, req.model_id)
+            m = held.model
 
             async def load():
+                self._record(held, changed=True)
                 await asyncio.to_thread(m.load, src, self.base, optimizer=req.optimizer)
+                if req.optimizer:  # weights alone keep this model's AdamW moments: no state holds that mix
+                    self._record(held, changed=False, state=req.path)
                 return json_result({"path": req.path, "model_id": m.model_id, "type": "load_weights"})
 
-            return self._submit(request, req.model_id, req.seq_id, "load_weights", load)
+            return await self._submit(request, req.model_id, req.seq_id, "load_weights", load)
         if req.session_id is None or req.model_seq_id is None:
             raise BadRequest("load_weights: give model_id and seq_id, or session_id and model_seq_id")
         self._session(owner, req.session_id)
@@ -369,7 +445,11 @@ class TinkerServer:
                                                 rank=int(info["rank"]), train_attn="q_proj" in modules,
                                                 train_mlp="gate_proj" in modules)  # fmt: skip
                 await asyncio.to_thread(model.load, src, self.base, optimizer=req.optimizer)
-                self._models[model_id] = Model(model, Ordered(first_seq=1))
+                rec = ModelRecord(session_id=req.session_id, rank=model.rank, alpha=model.lora_cfg.alpha,
+                                  train_attn="q_proj" in modules, train_mlp="gate_proj" in modules, seed=0,
+                                  state=req.path, optimizer=req.optimizer)  # fmt: skip
+                self.records.save_model(owner, model_id, rec)
+                self._models[model_id] = Model(model, Ordered(first_seq=1), rec)
             return json_result({"path": req.path, "model_id": model_id, "type": "load_weights"})
 
         return _json(UntypedFuture(request_id=self.futures.run(owner, "load_weights", create), model_id=model_id))
@@ -379,6 +459,7 @@ class TinkerServer:
     def _new_sampling(self, owner: str, weights: Path | None, model_path: str | None) -> str:
         sampling_id = f"sampler-{uuid.uuid4().hex}"
         self._sampling[sampling_id] = SamplingSession(owner, weights, model_path)
+        self.records.save_sampler(owner, sampling_id, SamplerRecord(model_path=model_path))
         return sampling_id
 
     def _sampler_weights(self, owner: str, model_path: str | None, base_model: str | None) -> Path | None:
@@ -397,6 +478,9 @@ class TinkerServer:
 
     def _sampling_session(self, owner: str, sampling_id: str) -> SamplingSession:
         s = self._sampling.get(sampling_id)
+        if s is None and (rec := self.records.sampler(owner, sampling_id)) is not None:  # made before a restart
+            weights = self._checkpoint(owner, rec.model_path) if rec.model_path else None
+            s = self._sampling[sampling_id] = SamplingSession(owner, weights, rec.model_path)
         if s is None or s.owner != owner:
             raise NotFound(f"sampling session {sampling_id!r} not found")
         return s
@@ -423,7 +507,8 @@ class TinkerServer:
     async def _retrieve(self, request: web.Request) -> web.Response:
         req = decode(FutureRetrieveRequest, await request.read())
         result = await self.futures.retrieve(request["owner"], req.request_id, self.cfg.poll_s)
-        if result is None:
-            raise NotFound(f"request {req.request_id!r} not found (or its result expired: tinker.future_ttl_s)")
+        if result is None:  # 410: the SDK takes the promise as lost (a sampling client sends its request again)
+            return _json({"detail": f"request {req.request_id!r} not found: its result expired (tinker.future_ttl_s) "
+                                    "or the service restarted since it was taken"}, 410)
         content_type, body = result
         return web.Response(body=body, content_type=content_type)

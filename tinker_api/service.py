@@ -20,9 +20,10 @@ trainer and the producers (tests/unit/test_layering.py says so). Routing forward
 producer roles on the bus, for models beyond one process, is the next step (docs/tinker.md, "What is next").
 
 Lifecycle: start (load the base, open the keys file, listen, write the URL file), serve until SIGTERM / SIGINT,
-close (remove the URL file, stop taking requests, fail those in flight). Nothing but saved checkpoints outlives
-the process: a restarted service has no sessions or models, and clients make them again from their checkpoints
-(`create_training_client_from_state`).
+close (remove the URL file, stop taking requests, fail those in flight). Checkpoints and the records of sessions,
+models and sampling sessions outlive the process (tinker_api/records.py): started again on the same directory, even
+after SIGKILL, the service restores each when a client asks for it, a training model only when its weights and
+AdamW's state are known exactly (saved, or not trained since it was made). Futures do not outlive it.
 """
 
 from __future__ import annotations

@@ -1,14 +1,17 @@
-"""On-policy distillation end to end on tiny models that share the quickstart's tokenizer: the student a random
-tiny model (`init_model`, no warm start), the teacher the shipped quickstart model, which answers the calculator's
-questions right (common/model/shipped/tiny-calculator).
+"""On-policy distillation end to end on tiny models that share the quickstart's tokenizer: the student a tiny model
+warm-started for 40 steps (it writes a tool call's shape, often wrongly), the teacher the shipped quickstart model,
+which answers the calculator's questions right (common/model/shipped/tiny-calculator).
 
 - the producers' teacher scores each sampled token as a direct Hugging Face forward of the teacher does, 0 where the
   environment inserted the token, with prompts of several lengths batched together;
 - a teacher that is the student scores the engine's own behaviour log-probs (the reverse KL is 0);
-- a teacher with another tokenizer is a config error naming algorithm.distill.teacher, in `rlbus up`'s check and in
-  the producer alike;
+- a teacher with another tokenizer (or another eos) is a config error naming algorithm.distill.teacher, in
+  `rlbus up`'s check (which then starts nothing) and in the producer alike;
 - a student that samples, is scored by the teacher and trains on the trainer's step (one FSDP2 rank, gloo) moves
-  toward it: the reverse KL falls and the student's log-prob of the teacher's own answers rises.
+  toward it: the sampled reverse KL falls, and on the teacher's own answers the student's log-prob rises and the
+  exact KL(student || teacher) over the vocabulary falls;
+- a distillation step replays bit for bit from its recorded batch, with no teacher.
+A real `rlbus up` with a teacher: tests/system/test_distill_run.py.
 
     .venv/bin/python -m pytest -q tests/integration/test_distill.py
 """
@@ -145,6 +148,21 @@ def test_a_teacher_with_another_tokenizer_is_a_config_error(student_dir: Path, t
         check_teacher(eos, student_dir)
     with pytest.raises(ConfigError, match="holds no model"):
         check_teacher(tmp_path / "missing", student_dir)
+
+
+def test_rlbus_up_refuses_such_a_teacher_at_once_and_starts_nothing(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    other = _other_tokenizer_model(tmp_path / "other")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "rlbus.cli", "up", str(ROOT / "configs" / "quickstart.yaml"),
+                           f"model.path={SHIPPED}", f"algorithm.distill.teacher={other}"],
+                          cwd=cwd, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"rlbus: config error: {FIELD}: the teacher at {other} does not share the student's tokenizer" in proc.stderr
+    assert list(cwd.iterdir()) == []  # no run directory: no bus, Ray or role was started
 
 
 # ---------------------------------------------------------------------------------------------------------------

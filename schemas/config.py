@@ -373,7 +373,7 @@ class TrainerConfig(_Section):
     groups_per_step: int = 8  # whole GRPO groups per optimizer step (batch = groups_per_step * rollout.n)
     max_staleness: int = 1  # a token may lag the trainer by at most this many versions
     # It follows the measured wait (schemas/staleness.py, LagSizer); = max_staleness keeps the bound fixed.
-    max_staleness_for_latency: int = 16  # the bound may rise to this while episodes wait longer than a step takes
+    max_staleness_for_latency: int = 32  # the bound may rise to this while episodes wait longer than a step takes
     staleness_policy: Literal["drop", "correct"] = "drop"  # what to do with groups beyond max_staleness
     dynamic_sampling: bool = False  # skip groups whose rewards are all equal (DAPO) and pull more
     num_ranks: int = 1  # FSDP ranks; >1 spawns local processes (or run under torchrun)

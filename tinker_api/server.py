@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +94,13 @@ class SamplingSession:
     owner: str
     weights: Path | None  # the adapter directory it samples with; None: the base model
     model_path: str | None  # the tinker:// path it was made from
+
+
+def _timed(fn, *args):
+    """`fn(*args)` and the seconds it took, measured in the thread that runs it (no hand-off in it)."""
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - t0
 
 
 def _json(value: object, status: int = 200) -> web.Response:
@@ -357,15 +365,17 @@ class TinkerServer:
         req = proto.parse_forward_backward(await request.read(), request.headers.get("Content-Encoding", ""))
         held = await self._model(request["owner"], req.model_id)
         m = held.model
+        kind = "forward" if req.forward_only else "forward_backward"
 
         async def work():
             if not req.forward_only:
                 self._record(held, changed=True)  # its gradients live in memory until a step and a save
-            outputs, metrics = await asyncio.to_thread(m.forward_backward, req)
+            (outputs, metrics), compute_s = await asyncio.to_thread(_timed, m.forward_backward, req)
+            # the service's own compute time per request (bench/tinker_cost.py reads it at DEBUG)
+            log.debug("tinker: %s %s seq %s compute_s=%.6f", req.model_id, kind, req.seq_id, compute_s)
             return proto.CONTENT_TYPE, proto.forward_backward_output(outputs, len(req.data), metrics)
 
-        return await self._submit(request, req.model_id, req.seq_id, "forward" if req.forward_only else
-                            "forward_backward", work)  # fmt: skip
+        return await self._submit(request, req.model_id, req.seq_id, kind, work)
 
     async def _optim_step(self, request: web.Request) -> web.Response:
         req = decode(OptimStepRequest, await request.read())
@@ -376,7 +386,9 @@ class TinkerServer:
 
         async def work():
             self._record(held, changed=True)
-            return json_result({"metrics": await asyncio.to_thread(held.model.optim_step, adam)})
+            metrics, compute_s = await asyncio.to_thread(_timed, held.model.optim_step, adam)
+            log.debug("tinker: %s optim_step seq %s compute_s=%.6f", req.model_id, req.seq_id, compute_s)
+            return json_result({"metrics": metrics})
 
         return await self._submit(request, req.model_id, req.seq_id, "optim_step", work)
 

@@ -381,6 +381,8 @@ class TrainerConfig(_Section):
     mixed_precision: Literal["none", "bf16"] = "none"  # bf16 matmuls (CPU autocast, GPU FSDP2); fp32 weights, Adam
     fused_optimizer: bool = True  # AdamW's fused kernel; false (or a torch without it): the foreach one
     micro_batch_size: int = 8  # sequences per forward/backward
+    micro_batch_tokens: int = 0  # token-positions per forward, padding included; 0 = micro_batch_size (set, it wins)
+    pack_samples: bool = False  # with micro_batch_tokens: several samples per row, each attending to itself alone
     share_prefix: bool = True  # run a GRPO group's shared prompt once per micro-batch where cheaper (trainer/packing.py)
     mini_batches: int = 1  # optimizer updates per step (the step's batch split in this many parts)
     lr: float = 1e-5  # AdamW learning rate
@@ -412,6 +414,9 @@ class TrainerConfig(_Section):
         _need(self.max_staleness_for_latency >= 0, "max_staleness_for_latency", "must be >= 0")
         _need(self.num_ranks >= 1, "num_ranks", "must be >= 1")
         _need(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
+        _need(self.micro_batch_tokens >= 0, "micro_batch_tokens", "must be >= 0 (0 = micro_batch_size sequences)")
+        _need(not self.pack_samples or self.micro_batch_tokens > 0, "pack_samples",
+              "needs micro_batch_tokens > 0 (the token budget sizes the packed rows' micro-batches)")
         _need(self.mini_batches >= 1, "mini_batches", "must be >= 1")
         _need(self.lr > 0 and math.isfinite(self.lr), "lr", "must be a finite number > 0")
         _need(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")

@@ -33,7 +33,8 @@ from transformers import AutoModelForCausalLM
 from rlbus.schemas.config import AlgorithmConfig, CriticConfig, RunConfig, TrainerConfig
 from rlbus.schemas.lora import LoraConfig
 from rlbus.trainer import algorithms as algo
-from rlbus.trainer import logprobs, lora, packing
+from rlbus.trainer import batching, logprobs, lora, packing
+from rlbus.trainer.batching import update_parts
 from rlbus.trainer.critic import (
     VALUE_HEAD,
     Critic,
@@ -60,21 +61,6 @@ from rlbus.trainer.step_metrics import _Accumulator, correction_metrics
 BATCH_KEYS = ("input_ids", "attention_mask", "position_ids", "response_mask", "rollout_log_probs",
               "token_level_rewards", "group_index")  # fmt: skip
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def update_parts(B: int, mini_batches: int, device: Any = None,
-                 rank_rows: list[int] | None = None) -> list[torch.Tensor]:
-    """The rows of each of a step's `mini_batches` optimizer updates: consecutive slices of the B rows, as each rank
-    cuts its own. `rank_rows` (a replay of a run recorded on several ranks, their shards concatenated in rank order:
-    how many rows each held): update k trains the k-th slice of every rank's rows, as the ranks together did; one
-    slice of the concatenation would give later updates other rows."""
-    if not rank_rows or len(rank_rows) < 2:
-        return list(torch.arange(B, device=device).tensor_split(mini_batches))
-    if sum(rank_rows) != B:
-        raise ValueError(f"rank_rows {rank_rows} do not add up to the batch's {B} rows")
-    starts = [sum(rank_rows[:r]) for r in range(len(rank_rows))]
-    per_rank = [torch.arange(a, a + n, device=device).tensor_split(mini_batches) for a, n in zip(starts, rank_rows)]
-    return [torch.cat([cuts[k] for cuts in per_rank]) for k in range(mini_batches)]
 
 
 class TrainEngine:
@@ -211,9 +197,10 @@ class TrainEngine:
             at = None
         else:
             b, T = mb["input_ids"].shape
+            rows_b = mb["pack_row"].cpu() if "pack_row" in mb else None  # trainer.pack_samples: the planned rows
             pack = packing.plan(mb["input_ids"].cpu(), mb["attention_mask"].sum(dim=-1).cpu(),
                                 mb["group_index"].cpu(), mb["response_mask"].cpu(), hidden_size=self.hidden_size,
-                                share=self.cfg.share_prefix)  # fmt: skip
+                                share=self.cfg.share_prefix, pack_row_b=rows_b)  # fmt: skip
             self.forward_positions += pack.num_positions
             sel = pack.select
             inputs = {"input_ids": pack.input_ids.to(device), "attention_mask": pack.attention_mask.to(device),
@@ -236,9 +223,11 @@ class TrainEngine:
         put = lambda col: scores_N.new_zeros(b, T).index_put(at, scores_N[:, col])
         return _Scores(put(0), put(1) if with_entropy else None, put(2) if values else None, zero)
 
-    def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor | None]:
-        """Split row indices into micro-batches; pad with None to the largest count over all ranks."""
-        local = list(rows.split(self.cfg.micro_batch_size)) if rows.numel() else []
+    def _micro_batches(self, rows: torch.Tensor,
+                       data: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor | None]:
+        """Split row indices into micro-batches (by trainer.micro_batch_tokens given the batch's `data`, else by
+        micro_batch_size: trainer/batching.py); pad with None to the largest count over all ranks."""
+        local = batching.split_rows(rows, self.cfg, data)
         (num_global,) = all_reduce([float(len(local))], "max")
         return local + [None] * (int(num_global) - len(local))
 
@@ -254,7 +243,7 @@ class TrainEngine:
         """(log-probs [B, T], the shared head's values [B, T] or None) of `data` under `model`, micro-batched."""
         logp_BT = torch.zeros(data["input_ids"].shape, dtype=torch.float32, device=self.info.device)
         values_BT = torch.zeros_like(logp_BT) if values else None
-        for idx in self._micro_batches(torch.arange(data["input_ids"].shape[0], device=self.info.device)):
+        for idx in self._micro_batches(torch.arange(data["input_ids"].shape[0], device=self.info.device), data):
             out = self._forward(model, None if idx is None else self._rows(data, idx), with_entropy=False,
                                 values=values)  # fmt: skip
             if idx is not None:
@@ -283,8 +272,8 @@ class TrainEngine:
         Every GRPO group must be whole on this rank (advantages use the group's own baseline). The step: proximal
         log-probs (decoupled / none), reference log-probs (kl_coef > 0), KL-in-reward (use_kl_loss=False),
         advantages, the rollout correction (IS weights, rejection), then `mini_batches` optimizer updates, each over
-        micro-batches of `micro_batch_size` sequences with the loss normalised by whole-update token / sequence
-        counts summed over all ranks.
+        micro-batches of `micro_batch_size` sequences (or of at most `micro_batch_tokens` token-positions) with the
+        loss normalised by whole-update token / sequence counts summed over all ranks.
         """
         t_step = time.perf_counter()
         reset_peak_rss()
@@ -392,7 +381,7 @@ class TrainEngine:
             vnorm = global_normaliser(mask_BT[part], vscale) if vh is not None else None
             self.optimizer.zero_grad(set_to_none=True)
             update_loss = vf_loss = 0.0
-            for idx in self._micro_batches(part):
+            for idx in self._micro_batches(part, data):
                 mb = None if idx is None else self._rows(data, idx)
                 with lora.dropout_active(self.model, self.lora.dropout > 0):
                     out = self._forward(self.model, mb, with_entropy=not actor_waits, values=vh is not None,

@@ -20,7 +20,13 @@ two-digit addition (34 prompt tokens, 8 samples of at most 8 tokens) runs 3.4x f
 samples of 512 tokens after a 200-token prompt stay unpacked. The prefix is the group's longest common prefix
 (the prompt, or more where every sample begins its reply alike), at most every sample's length less one.
 
-    .venv/bin/python -m pytest -q tests/unit/test_packing.py tests/integration/test_fsdp.py
+The same layout packs whole samples (`pack_row_b`; `trainer.pack_samples`, planned by trainer/batching.py): a row
+`[sample 1 | sample 2 | ...]` of units without a prefix, each attending causally to itself alone (a block-diagonal
+causal mask), position ids restarting at 0 for each. Hugging Face's SDPA attention takes the 4-D boolean mask as is,
+on CPU and GPU, and computes the row's whole square; a varlen kernel (flash-attention's, from position ids that
+restart) would skip the blocks between samples and is not wired here.
+
+    .venv/bin/python -m pytest -q tests/unit/test_packing.py tests/integration/test_fsdp.py tests/unit/test_batching.py
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ class Packing:
     position_ids: torch.Tensor  # [G, Lp]
     attention_mask: torch.Tensor  # [G, 1, Lp, Lp] bool (packed) or [G, Lp] (plain rows, right-padded)
     select: Selection
-    num_packed_groups: int  # groups run as one row (0: the plain rows, unchanged)
+    num_packed_groups: int  # groups whose shared prefix runs once (0 and no packed samples: the plain rows)
     num_positions: int  # real token-positions the forward runs (sum over its rows)
 
 
@@ -71,6 +77,25 @@ def forward_cost(row_lengths: list[int], *, hidden_size: int, dense: bool = Fals
     return sum(n + pairs(n) * 2 / (12 * hidden_size) for n in row_lengths)
 
 
+def _group_units(input_ids_bL: torch.Tensor, lengths_b: torch.Tensor, group_b: torch.Tensor, hidden_size: int,
+                 share: bool) -> list[tuple[int, list[int]]]:
+    """(prefix, member rows) per group whose packed row is cheaper, else (0, [i]) per row of it."""
+    lengths = [int(n) for n in lengths_b]
+    rows_of: dict[int, list[int]] = {}
+    for i, g in enumerate(group_b.tolist()):
+        rows_of.setdefault(g, []).append(i)
+    units: list[tuple[int, list[int]]] = []
+    for rows in rows_of.values():
+        prefix = common_prefix(input_ids_bL[rows], lengths_b[rows]) if share and len(rows) > 1 else 0
+        row_len = prefix + sum(lengths[i] - prefix for i in rows)
+        if prefix > 0 and forward_cost([row_len], hidden_size=hidden_size, dense=True) < forward_cost(
+                [lengths[i] for i in rows], hidden_size=hidden_size):
+            units.append((prefix, rows))
+        else:
+            units.extend((0, [i]) for i in rows)
+    return units
+
+
 def plan(
     input_ids_bL: torch.Tensor,
     lengths_b: torch.Tensor,
@@ -79,36 +104,33 @@ def plan(
     *,
     hidden_size: int,
     share: bool = True,
+    pack_row_b: torch.Tensor | None = None,
 ) -> Packing:
     """Pack each group of the micro-batch whose packed row is cheaper (`forward_cost`); the others stay plain rows.
 
     input_ids_bL: right-padded rows; lengths_b: their real lengths; group_b: GRPO group of each row (rows of one
     group share their prompt); response_mask_bL: the positions the head scores. share=False: plain rows only.
+    pack_row_b: instead, whole samples packed: those with the same id share one row, in their order here, each
+    attending to itself alone (trainer/batching.py plans the rows, `trainer.pack_samples`).
     """
     b = input_ids_bL.shape[0]
     lengths = [int(n) for n in lengths_b]
-    rows_of: dict[int, list[int]] = {}
-    for i, g in enumerate(group_b.tolist()):
-        rows_of.setdefault(g, []).append(i)
-    # Packed rows: (prefix length, member rows) and their lengths; a plain row is (0, [i]).
-    packed: list[tuple[int, list[int]]] = []
-    row_lens: list[int] = []
-    for rows in rows_of.values():
-        prefix = common_prefix(input_ids_bL[rows], lengths_b[rows]) if share and len(rows) > 1 else 0
-        row_len = prefix + sum(lengths[i] - prefix for i in rows)
-        if prefix > 0 and forward_cost([row_len], hidden_size=hidden_size, dense=True) < forward_cost(
-                [lengths[i] for i in rows], hidden_size=hidden_size):
-            packed.append((prefix, rows))
-            row_lens.append(row_len)
-        else:
-            packed.extend((0, [i]) for i in rows)
-            row_lens.extend(lengths[i] for i in rows)
-    num_packed = sum(1 for prefix, _ in packed if prefix > 0)
+    # Packed rows, each a list of units (prefix length, member rows): a unit's members share its first `prefix`
+    # tokens, run once; a plain row is [(0, [i])].
+    if pack_row_b is not None:
+        members: dict[int, list[int]] = {}
+        for i, r in enumerate(pack_row_b.tolist()):
+            members.setdefault(r, []).append(i)
+        layout = [[(0, [i]) for i in rows] for rows in members.values()]
+    else:
+        layout = [[unit] for unit in _group_units(input_ids_bL, lengths_b, group_b, hidden_size, share)]
+    row_lens = [sum(prefix + sum(lengths[i] - prefix for i in rows) for prefix, rows in units) for units in layout]
+    num_packed = sum(1 for units in layout for prefix, _ in units if prefix > 0)
     dst_rows, dst_pos = torch.nonzero(response_mask_bL[:, 1:] > 0, as_tuple=True)
     dst_pos = dst_pos + 1  # a scored token t is predicted by the hidden state at t - 1
     targets = input_ids_bL[dst_rows, dst_pos]
-    if num_packed == 0:  # plain rows in their own order: the forward the trainer always ran
-        Lp = max(1, max(lengths))
+    if all(len(units) == 1 and units[0][0] == 0 for units in layout):  # plain rows in their own order: the forward
+        Lp = max(1, max(lengths))  # the trainer always ran
         return Packing(
             input_ids=input_ids_bL[:, :Lp],
             position_ids=torch.arange(Lp).expand(b, Lp) * (torch.arange(Lp)[None] < lengths_b[:, None]),
@@ -117,32 +139,41 @@ def plan(
             num_packed_groups=0,
             num_positions=sum(lengths),
         )
-    G, Lp = len(packed), max(row_lens)
+    G, Lp = len(layout), max(row_lens)
     ids_GL = torch.zeros(G, Lp, dtype=input_ids_bL.dtype)
     pos_GL = torch.zeros(G, Lp, dtype=torch.long)
-    seg_GL = torch.full((G, Lp), -1, dtype=torch.long)  # 0: the shared prefix, j >= 1: member j's rest, -1: padding
-    # Where each source row's position u lands: packed row, and packed position = u + shift[u >= prefix].
+    unit_GL = torch.full((G, Lp), -1, dtype=torch.long)  # the unit a position belongs to; -1: padding
+    seg_GL = torch.zeros(G, Lp, dtype=torch.long)  # 0: its unit's shared prefix, j >= 1: member j's rest
+    # Where each source row's position u lands: packed row, and packed position u + start (u < prefix: the unit's
+    # shared prefix) or u + shift (its own rest).
     where_row = torch.zeros(b, dtype=torch.long)
+    start_b = torch.zeros(b, dtype=torch.long)
     shift_b = torch.zeros(b, dtype=torch.long)
     prefix_b = torch.zeros(b, dtype=torch.long)
-    for g, (prefix, rows) in enumerate(packed):
-        ids_GL[g, :prefix] = input_ids_bL[rows[0], :prefix]
-        pos_GL[g, :prefix] = torch.arange(prefix)
-        seg_GL[g, :prefix] = 0
-        at = prefix
-        for j, i in enumerate(rows, start=1):
-            rest = lengths[i] - prefix
-            ids_GL[g, at:at + rest] = input_ids_bL[i, prefix:lengths[i]]
-            pos_GL[g, at:at + rest] = torch.arange(prefix, lengths[i])
-            seg_GL[g, at:at + rest] = j
-            where_row[i], shift_b[i], prefix_b[i] = g, at - prefix, prefix
-            at += rest
+    for g, units in enumerate(layout):
+        at = 0
+        for unit, (prefix, rows) in enumerate(units):
+            start = at
+            ids_GL[g, at:at + prefix] = input_ids_bL[rows[0], :prefix]
+            pos_GL[g, at:at + prefix] = torch.arange(prefix)
+            unit_GL[g, at:at + prefix] = unit
+            at += prefix
+            for j, i in enumerate(rows, start=1):
+                rest = lengths[i] - prefix
+                ids_GL[g, at:at + rest] = input_ids_bL[i, prefix:lengths[i]]
+                pos_GL[g, at:at + rest] = torch.arange(prefix, lengths[i])
+                unit_GL[g, at:at + rest] = unit
+                seg_GL[g, at:at + rest] = j
+                where_row[i], start_b[i], shift_b[i], prefix_b[i] = g, start, at - prefix, prefix
+                at += rest
     q, k = torch.arange(Lp)[:, None], torch.arange(Lp)[None, :]
+    unit_q, unit_k = unit_GL[:, :, None], unit_GL[:, None, :]
     seg_q, seg_k = seg_GL[:, :, None], seg_GL[:, None, :]
-    allowed = (k <= q) & (seg_k >= 0) & ((seg_k == 0) | (seg_k == seg_q))
-    allowed |= (q == k) & (seg_q < 0)  # a padding position sees itself: no all-masked row (NaN in attention)
+    # Causal, within one unit, to its shared prefix or to the same member's own tokens: never another sample's.
+    allowed = (k <= q) & (unit_k >= 0) & (unit_k == unit_q) & ((seg_k == 0) | (seg_k == seg_q))
+    allowed |= (q == k) & (unit_q < 0)  # a padding position sees itself: no all-masked row (NaN in attention)
     u = dst_pos - 1
-    src = where_row[dst_rows] * Lp + u + torch.where(u >= prefix_b[dst_rows], shift_b[dst_rows], 0)
+    src = where_row[dst_rows] * Lp + u + torch.where(u >= prefix_b[dst_rows], shift_b[dst_rows], start_b[dst_rows])
     return Packing(
         input_ids=ids_GL,
         position_ids=pos_GL,

@@ -136,7 +136,7 @@ class SftRunner:
         nll = 0.0
         temperature, eng.temperature = eng.temperature, 1.0  # cross-entropy of the model's own distribution
         try:
-            for idx in eng._micro_batches(rows):
+            for idx in eng._micro_batches(rows, data):
                 mb = None if idx is None else eng._rows(data, idx)
                 with torch.set_grad_enabled(train), lora.dropout_active(eng.model, train and eng.lora.dropout > 0):
                     out = eng._forward(eng.model, mb, with_entropy=False)

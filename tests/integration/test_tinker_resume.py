@@ -4,7 +4,9 @@ clients of the first process go on (tinker 0.38.0, unmodified; the shipped tiny 
 What a user relies on: a training client whose model was saved (`save_state`) and not changed since goes on after
 the restart as if nothing happened: the same weights, the same AdamW moments (its next step equals that of a client
 made from the state before the kill), its seq_ids where they were; a request sent while the service is down goes
-through once it is back; a sampling client samples the same tokens; a model that trained since its last save is not
+through once it is back; a sampling client samples the same tokens, and a sample that was running when the
+service died is sent again by the SDK (410: a lost promise) and comes back whole; a model that trained since its
+last save is not
 silently rolled back: its requests fail with NotFoundError naming the state to resume from, and a client made from
 that state (`create_training_client_from_state_with_optimizer`) goes on.
 
@@ -89,6 +91,10 @@ def test_clients_go_on_after_the_service_is_killed_and_started_again(tmp_path: P
         prompt = types.ModelInput.from_ints(saved.get_tokenizer().encode("What is 12*7?"))
         params = types.SamplingParams(max_tokens=6, temperature=0.9, seed=11, stop=[])
         tokens = [s.tokens for s in sampler.sample(prompt, 2, params).result().sequences]
+        long = types.SamplingParams(max_tokens=900, temperature=1.0, seed=5, stop=[])  # seconds of generation
+        t0 = time.monotonic()
+        long_tokens = [s.tokens for s in sampler.sample(prompt, 16, long).result().sequences]
+        assert time.monotonic() - t0 > 1.5  # so that the one below is still running when the service dies
         at_state = loss(saved, batch)  # forward only: the model is still the state
         # what the next step gives without any restart: a client made from the state takes it
         reference = sc.create_training_client_from_state_with_optimizer(state).result()
@@ -102,6 +108,8 @@ def test_clients_go_on_after_the_service_is_killed_and_started_again(tmp_path: P
         at_unsaved_state = loss(unsaved, batch)
         step(unsaved, batch)
 
+        running = sampler.sample(prompt, 16, long)
+        time.sleep(0.5)  # taken by the service (a send takes milliseconds), not finished
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=30)
         (run_dir / "tinker.url").unlink()  # left by the killed process
@@ -115,6 +123,7 @@ def test_clients_go_on_after_the_service_is_killed_and_started_again(tmp_path: P
         step(saved, batch)  # the same AdamW moments and step count: the same step as the reference's
         assert loss(saved, batch) == pytest.approx(after_step, rel=1e-5)
         assert [s.tokens for s in sampler.sample(prompt, 2, params).result().sequences] == tokens
+        assert [s.tokens for s in running.result().sequences] == long_tokens
         with pytest.raises(tinker.NotFoundError, match="lost when the service stopped") as lost:
             unsaved.forward(batch, "cross_entropy").result()
         assert unsaved_state in str(lost.value)

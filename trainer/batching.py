@@ -6,10 +6,13 @@ sequences, each padded to its longest row: one long sample sets the cost of its 
 micro-batch with room) into micro-batches whose forward runs at most N token-positions, padding included: rows x
 the longest row. A sample longer than N gets a micro-batch of its own. The budget wins: micro_batch_size is unused.
 
-With `trainer.pack_samples` several whole samples share one row, each attending causally to itself only (a
-block-diagonal causal 4-D mask, position ids restarting at 0 per sample: `trainer/packing.py` lays the row out).
-The samples go first-fit decreasing into rows as long as the longest sample (at most N), so that a packed row's
-square attention costs about what that sample's own row would; the rows then go into micro-batches as samples do.
+What is placed is a unit: one sample, or a GRPO group whose shared prompt runs once (`trainer.share_prefix`, where
+trainer/packing.py's cost model says so: `packing.group_units`), kept whole so that sorting by length does not split
+the groups whose prompt is shared. With `trainer.pack_samples` several units share one row, each attending causally
+to itself only (a block-diagonal causal 4-D mask, position ids restarting per sample). The units go first-fit
+decreasing into rows as long as the longest unit (at most N), so that a packed row's square attention costs about
+what that unit's own row would; the rows then go into micro-batches as units do. Either way `split_rows` records the
+planned rows in the batch (`pack_row`) and `packing.plan` lays them out as planned.
 
 None of this changes the loss: the engine's normaliser counts the whole update's tokens and sequences on every rank
 before the first micro-batch, each row's loss terms are its own, and results are put back by row index.
@@ -24,6 +27,7 @@ from typing import Any
 import torch
 
 from rlbus.schemas.config import TrainerConfig
+from rlbus.trainer import packing
 
 
 def update_parts(B: int, mini_batches: int, device: Any = None,
@@ -82,19 +86,27 @@ def padded_tokens(rows: list[list[int]], lengths: list[int]) -> int:
     return len(rows) * max(sum(lengths[i] for i in row) for row in rows)
 
 
-def split_rows(rows: torch.Tensor, cfg: TrainerConfig, data: dict[str, torch.Tensor] | None) -> list[torch.Tensor]:
+def split_rows(rows: torch.Tensor, cfg: TrainerConfig, data: dict[str, torch.Tensor] | None, *,
+               hidden_size: int) -> list[torch.Tensor]:
     """One rank's micro-batches of `rows` (indices into the step's batch): by `micro_batch_size`, or, given the
-    batch's tensors `data`, by `micro_batch_tokens`. With `pack_samples` it also writes `data["pack_row"]` [B]: the
-    row each sample shares in its micro-batch (what `packing.plan` lays out)."""
+    batch's tensors `data`, by `micro_batch_tokens`, planned over units (`packing.group_units`: a group whose
+    shared prompt runs once where that is cheaper by the cost model at `hidden_size`, else one sample). Then it also
+    writes `data["pack_row"]` [B], the row each sample has in its micro-batch, which `packing.plan` lays out."""
     if not rows.numel():
         return []
     if not cfg.micro_batch_tokens or data is None:
         return list(rows.split(cfg.micro_batch_size))
-    lengths = [int(n) for n in data["attention_mask"][rows].sum(dim=-1).tolist()]
-    batches = plan(lengths, cfg.micro_batch_tokens, pack=cfg.pack_samples)
-    if cfg.pack_samples:
-        pack_row = data.setdefault("pack_row", torch.zeros(data["attention_mask"].shape[0], dtype=torch.long,
-                                                           device=rows.device))  # fmt: skip
-        for r, row in enumerate(row for mb in batches for row in mb):
-            pack_row[rows[row]] = r
-    return [rows[torch.tensor([i for row in mb for i in row], device=rows.device)] for mb in batches]
+    ids_bL, group_b = data["input_ids"][rows].cpu(), data["group_index"][rows].cpu()
+    lengths_b = data["attention_mask"][rows].sum(dim=-1).cpu()
+    units = packing.group_units(ids_bL, lengths_b, group_b, hidden_size, cfg.share_prefix)
+    lengths = lengths_b.tolist()
+    unit_lens = [prefix + sum(lengths[i] - prefix for i in members) for prefix, members in units]
+    batches = plan(unit_lens, cfg.micro_batch_tokens, pack=cfg.pack_samples)
+    pack_row = data.setdefault("pack_row", torch.zeros(len(data["attention_mask"]), dtype=torch.long,
+                                                       device=rows.device))  # fmt: skip
+    out = []
+    for r, row in enumerate(row for mb in batches for row in mb):
+        pack_row[rows[[i for u in row for i in units[u][1]]]] = r
+    for mb in batches:
+        out.append(rows[torch.tensor([i for row in mb for u in row for i in units[u][1]], device=rows.device)])
+    return out

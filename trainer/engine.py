@@ -227,7 +227,7 @@ class TrainEngine:
                        data: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor | None]:
         """Split row indices into micro-batches (by trainer.micro_batch_tokens given the batch's `data`, else by
         micro_batch_size: trainer/batching.py); pad with None to the largest count over all ranks."""
-        local = batching.split_rows(rows, self.cfg, data)
+        local = batching.split_rows(rows, self.cfg, data, hidden_size=self.hidden_size)
         (num_global,) = all_reduce([float(len(local))], "max")
         return local + [None] * (int(num_global) - len(local))
 

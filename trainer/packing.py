@@ -77,9 +77,10 @@ def forward_cost(row_lengths: list[int], *, hidden_size: int, dense: bool = Fals
     return sum(n + pairs(n) * 2 / (12 * hidden_size) for n in row_lengths)
 
 
-def _group_units(input_ids_bL: torch.Tensor, lengths_b: torch.Tensor, group_b: torch.Tensor, hidden_size: int,
+def group_units(input_ids_bL: torch.Tensor, lengths_b: torch.Tensor, group_b: torch.Tensor, hidden_size: int,
                  share: bool) -> list[tuple[int, list[int]]]:
-    """(prefix, member rows) per group whose packed row is cheaper, else (0, [i]) per row of it."""
+    """(prefix, member rows) per group whose packed row is cheaper, else (0, [i]) per row of it: the units a packed
+    row is made of (trainer/batching.py plans micro-batches of them)."""
     lengths = [int(n) for n in lengths_b]
     rows_of: dict[int, list[int]] = {}
     for i, g in enumerate(group_b.tolist()):
@@ -110,20 +111,22 @@ def plan(
 
     input_ids_bL: right-padded rows; lengths_b: their real lengths; group_b: GRPO group of each row (rows of one
     group share their prompt); response_mask_bL: the positions the head scores. share=False: plain rows only.
-    pack_row_b: instead, whole samples packed: those with the same id share one row, in their order here, each
-    attending to itself alone (trainer/batching.py plans the rows, `trainer.pack_samples`).
+    pack_row_b: the rows trainer/batching.py planned (`trainer.micro_batch_tokens`): samples with the same id share
+    a row, as the units `group_units` makes of them, each unit attending to itself alone.
     """
     b = input_ids_bL.shape[0]
     lengths = [int(n) for n in lengths_b]
     # Packed rows, each a list of units (prefix length, member rows): a unit's members share its first `prefix`
     # tokens, run once; a plain row is [(0, [i])].
-    if pack_row_b is not None:
+    if pack_row_b is not None:  # the planned rows, each its units as `group_units` makes them of its members
         members: dict[int, list[int]] = {}
         for i, r in enumerate(pack_row_b.tolist()):
             members.setdefault(r, []).append(i)
-        layout = [[(0, [i]) for i in rows] for rows in members.values()]
+        layout = [[(prefix, [rows[j] for j in unit]) for prefix, unit in
+                   group_units(input_ids_bL[rows], lengths_b[rows], group_b[rows], hidden_size, share)]
+                  for rows in members.values()]  # fmt: skip
     else:
-        layout = [[unit] for unit in _group_units(input_ids_bL, lengths_b, group_b, hidden_size, share)]
+        layout = [[unit] for unit in group_units(input_ids_bL, lengths_b, group_b, hidden_size, share)]
     row_lens = [sum(prefix + sum(lengths[i] - prefix for i in rows) for prefix, rows in units) for units in layout]
     num_packed = sum(1 for units in layout for prefix, _ in units if prefix > 0)
     dst_rows, dst_pos = torch.nonzero(response_mask_bL[:, 1:] > 0, as_tuple=True)

@@ -58,23 +58,24 @@ def test_split_rows_restores_the_order_and_falls_back_to_micro_batch_size() -> N
     values_B = torch.randn(23)
     for cfg in (TrainerConfig(micro_batch_size=4), TrainerConfig(micro_batch_tokens=400),
                 TrainerConfig(micro_batch_tokens=400, pack_samples=True)):  # fmt: skip
-        data = {"attention_mask": mask_BT}
-        parts = batching.split_rows(rows, cfg, data)
+        data = {"attention_mask": mask_BT, "input_ids": torch.randint(1, 50, mask_BT.shape) * mask_BT,
+                "group_index": torch.arange(23) // 4}  # random prompts: no shared prefix, every sample a unit
+        parts = batching.split_rows(rows, cfg, data, hidden_size=64)
         out_B = torch.zeros(23)
         for idx in parts:
             out_B[idx] = values_B[idx] * 2  # as the engine scatters a micro-batch's results by its row indices
         assert torch.equal(out_B[rows], values_B[rows] * 2) and torch.all(out_B[:3] == 0)
-        assert ("pack_row" in data) is cfg.pack_samples
+        assert ("pack_row" in data) is bool(cfg.micro_batch_tokens)
         if not cfg.micro_batch_tokens:
             assert [len(p) for p in parts] == [4, 4, 4, 4, 4]
             continue
         for idx in parts:  # the forward's token-positions: rows x longest row, rows as packing.plan lays them out
-            row_of = data["pack_row"][idx].tolist() if cfg.pack_samples else list(range(len(idx)))
+            row_of = data["pack_row"][idx].tolist()
             packed = {r: [int(i) for i, q in zip(idx, row_of) if q == r] for r in row_of}
             assert batching.padded_tokens(list(packed.values()), lengths.tolist()) <= 400
         if cfg.pack_samples:
             assert any(len(set(data["pack_row"][idx].tolist())) < len(idx) for idx in parts)  # some rows shared
-    no_data = batching.split_rows(rows, TrainerConfig(micro_batch_tokens=400, micro_batch_size=4), None)
+    no_data = batching.split_rows(rows, TrainerConfig(micro_batch_tokens=400, micro_batch_size=4), None, hidden_size=64)
     assert [len(p) for p in no_data] == [4, 4, 4, 4, 4]  # no lengths given: by count
 
 
@@ -132,3 +133,53 @@ def test_packed_samples_score_as_their_own_rows_and_see_no_other() -> None:
     assert not torch.allclose(logp_changed[1], packed[1][1])
     others = [i for i in range(6) if i != 1]
     torch.testing.assert_close(logp_changed[others], packed[1][others], rtol=1e-6, atol=1e-6)
+
+
+def test_groups_sharing_a_prompt_stay_whole_and_pack_beside_other_units() -> None:
+    """Groups whose samples share their prompt are planned as one unit each (their prompt run once), packed rows
+    hold several units, a prompt unit anywhere in its row; every sample scores as in its own plain row."""
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    model = logprobs.install(Qwen2ForCausalLM(cfg)).eval()
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([30, 9, 11, 10, 12, 8, 28, 16, 13, 6])
+    group = torch.tensor([0, 1, 1, 1, 2, 2, 3, 4, 5, 6])  # groups 1 and 2 share a 6-token prompt each
+    T = 30
+    ids = torch.randint(1, 97, (10, T), generator=g)
+    for rows in ([1, 2, 3], [4, 5]):
+        ids[rows, :6] = ids[rows[0], :6]
+    ids = ids * (torch.arange(T)[None] < lengths[:, None])
+    mask = ((torch.arange(T)[None] >= 6) & (torch.arange(T)[None] < lengths[:, None])).float()
+    data = {"input_ids": ids, "attention_mask": (ids > 0).long(), "group_index": group}
+    trainer_cfg = TrainerConfig(micro_batch_tokens=60, pack_samples=True)
+    # attention said free (hidden_size 2^20), so the cost model packs each shared prompt
+    parts = batching.split_rows(torch.arange(10), trainer_cfg, data, hidden_size=1 << 20)
+    rows = data["pack_row"]
+    for members in ([1, 2, 3], [4, 5]):
+        assert len(set(rows[members].tolist())) == 1  # a group's samples in one row
+    # units by length 30, 28, 18 (group 1), 16 (sample 7), 14 (group 2), ... in rows of 30: group 2's unit goes after
+    # sample 7, so its shared prompt starts mid-row
+    (row_7,) = [idx.tolist() for idx in parts if 7 in idx.tolist()]
+    assert rows[7] == rows[4] and row_7.index(7) < row_7.index(4)
+    with torch.no_grad():
+        plain = packing.plan(ids, lengths, group, mask, hidden_size=1 << 20, share=False)
+        sel = plain.select
+        with logprobs.scoring(model, None, 0.7, with_entropy=False, select=(sel.src_N, sel.targets_N)):
+            out = model(input_ids=plain.input_ids, attention_mask=plain.attention_mask,
+                        position_ids=plain.position_ids).logits[0]
+        want = out.new_zeros(10, T).index_put((sel.dst_rows_N, sel.dst_pos_N), out[:, 0])
+        got = torch.zeros(10, T)
+        num_packed = 0
+        for idx in parts:
+            p = packing.plan(ids[idx], lengths[idx], group[idx], mask[idx], hidden_size=1 << 20, pack_row_b=rows[idx])
+            assert p.input_ids.numel() <= 60  # the budget: rows x row length
+            num_packed += p.num_packed_groups
+            s = p.select
+            with logprobs.scoring(model, None, 0.7, with_entropy=False, select=(s.src_N, s.targets_N)):
+                out = model(input_ids=p.input_ids, attention_mask=p.attention_mask,
+                            position_ids=p.position_ids).logits[0]
+            got[idx] = out.new_zeros(len(idx), T).index_put((s.dst_rows_N, s.dst_pos_N), out[:, 0])
+    assert num_packed == 2
+    assert any(len(set(rows[idx].tolist())) < len(idx) for idx in parts)  # some row holds several units
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

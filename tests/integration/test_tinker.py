@@ -369,7 +369,8 @@ def test_the_guides_rl_loop_raises_the_reward(served: Served, tmp_path: Path) ->
     steps = [line for line in lines if "reward" in line]
     assert len(evals) == 2 and len(steps) == 16, lines
     # Scored on the same 16 prompts with the same sampling seed before and after: a model that did not move scores
-    # the same (0.61 both times with learning_rate 0); the untrained model has room to learn.
+    # the same (0.61 both times with learning_rate 0); the untrained model has room to learn. Six runs rose by
+    # 0.29-0.39 (the sampler's batching makes runs of one seed differ a little).
     before, after = evals
     assert 0.3 < before < 0.8, evals
     assert after >= before + 0.2, evals

@@ -197,7 +197,7 @@ class TrainEngine:
             at = None
         else:
             b, T = mb["input_ids"].shape
-            rows_b = mb["pack_row"].cpu() if "pack_row" in mb else None  # trainer.pack_samples: the planned rows
+            rows_b = mb["pack_row"].cpu() if "pack_row" in mb else None  # micro_batch_tokens: the planned rows
             pack = packing.plan(mb["input_ids"].cpu(), mb["attention_mask"].sum(dim=-1).cpu(),
                                 mb["group_index"].cpu(), mb["response_mask"].cpu(), hidden_size=self.hidden_size,
                                 share=self.cfg.share_prefix, pack_row_b=rows_b)  # fmt: skip

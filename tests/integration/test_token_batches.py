@@ -3,7 +3,7 @@
 Real FSDP2 on two gloo ranks with the tiny Qwen2 of tests/integration/test_fsdp.py, on a batch of samples 9 to 48
 tokens long (uneven ranks: 3 groups and 1): the padded path (micro_batch_size: 3), token-budget micro-batches,
 and token-budget micro-batches with several samples packed per row give the same loss, metrics and gradients
-(gathered whole just before AdamW steps) for every loss aggregation mode, to 1e-6: measured on an Intel Xeon, the
+(gathered whole just before AdamW steps) for every loss aggregation mode, to 1e-6: measured on an AMD EPYC, the
 metrics were at most 7.2e-7 apart (relative) and every gradient tensor at most 6.0e-7 of its largest element.
 
     .venv/bin/python -m pytest -q tests/integration/test_token_batches.py

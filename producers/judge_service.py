@@ -36,7 +36,6 @@ Refused requests get OpenAI's error JSON (the `openai` client raises the matchin
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import time
@@ -48,9 +47,9 @@ from aiohttp import web
 
 from rlbus.bus.loop import run, serve
 from rlbus.common.chat import encode_chat
-from rlbus.common.files import write_atomic
 from rlbus.common.logs import setup_logging
 from rlbus.common.model.ensure import ensure_model, model_ready
+from rlbus.common.served import UrlRole
 from rlbus.common.threads import apply_torch_threads, refresh_executor_threads
 from rlbus.producers.capture import RequestError, parse_messages
 from rlbus.producers.endpoint import body_number, model_context, read_body
@@ -253,37 +252,18 @@ class JudgeServer:
         })
 
 
-class JudgeRole:
+class JudgeRole(UrlRole):
     """`rlbus judge`: the server, its URL in the run directory, until SIGTERM / SIGINT (bus/loop.py's serve)."""
 
     cfg: RunConfig
     server: JudgeServer
-    url_file: Path
-    _stop: asyncio.Event
 
     def __init__(self, cfg: RunConfig, server: JudgeServer):
-        self.cfg, self.server = cfg, server
-        self.url_file = cfg.run_dir / URL_FILE
-        self._stop = asyncio.Event()
+        super().__init__(server, cfg.run_dir / URL_FILE, log)
+        self.cfg = cfg
 
-    async def start(self) -> None:
-        await self.server.start()
-        self.url_file.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(self.url_file, self.server.base_url + "\n")  # a reader sees the old URL or the new, whole
-
-    async def run(self) -> None:
-        await self._stop.wait()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    async def close(self, reason: str = "", clean: bool = True) -> None:
-        # The URL goes first: a reward that reads it now waits for the next role instead of a closing one.
-        with contextlib.suppress(FileNotFoundError):
-            if self.server.base_url and self.url_file.read_text().strip() == self.server.base_url:
-                self.url_file.unlink()
-        await asyncio.wait_for(self.server.close(), timeout=30.0)
-        log.info("judge stopped (%s): %s", reason or "stopped", self.server.health())
+    def stopped(self, reason: str) -> None:
+        log.info("judge stopped (%s): %s", reason, self.server.health())
 
 
 async def run_judge(cfg: RunConfig) -> None:

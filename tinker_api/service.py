@@ -29,14 +29,13 @@ AdamW's state are known exactly (saved, or not trained since it was made). Futur
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from pathlib import Path
 
 from rlbus.bus.loop import run, serve
-from rlbus.common.files import write_atomic
 from rlbus.common.logs import setup_logging
 from rlbus.common.model.ensure import ensure_model
+from rlbus.common.served import UrlRole
 from rlbus.common.threads import apply_torch_threads, refresh_executor_threads
 from rlbus.schemas.config import RunConfig
 from rlbus.schemas.tinker import URL_FILE
@@ -59,36 +58,19 @@ def build_server(cfg: RunConfig) -> TinkerServer:
     return TinkerServer(t, base, keys, root)
 
 
-class TinkerRole:
+class TinkerRole(UrlRole):
     """The server, its URL in the run directory, until SIGTERM / SIGINT (bus/loop.py's serve)."""
 
     server: TinkerServer
-    url_file: Path
-    _stop: asyncio.Event
 
     def __init__(self, cfg: RunConfig, server: TinkerServer):
-        self.server = server
-        self.url_file = cfg.run_dir / URL_FILE
-        self._stop = asyncio.Event()
+        super().__init__(server, cfg.run_dir / URL_FILE, log)
 
-    async def start(self) -> None:
-        await self.server.start()
-        self.url_file.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(self.url_file, self.server.base_url + "\n")
+    def started(self) -> None:
         log.info("tinker: keys in %s; URL in %s", self.server.keys.path, self.url_file)
 
-    async def run(self) -> None:
-        await self._stop.wait()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    async def close(self, reason: str = "", clean: bool = True) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            if self.server.base_url and self.url_file.read_text().strip() == self.server.base_url:
-                self.url_file.unlink()
-        await asyncio.wait_for(self.server.close(), timeout=30.0)
-        log.info("tinker: stopped (%s)", reason or "stopped")
+    def stopped(self, reason: str) -> None:
+        log.info("tinker: stopped (%s)", reason)
 
 
 async def run_tinker(cfg: RunConfig) -> None:

@@ -8,11 +8,13 @@ the longest row. A sample longer than N gets a micro-batch of its own. The budge
 
 What is placed is a unit: one sample, or a GRPO group whose shared prompt runs once (`trainer.share_prefix`, where
 trainer/packing.py's cost model says so: `packing.group_units`), kept whole so that sorting by length does not split
-the groups whose prompt is shared. With `trainer.pack_samples` several units share one row, each attending causally
-to itself only (a block-diagonal causal 4-D mask, position ids restarting per sample). The units go first-fit
-decreasing into rows as long as the longest unit (at most N), so that a packed row's square attention costs about
-what that unit's own row would; the rows then go into micro-batches as units do. Either way `split_rows` records the
-planned rows in the batch (`pack_row`) and `packing.plan` lays them out as planned.
+the groups whose prompt is shared (a group longer than N goes back to being its samples). With
+`trainer.pack_samples` several units share one row, each attending causally to itself only (a block-diagonal causal
+4-D mask, position ids restarting per sample). The units go first-fit decreasing into rows as long as the longest
+unit (at most N), so that a packed row's square attention costs about what that unit's own row would; the rows then
+go into micro-batches as units do. Either way `split_rows` records the planned rows in the batch (`pack_row`) and
+`packing.plan` lays each row out from its members (a row may come out shorter than planned, where samples of one
+group that were planned apart share their prompt in it, never longer).
 
 None of this changes the loss: the engine's normaliser counts the whole update's tokens and sequences on every rank
 before the first micro-batch, each row's loss terms are its own, and results are put back by row index.
@@ -98,8 +100,13 @@ def split_rows(rows: torch.Tensor, cfg: TrainerConfig, data: dict[str, torch.Ten
         return list(rows.split(cfg.micro_batch_size))
     ids_bL, group_b = data["input_ids"][rows].cpu(), data["group_index"][rows].cpu()
     lengths_b = data["attention_mask"][rows].sum(dim=-1).cpu()
-    units = packing.group_units(ids_bL, lengths_b, group_b, hidden_size, cfg.share_prefix)
     lengths = lengths_b.tolist()
+    units = []
+    for prefix, members in packing.group_units(ids_bL, lengths_b, group_b, hidden_size, cfg.share_prefix):
+        if prefix + sum(lengths[i] - prefix for i in members) > cfg.micro_batch_tokens:  # a group past the budget:
+            units.extend((0, [i]) for i in members)  # its samples, each its own unit
+        else:
+            units.append((prefix, members))
     unit_lens = [prefix + sum(lengths[i] - prefix for i in members) for prefix, members in units]
     batches = plan(unit_lens, cfg.micro_batch_tokens, pack=cfg.pack_samples)
     pack_row = data.setdefault("pack_row", torch.zeros(len(data["attention_mask"]), dtype=torch.long,

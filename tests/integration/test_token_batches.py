@@ -5,6 +5,7 @@ tokens long (uneven ranks: 3 groups and 1): the padded path (micro_batch_size: 3
 and token-budget micro-batches with several samples packed per row give the same loss, metrics and gradients
 (gathered whole just before AdamW steps) for every loss aggregation mode, to 1e-6: measured on an AMD EPYC, the
 metrics were at most 7.2e-7 apart (relative) and every gradient tensor at most 6.0e-7 of its largest element.
+Once more with groups sharing their prompt, run once per group on every path.
 
     .venv/bin/python -m pytest -q tests/integration/test_token_batches.py
 """
@@ -29,9 +30,11 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"))
 
 
-def _grads_worker(model_dir: str, algo_cfg: AlgorithmConfig, variants: list[TrainerConfig]) -> list[dict]:
+def _grads_worker(model_dir: str, algo_cfg: AlgorithmConfig, variants: list[TrainerConfig],
+                  shared_prompts: bool) -> list[dict]:  # fmt: skip
     """One step per trainer config, each from the same weights: its metrics, and every optimizer update's whole
-    gradients (gathered from the shards just before AdamW steps)."""
+    gradients (gathered from the shards just before AdamW steps). `shared_prompts`: a group's samples share their
+    prompt, and the cost model is told attention is free, so that every path runs shared prompts once."""
     from rlbus.trainer import packing
     from rlbus.trainer.dist import destroy_distributed, init_distributed
     from rlbus.trainer.engine import TrainEngine
@@ -39,11 +42,11 @@ def _grads_worker(model_dir: str, algo_cfg: AlgorithmConfig, variants: list[Trai
     torch.set_num_threads(1)
     info = init_distributed("cpu")
     plan = packing.plan
-    layouts: list[tuple[int, int, int]] = []  # (samples, rows, row length) of each forward
+    layouts: list[tuple[int, int, int, int]] = []  # (samples, rows, row length, prompts run once) of each forward
 
     def recorded_plan(input_ids_bL: torch.Tensor, *args, **kwargs) -> packing.Packing:  # noqa: ANN002, ANN003
         pack = plan(input_ids_bL, *args, **kwargs)
-        layouts.append((input_ids_bL.shape[0], *pack.input_ids.shape))
+        layouts.append((input_ids_bL.shape[0], *pack.input_ids.shape, pack.num_packed_groups))
         return pack
 
     packing.plan = recorded_plan
@@ -52,10 +55,12 @@ def _grads_worker(model_dir: str, algo_cfg: AlgorithmConfig, variants: list[Trai
         layouts.clear()
         engine = TrainEngine(model_dir, cfg, algo_cfg, temperature=0.9)
         engine.fuse_proximal = False  # the proximal log-probs from their own no-grad pass, micro-batched alike
+        if shared_prompts:
+            engine.hidden_size = 1 << 20  # the cost model then packs prompts of 3-6 tokens (as in test_fsdp.py)
         grads: list[dict[str, torch.Tensor]] = []
         engine.optimizer.register_step_pre_hook(lambda *_, _e=engine, _g=grads: _g.append(
             {n: p.grad.full_tensor().clone() for n, p in _e.model.named_parameters()}))
-        batch = rank_share(make_batch(T=48, seed=3), info.rank, info.world_size)
+        batch = rank_share(make_batch(T=48, seed=3, shared_prompts=shared_prompts), info.rank, info.world_size)
         metrics = engine.train_step(batch)
         out.append({"metrics": metrics, "grads": grads, "layouts": list(layouts)})
     destroy_distributed()
@@ -67,10 +72,14 @@ def _measured(m: dict) -> set[str]:  # what depends on the machine or on the lay
             or k in ("perf/tokens_per_s", "perf/peak_rss_gb", "perf/torch_threads", "perf/forward_positions")}
 
 
-# make test-fast keeps two aggregation modes (as test_fsdp.py does); make test runs all four.
-@pytest.mark.parametrize("agg_mode", [m if m in ("token-mean", "seq-mean-token-mean") else
-                                      pytest.param(m, marks=pytest.mark.slow) for m in LOSS_AGG_MODES])
-def test_token_budget_and_packed_samples_equal_the_padded_path(tiny_model: Path, agg_mode: str) -> None:
+# make test-fast keeps two aggregation modes (as test_fsdp.py does) and shared prompts; make test runs all four.
+@pytest.mark.parametrize(("agg_mode", "shared_prompts"), [
+    *[(m, False) if m in ("token-mean", "seq-mean-token-mean") else pytest.param(m, False, marks=pytest.mark.slow)
+      for m in LOSS_AGG_MODES],
+    ("seq-mean-token-sum", True),
+])  # fmt: skip
+def test_token_budget_and_packed_samples_equal_the_padded_path(tiny_model: Path, agg_mode: str,
+                                                               shared_prompts: bool) -> None:
     from rlbus.trainer.dist import spawn_local
 
     # The proximal pass on its own (fuse_proximal off in the worker), so the no-grad pass is micro-batched too; an
@@ -80,7 +89,7 @@ def test_token_budget_and_packed_samples_equal_the_padded_path(tiny_model: Path,
     budget = msgspec.structs.replace(padded, micro_batch_tokens=BUDGET)
     packed = msgspec.structs.replace(budget, pack_samples=True)
     algo_cfg = AlgorithmConfig(loss_agg_mode=agg_mode, off_policy="decoupled", is_cap=2.0, entropy_coeff=0.01)
-    ranks = spawn_local(2, _grads_worker, str(tiny_model), algo_cfg, [padded, budget, packed])
+    ranks = spawn_local(2, _grads_worker, str(tiny_model), algo_cfg, [padded, budget, packed], shared_prompts)
     for rank in ranks:
         base, *others = rank
         assert len(base["grads"]) == 1 and "timing/proximal_s" in base["metrics"]
@@ -95,9 +104,12 @@ def test_token_budget_and_packed_samples_equal_the_padded_path(tiny_model: Path,
                     # 1e-6 of the tensor's largest element: float32 sums of the same terms in another order
                     torch.testing.assert_close(g_b[name], g, rtol=1e-6, atol=1e-6 * float(g.abs().max()), msg=name)
     # What differs is the layout: packed rows hold several samples and run the fewest padded token-positions, and
-    # no budgeted forward goes past the budget (no sample here is longer than it).
+    # no budgeted forward goes past the budget (no sample or group here is longer than it).
     for rank in ranks:
-        padded_positions = [sum(g * n for _, g, n in r["layouts"]) for r in rank]
-        assert padded_positions[2] < min(padded_positions[:2]), padded_positions
-        assert any(g < b for b, g, _ in rank[2]["layouts"])
-        assert all(g * n <= BUDGET for r in rank[1:] for _, g, n in r["layouts"])
+        padded_positions = [sum(g * n for _, g, n, _ in r["layouts"]) for r in rank]
+        assert padded_positions[2] < padded_positions[0] and padded_positions[2] <= padded_positions[1]
+        assert padded_positions[2] < padded_positions[1] or shared_prompts  # rows of whole groups leave no room
+        assert any(g < b for b, g, _, _ in rank[2]["layouts"])
+        assert all(g * n <= BUDGET for r in rank[1:] for _, g, n, _ in r["layouts"])
+        # with shared prompts, every path ran some of them once
+        assert all(any(p for *_, p in r["layouts"]) for r in rank) is shared_prompts

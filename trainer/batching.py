@@ -63,11 +63,12 @@ def _first_fit_decreasing(sizes: list[int], capacity: int) -> list[list[int]]:
 
 
 def plan(lengths: list[int], budget: int, *, pack: bool = False) -> list[list[list[int]]]:
-    """Micro-batches of positions into `lengths`, each a list of rows, each row a list of positions (one per row
-    unless `pack`): first-fit decreasing under `budget` token-positions per micro-batch (rows x longest row).
+    """Micro-batches of positions into `lengths` (of units: samples, or groups run with their prompt once), each a
+    list of rows, each row a list of positions (one per row unless `pack`): first-fit decreasing under `budget`
+    token-positions per micro-batch (rows x longest row).
 
-    `pack`: the samples first go first-fit decreasing into rows as long as the longest (at most `budget`), then the
-    rows into micro-batches as single samples would.
+    `pack`: the units first go first-fit decreasing into rows as long as the longest (at most `budget`), then the
+    rows into micro-batches as single units would.
     """
     rows = [[i] for i in range(len(lengths))]
     if pack and lengths:
@@ -101,19 +102,15 @@ def split_rows(rows: torch.Tensor, cfg: TrainerConfig, data: dict[str, torch.Ten
     ids_bL, group_b = data["input_ids"][rows].cpu(), data["group_index"][rows].cpu()
     lengths_b = data["attention_mask"][rows].sum(dim=-1).cpu()
     lengths = lengths_b.tolist()
-    units = []
+    size = lambda prefix, members: prefix + sum(lengths[i] - prefix for i in members)  # noqa: E731 - a unit's row
+    units: list[tuple[int, list[int]]] = []
     for prefix, members in packing.group_units(ids_bL, lengths_b, group_b, hidden_size, cfg.share_prefix):
-        if prefix + sum(lengths[i] - prefix for i in members) > cfg.micro_batch_tokens:  # a group past the budget:
-            units.extend((0, [i]) for i in members)  # its samples, each its own unit
-        else:
-            units.append((prefix, members))
-    unit_lens = [prefix + sum(lengths[i] - prefix for i in members) for prefix, members in units]
-    batches = plan(unit_lens, cfg.micro_batch_tokens, pack=cfg.pack_samples)
+        # a group past the budget goes back to being its samples
+        units += [(prefix, members)] if size(prefix, members) <= cfg.micro_batch_tokens else [(0, [i]) for i in members]
+    batches = plan([size(*u) for u in units], cfg.micro_batch_tokens, pack=cfg.pack_samples)
     pack_row = data.setdefault("pack_row", torch.zeros(len(data["attention_mask"]), dtype=torch.long,
                                                        device=rows.device))  # fmt: skip
-    out = []
     for r, row in enumerate(row for mb in batches for row in mb):
         pack_row[rows[[i for u in row for i in units[u][1]]]] = r
-    for mb in batches:
-        out.append(rows[torch.tensor([i for row in mb for u in row for i in units[u][1]], device=rows.device)])
-    return out
+    return [rows[torch.tensor([i for row in mb for u in row for i in units[u][1]], device=rows.device)]
+            for mb in batches]  # fmt: skip

@@ -183,3 +183,17 @@ def test_groups_sharing_a_prompt_stay_whole_and_pack_beside_other_units() -> Non
     assert num_packed == 2
     assert any(len(set(rows[idx].tolist())) < len(idx) for idx in parts)  # some row holds several units
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_group_longer_than_the_budget_is_planned_as_its_samples() -> None:
+    ids = torch.randint(1, 97, (3, 20), generator=torch.Generator().manual_seed(0))
+    ids[:, :10] = ids[0, :10]  # one group, a 10-token prompt shared: run once it is a row of 10 + 3 x 10 = 40
+    data = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "group_index": torch.zeros(3, dtype=torch.long)}
+    for budget, rows in ((40, 1), (39, 3)):
+        parts = batching.split_rows(torch.arange(3), TrainerConfig(micro_batch_tokens=budget), data,
+                                    hidden_size=1 << 20)  # fmt: skip
+        assert len(set(data["pack_row"].tolist())) == rows
+        for idx in parts:
+            p = packing.plan(ids[idx], torch.full((len(idx),), 20), data["group_index"][idx],
+                             torch.ones(len(idx), 20), hidden_size=1 << 20, pack_row_b=data["pack_row"][idx])
+            assert p.input_ids.numel() <= budget

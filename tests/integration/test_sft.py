@@ -38,23 +38,24 @@ def write_conversations(path: Path, num: int, seed: int) -> Path:
     return path
 
 
-def _runner(model_dir: str, data: str, lora_rank: int = 0, **sft: object):
+def _runner(model_dir: str, data: str, lora_rank: int = 0, micro_batch_tokens: int = 0, **sft: object):
     from rlbus.trainer.engine import TrainEngine
     from rlbus.trainer.sft import SftRunner
 
     cfg = RunConfig(model=ModelConfig(path=model_dir, lora=LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank or 16)),
                     rollout=RolloutConfig(temperature=0.7),  # the RL steps' scoring temperature: not the phase's
                     trainer=TrainerConfig(micro_batch_size=3, grad_clip=1.0, weight_decay=0.01,
+                                          micro_batch_tokens=micro_batch_tokens, pack_samples=micro_batch_tokens > 0,
                                           sft=SftConfig(data=data, **sft)))  # fmt: skip
     return SftRunner(TrainEngine.from_config(cfg), cfg, AutoTokenizer.from_pretrained(model_dir))
 
 
-def _one_step_worker(model_dir: str, data: str) -> dict:
+def _one_step_worker(model_dir: str, data: str, micro_batch_tokens: int = 0) -> dict:
     from rlbus.trainer.dist import destroy_distributed, init_distributed
 
     torch.set_num_threads(1)
     init_distributed("cpu")
-    runner = _runner(model_dir, data, batch_size=8, lr=1e-3)
+    runner = _runner(model_dir, data, batch_size=8, lr=1e-3, micro_batch_tokens=micro_batch_tokens)
     # The gradient of step 1's loss, gathered whole (a collective), before the step itself trains on it.
     runner._passes(runner._my_share([runner.train[i] for i in runner.step_rows(1)]), train=True)
     grads = {n: p.grad.full_tensor() for n, p in runner.engine.model.named_parameters() if p.grad is not None}
@@ -107,13 +108,15 @@ def fresh_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # tests
 
 
-@pytest.mark.parametrize("num_ranks", [1, 2])
-def test_loss_and_update_equal_trl_sft_semantics(tmp_path: Path, num_ranks: int) -> None:
+# (2 ranks, 256): micro-batches of at most 256 token-positions, conversations of 39-78 tokens two to a row where
+# they fit (trainer.micro_batch_tokens, trainer.pack_samples: the SFT phase passes its batch to the planner)
+@pytest.mark.parametrize(("num_ranks", "micro_batch_tokens"), [(1, 0), (2, 0), (2, 256)])
+def test_loss_and_update_equal_trl_sft_semantics(tmp_path: Path, num_ranks: int, micro_batch_tokens: int) -> None:
     """One phase step on 1 or 2 ranks (micro-batches of 3 out of 8 conversations, unequal lengths, uneven per
     rank): its loss is TRL's for the same batch, and so is its gradient (normalised over the whole step's tokens,
     not per micro-batch or rank)."""
     data = write_conversations(tmp_path / "chats.jsonl", 24, seed=11)
-    out = spawn_local(num_ranks, _one_step_worker, str(SHIPPED), str(data))[0]
+    out = spawn_local(num_ranks, _one_step_worker, str(SHIPPED), str(data), micro_batch_tokens)[0]
     tok = AutoTokenizer.from_pretrained(SHIPPED)
     convs = [load_conversations(data, tok)[i] for i in out["rows"]]
     T = max(len(c.ids) for c in convs)

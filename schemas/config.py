@@ -361,11 +361,8 @@ class CriticConfig(_Section):
         _need(self.grad_clip > 0, "grad_clip", "must be > 0")
         _need(self.cliprange_value > 0, "cliprange_value", "must be > 0")
         _need(self.critic_warmup >= 0, "critic_warmup", "must be >= 0")
-        _need(
-            self.backbone == "separate" or not self.path,
-            "path",
-            "must be empty with backbone: shared (the value head sits on the policy's own transformer)",
-        )
+        _need(self.backbone == "separate" or not self.path, "path",
+              "must be empty with backbone: shared (the value head sits on the policy's own transformer)")
 
 
 class TrainerConfig(_Section):
@@ -415,8 +412,7 @@ class TrainerConfig(_Section):
         _need(self.num_ranks >= 1, "num_ranks", "must be >= 1")
         _need(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
         _need(self.micro_batch_tokens >= 0, "micro_batch_tokens", "must be >= 0 (0 = micro_batch_size sequences)")
-        _need(not self.pack_samples or self.micro_batch_tokens > 0, "pack_samples",
-              "needs micro_batch_tokens > 0 (the token budget sizes the packed rows' micro-batches)")
+        _need(not self.pack_samples or self.micro_batch_tokens > 0, "pack_samples", "needs micro_batch_tokens > 0")
         _need(self.mini_batches >= 1, "mini_batches", "must be >= 1")
         _need(self.lr > 0 and math.isfinite(self.lr), "lr", "must be a finite number > 0")
         _need(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")

@@ -17,10 +17,10 @@ from rlbus.common.data.conversations import encode_conversation, load_conversati
 from rlbus.common.data.datasets import DataError
 from rlbus.common.model.demos import demonstrations
 from rlbus.common.model.warm_start import copy_drill, encode_demonstration
+from tests.support.real_model import smollm2_dir  # noqa: F401 - a fixture
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "common/model/shipped/tiny-calculator"
-SMOLLM2 = ROOT / ".rlbus/models/smollm2-135m-instruct"
 
 #: ChatML with transformers' `{% generation %}` tags around what the assistant writes (its content and <|im_end|>):
 #: the route TRL's assistant_only_loss takes, an independent account of the mask to compare with.
@@ -65,9 +65,8 @@ def test_the_mask_equals_the_templates_generation_tags(tiny) -> None:
         assert sum(out["assistant_masks"]) == sum(conv.mask)
 
 
-@pytest.mark.skipif(not (SMOLLM2 / "tokenizer.json").is_file(), reason="SmolLM2 not imported (rlbus init-model)")
-def test_smollm2_template_masks_each_assistant_turn_through_its_eos() -> None:
-    tok = AutoTokenizer.from_pretrained(SMOLLM2)
+def test_smollm2_template_masks_each_assistant_turn_through_its_eos(smollm2_dir) -> None:
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)  # imported from the smollm2 extra on first use
     messages = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "It is 4."},
                 {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "6, of course."}]
     conv = encode_conversation(tok, messages)

@@ -17,7 +17,6 @@ from rlbus.common.data.conversations import encode_conversation, load_conversati
 from rlbus.common.data.datasets import DataError
 from rlbus.common.model.demos import demonstrations
 from rlbus.common.model.warm_start import copy_drill, encode_demonstration
-from tests.support.real_model import smollm2_dir  # noqa: F401 - a fixture
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "common/model/shipped/tiny-calculator"

@@ -6,7 +6,10 @@ The system tests (tests/system: whole `rlbus up` runs with faults injected) spen
 restart back-offs, ack_wait, heartbeats, elections. Run alone they leave the CPU idle for most of their 20 minutes;
 beside the unit and integration tests (which keep it busy) they fill that idle time, and they are themselves run on
 a busy machine, as a user's run would be. Measured on 2 cores: 32.6 minutes for one pytest process, 22.8 for two
-shards at once (15.3 and 22.7, the vLLM system tests then in the second shard). Each shard's output goes to
+shards at once (15.3 and 22.7, the vLLM system tests then in the second shard), when the suite was smaller. A
+third shard (the integration tests apart from the unit and FSDP ones) made it slower, 37 minutes against 31 for
+two, with the CPU busy 94% of the time: two shards already fill two cores. The run ends with that share (from
+/proc/stat): near 100% says only less work makes the suite faster. Each shard's output goes to
 .pytest-shards/NAME.log; a shard's last lines are printed when it ends, its whole short summary when it fails. The
 exit status is the first failing shard's.
 """
@@ -35,7 +38,8 @@ SHARDS = {
 #: a minute; the FSDP2 integration tests (CPU-bound, spawned gloo ranks) go beside them, the rest of the integration
 #: tests (real servers, much of it waiting) in the other shard.
 _FSDP = [f"tests/integration/{name}.py" for name in
-         ("test_fsdp", "test_shared_critic", "test_critic", "test_mixed_precision", "test_safe_loading", "test_lora")]
+         ("test_fsdp", "test_shared_critic", "test_critic", "test_mixed_precision", "test_safe_loading", "test_lora",
+          "test_token_batches", "test_overlong_engine", "test_sft")]
 FAST_SHARDS = {
     "unit+fsdp": ["tests/unit", "tests/gpu", *_FSDP, "-m", "not slow"],
     "integration": ["tests/integration", *(f"--ignore={path}" for path in _FSDP), "-m", "not slow"],
@@ -58,7 +62,7 @@ def main(args: list[str]) -> int:
         shards, args = FAST_SHARDS, args[1:]
     LOGS.mkdir(exist_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a CI timeout: the finally below stops the shards
-    started = time.monotonic()
+    started, cpu_before = time.monotonic(), _cpu_times()
     procs: dict[str, tuple[subprocess.Popen, Path]] = {}
     failed: list[str] = []
     try:
@@ -90,10 +94,25 @@ def main(args: list[str]) -> int:
     finally:
         for proc, _log in procs.values():
             proc.terminate()
-    print(
-        "\n".join(["", *failed, f"all shards: {time.monotonic() - started:.0f}s, {'FAILED' if status else 'passed'}"])
-    )
+    busy = _busy_share(cpu_before, _cpu_times())
+    print("\n".join(["", *failed, f"all shards: {time.monotonic() - started:.0f}s, CPU busy {busy:.0%}, "
+                                   f"{'FAILED' if status else 'passed'}"]))
     return status
+
+
+def _cpu_times() -> tuple[int, int]:
+    """(busy, total) clock ticks of every CPU since boot (/proc/stat's first line; idle and iowait are not busy)."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest time is inside user)
+    return total - fields[3] - fields[4], total
+
+
+def _busy_share(before: tuple[int, int], after: tuple[int, int]) -> float:
+    ticks = after[1] - before[1]
+    return (after[0] - before[0]) / ticks if ticks > 0 else float("nan")
 
 
 def _report(lines: list[str], whole: bool) -> list[str]:

@@ -335,8 +335,10 @@ def _agentic(files: list[dict[str, Any]]) -> Reading:
     median = {r["median_s"] for r in runs if r["arm"] == "async"}
     waits = _AGENTIC_WAITS.get(files[0].get("workload", "b1"), "service")
     ratio = f"{mean['async'] / mean['sync']:.2f}x synchronous ({mean['sync']:.1f})"
-    if "trl" in mean:
-        ratio += f"; {mean['async'] / mean['trl']:.1f}x TRL ({mean['trl']:.1f}, {len(rate['trl'])} seeds)"
+    if "trl" in mean:  # on the seeds TRL ran: one seed's arms share a machine's load, other seeds' need not
+        seeds = {r["seed"] for r in runs if r["arm"] == "trl"}
+        paired = statistics.fmean(r["steps_per_min"] for r in runs if r["arm"] == "async" and r["seed"] in seeds)
+        ratio += f"; {paired / mean['trl']:.0f}x TRL ({mean['trl']:.1f}) on seed(s) {', '.join(map(str, sorted(seeds)))}"
     return Reading(value=f"{mean['async']:.1f} steps/min with a {'/'.join(f'{m:g}' for m in sorted(median))} s "
                          f"median {waits} latency; {mean['async'] / mean['nolat']:.0%} of no latency "
                          f"({mean['nolat']:.1f})",
@@ -414,7 +416,10 @@ def _load(name: str) -> dict[str, Any]:
 
 
 def command(raw: str) -> str:
-    """The bench's command as a user would type it: output options left out, a run of seeds as `$(seq A B)`."""
+    """The bench's command as a user would type it: output options left out, a run of seeds as `$(seq A B)`;
+    commands joined by ` && ` (a figure made of two runs) each so."""
+    if " && " in raw:
+        return " && ".join(command(part) for part in raw.split(" && "))
     words = shlex.split(raw)
     words[0] = words[0].removeprefix(".venv/bin/")
     out: list[str] = []

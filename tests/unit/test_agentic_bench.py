@@ -251,4 +251,6 @@ def test_a_trl_run_is_summarised_over_the_same_window_with_na_for_rlbus_only_fig
     d["runs"] = [{**d["runs"][0], "median_s": 0.2}, {"arm": "trl", "median_s": 0.2, "seed": 0, "rc": 0, **row}]
     table = report(d)
     assert "| trl | 0.2 s | 0 | 6.0 | - | N/A | 10.00 s | N/A | 0.00 | 0.200 | 0.250 | 2 / 0 | N/A |" in table
-    assert "rlbus's steps/min over TRL's at a median of 0.2 s: async 5.0x." in by_arm(d)
+    assert "rlbus's steps/min over TRL's at a median of 0.2 s, on the seeds TRL ran (0): async 5.0x." in by_arm(d)
+    d["runs"].append({**d["runs"][0], "seed": 1, "steps_per_min": 1000.0})  # a seed TRL did not run: not in the ratio
+    assert "on the seeds TRL ran (0): async 5.0x." in by_arm(d)

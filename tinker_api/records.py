@@ -24,10 +24,13 @@ from __future__ import annotations
 import contextlib
 import re
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 
 from rlbus.common.files import write_atomic
+
+_R = TypeVar("_R")
 
 SESSION_ID = re.compile(r"[0-9a-f]{32}")
 MODEL_ID = re.compile(r"([0-9a-f]{32}):train:[0-9]{1,9}")
@@ -104,9 +107,7 @@ class Records:
 
     def model(self, owner: str, model_id: str) -> ModelRecord | None:
         path = self._model_file(owner, model_id)
-        with contextlib.suppress(FileNotFoundError):
-            return self._model_decoder.decode(path.read_bytes()) if path is not None else None
-        return None
+        return _read(path, self._model_decoder)
 
     # ------------------------------------------------------------------------------------------------ samplers
 
@@ -121,6 +122,13 @@ class Records:
 
     def sampler(self, owner: str, sampling_id: str) -> SamplerRecord | None:
         path = self._sampler_file(owner, sampling_id)
-        with contextlib.suppress(FileNotFoundError):
-            return self._sampler_decoder.decode(path.read_bytes()) if path is not None else None
+        return _read(path, self._sampler_decoder)
+
+
+def _read(path: Path | None, decoder: msgspec.json.Decoder[_R]) -> _R | None:
+    """The record at `path`, decoded; None for no path (an id that is not well formed) or no file."""
+    if path is None:
         return None
+    with contextlib.suppress(FileNotFoundError):
+        return decoder.decode(path.read_bytes())
+    return None
